@@ -1,0 +1,241 @@
+"""A compact modern decoder-only transformer (pure torch: no files except `load_model`, no prints).
+
+Pre-norm blocks with RMSNorm, rotary position embeddings, causal attention through
+`F.scaled_dot_product_attention` (flash attention on CUDA), a GELU MLP and no biases.
+
+The model has no vocabulary head by default. `hidden(idx)` gives the final-normalised states that the
+training losses consume. `forward(idx)` gives next-token logits: through the separate LM head when the
+model has one (`GPTConfig.lm_head`: a fine-tuned headless model, or the output table of the `nce`
+ablation), otherwise by scoring against the tied input embeddings, which is how CE baselines with weight
+tying are trained and how a raw headless model is evaluated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 (also Pythia's NeoX size)
+    block_size: int = 256  # context length
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    rope_base: float = 10000.0
+    lm_head: bool = False  # a separate, untied output matrix (V x d) instead of scoring with E
+
+
+# Shapes only; the vocabulary comes from the tokenizer. `pythia-70m` is the paper's decoder.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=256),
+    "pythia-70m": dict(n_layer=6, n_head=8, d_model=512, block_size=2048),
+    "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, block_size=1024),
+}
+
+
+def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
+    """Round the tokenizer's vocabulary up so the embedding matmuls hit fast kernel shapes."""
+    return multiple * math.ceil(n_vocab / multiple)
+
+
+def rotary_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (length, head_dim/2) for rotary position embeddings."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class KVCache:
+    """Keys and values of past positions, so generating one token costs one position, not the prefix."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
+        head_dim = config.d_model // config.n_head
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # number of positions already stored
+        self.capacity = config.block_size
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (B, H, T, hd) for `layer`; return all keys/values so far."""
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.d_model % config.n_head == 0, "d_model must be divisible by n_head"
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.dropout = config.dropout
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None or cache.pos == 0:
+            if cache is not None:
+                cache.append(layer, k, v)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        else:
+            start = cache.pos
+            k, v = cache.append(layer, k, v)
+            # New query i sits at absolute position start + i and may see keys up to there.
+            mask = torch.arange(k.size(2), device=x.device) <= start + torch.arange(T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.mlp_ratio * config.d_model, bias=False)
+        self.down = nn.Linear(config.mlp_ratio * config.d_model, config.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.norm2 = nn.RMSNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False) if config.lm_head else None
+        cos, sin = rotary_tables(config.d_model // config.n_head, config.block_size, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each residual branch adds to the stream, so shrink their output layers
+        # by 1/sqrt(2 * n_layer) to keep the residual variance independent of depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (V, d) matrix next-token logits are scored against: the LM head, else the tied E."""
+        return self.lm_head.weight if self.lm_head is not None else self.wte.weight
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-normalised hidden states (B, T, d) for token ids idx (B, T)."""
+        T = idx.size(1)
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        x = self.drop(self.wte(idx))
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, layer)
+        if cache is not None:
+            cache.pos += T
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Next-token logits (B, T, V) at every position."""
+        return self.hidden(idx, cache) @ self.output_weight.T
+
+    def add_lm_head(self) -> None:
+        """Give a headless model an untied LM head initialised as a copy of the input embeddings.
+
+        At initialisation the model's logits are unchanged (same matrix); fine-tuning then lets the
+        head drift away from E, which the paper shows is enough to calibrate a headless model.
+        """
+        if self.lm_head is not None:
+            return
+        self.config.lm_head = True
+        self.lm_head = nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+        self.lm_head.to(device=self.wte.weight.device, dtype=self.wte.weight.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.wte.weight)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameter count; without embeddings means without the V x d tables (E and any head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if not embeddings:
+            n -= self.wte.weight.numel() + (self.lm_head.weight.numel() if self.lm_head is not None else 0)
+        return n
+
+    def flops_per_token(self, seq_len: int, head_columns: int) -> float:
+        """Training FLOPs (forward + backward) per token, PaLM-style: 6 per weight per token in the
+        blocks, attention scores 12 * n_layer * d * T, and 6 * d * C for an output layer scored
+        against C columns: C = V for cross-entropy, C = the number of candidate embeddings for CWT."""
+        c = self.config
+        return 6 * self.num_params(embeddings=False) + 12 * c.n_layer * c.d_model * seq_len + 6 * c.d_model * head_columns
+
+    def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
+                            eps: float = 1e-8, fused: bool = False) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices and embeddings only (norm gains stay undecayed)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def build_model(preset: str, vocab_size: int, **overrides) -> GPT:
+    """A model of a named preset shape, with any GPTConfig field overridden."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    return GPT(GPTConfig(vocab_size=vocab_size, **{**PRESETS[preset], **overrides}))
+
+
+def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip the `_orig_mod.` prefix torch.compile adds, so compiled and eager checkpoints match."""
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
+def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
+    """Rebuild a model from a checkpoint written by train.py (or finetune.py), in eval mode."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError(f"{path} is not a headless-lm checkpoint (no model weights or model_config)")
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    return model.to(device).eval()
+
+
+def model_config_dict(model: GPT) -> dict:
+    return asdict(model.config)

@@ -1,0 +1,109 @@
+import dataclasses
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, KVCache, PRESETS, build_model, load_model, padded_vocab_size
+
+
+def small_model(**overrides) -> GPT:
+    torch.manual_seed(0)
+    config = dict(vocab_size=97, block_size=24, n_layer=2, n_head=2, d_model=16)
+    return GPT(GPTConfig(**{**config, **overrides})).eval()
+
+
+def test_shapes_and_tied_scoring():
+    model = small_model()
+    idx = torch.randint(0, 97, (3, 10))
+    h = model.hidden(idx)
+    assert h.shape == (3, 10, 16)
+    logits = model(idx)
+    assert logits.shape == (3, 10, 97)
+    # No head: logits are dot products with the input embeddings (weight tying).
+    torch.testing.assert_close(logits, h @ model.wte.weight.T)
+
+
+def test_attention_is_causal():
+    model = small_model()
+    a = torch.randint(0, 97, (1, 12))
+    b = a.clone()
+    b[0, 7:] = (b[0, 7:] + 1) % 97  # change only the future
+    torch.testing.assert_close(model(a)[0, :7], model(b)[0, :7])
+    assert not torch.allclose(model(a)[0, 7:], model(b)[0, 7:])
+
+
+def test_added_lm_head_starts_as_a_copy_of_the_embeddings():
+    model = small_model()
+    idx = torch.randint(0, 97, (2, 8))
+    before = model(idx)
+    model.add_lm_head()
+    assert model.lm_head is not None and model.config.lm_head
+    assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()  # untied
+    torch.testing.assert_close(model(idx), before)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert not torch.allclose(model(idx), before)  # logits now come from the head
+
+
+@pytest.mark.parametrize("chunks", [[10], [4, 1, 1, 4], [1] * 10, [7, 3]])
+def test_kv_cache_matches_full_forward(chunks):
+    model = small_model()
+    idx = torch.randint(0, 97, (2, sum(chunks)))
+    full = model(idx)
+    cache = KVCache(model.config, batch_size=2, device="cpu")
+    parts, start = [], 0
+    for n in chunks:
+        parts.append(model(idx[:, start:start + n], cache))
+        start += n
+    assert cache.pos == sum(chunks)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_context_longer_than_block_size_is_rejected():
+    model = small_model()
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_presets_have_the_papers_shapes():
+    assert padded_vocab_size(50257) == 50304
+    pythia = build_model("pythia-70m", 50304)
+    c = pythia.config
+    assert (c.d_model, c.n_layer, c.n_head, c.block_size) == (512, 6, 8, 2048)
+    # Non-embedding parameters: 12 d^2 per block (attention 4 d^2, MLP 8 d^2) plus the RMSNorm gains.
+    expected = 6 * (12 * 512 * 512 + 2 * 512) + 512
+    assert pythia.num_params(embeddings=False) == expected
+    assert pythia.num_params() == expected + 50304 * 512
+    assert set(PRESETS) == {"tiny", "pythia-70m", "gpt2-124m"}
+    with pytest.raises(ValueError, match="unknown preset"):
+        build_model("gpt5", 100)
+
+
+def test_flops_per_token_formula():
+    model = small_model()
+    n = model.num_params(embeddings=False)
+    assert model.flops_per_token(24, 97) == 6 * n + 12 * 2 * 16 * 24 + 6 * 16 * 97
+
+
+def test_weight_decay_groups():
+    model = small_model(lm_head=True)
+    opt = model.configure_optimizer(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+
+
+def test_load_model_round_trip(tmp_path):
+    model = small_model(lm_head=True)
+    path = tmp_path / "ckpt.pt"
+    # compiled models prefix their weights with _orig_mod.; load_model must accept both
+    state = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"model": state, "model_config": dataclasses.asdict(model.config)}, path)
+    loaded = load_model(str(path))
+    assert not loaded.training and loaded.lm_head is not None
+    idx = torch.randint(0, 97, (1, 6))
+    torch.testing.assert_close(loaded(idx), model(idx))
+    torch.save({"weights": state}, path)
+    with pytest.raises(ValueError, match="not a headless-lm checkpoint"):
+        load_model(str(path))
