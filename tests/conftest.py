@@ -1,0 +1,27 @@
+"""Fixtures shared by every test file.
+
+Tests never touch the network: the Hugging Face libraries are switched to offline mode before
+anything imports them (an unreachable hub otherwise costs ~25 s of retries per call).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flat layout: `import data`, `import model`
+
+import pytest  # noqa: E402
+
+import data  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small prepared dataset: the first 2 Shakespeare plays, gpt2 tokens, 10% val
+    (~56k train / ~6k val tokens), built through data.prepare in about a second."""
+    root = tmp_path_factory.mktemp("data")
+    data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=2, val_fraction=0.1, data_root=str(root)))
+    return root / "shakespeare"

