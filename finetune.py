@@ -1,0 +1,101 @@
+"""Turn a headless model into a generator: add an LM head and train it briefly with cross-entropy.
+
+    python finetune.py --ckpt=out/ckpt.pt               # ~2% of the pre-training tokens, into out-ft/
+
+The new head is an untied `Linear(d, V)` initialised as a copy of the input embeddings, so fine-tuning
+starts exactly from the raw model's tied scores. The paper's recipe is the default: cross-entropy,
+constant learning rate after a short warmup, gradient clipping 1.0, whole model trainable
+(`--freeze_body` trains the head alone). This is train.py's loop with other defaults; every train.py
+flag works here too, and `--resume` continues an interrupted fine-tune.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from data import UserError, parse_flags, run_main
+from loss import LossName
+from train import TrainConfig, load_checkpoint, train
+
+# Fine-tuning learning rate by preset: the paper uses 4e-5 at Pythia-70m scale; the small, briefly
+# trained presets tolerate (and need, for such a short run) a larger one.
+FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "gpt2-124m": 3e-5}
+
+# Settings inherited from the pre-training run unless given: same data, shape and batch.
+INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad_accum", "device", "dtype",
+             "compile", "eval_batches")
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    ckpt: str = ""  # the pre-trained checkpoint to start from (required)
+    budget_fraction: float = 0.02  # of the checkpoint's pre-training tokens
+    tokens: Optional[int] = None  # an explicit token budget instead
+    max_iters: Optional[int] = None  # or an explicit number of steps
+    loss: LossName = "ce"
+    lr: Optional[float] = None  # default: FINETUNE_LR for the preset
+    lr_schedule: Literal["cosine", "constant"] = "constant"
+    warmup_iters: int = 10
+    eval_interval: int = 50
+    out_dir: str = "out-ft"
+
+
+def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float = 0.02,
+                    tokens: int | None = None, max_iters: int | None = None) -> int:
+    """Steps to run: explicit max_iters, else ceil(token budget / tokens per step), at least one."""
+    if max_iters is not None:
+        return max_iters
+    budget = tokens if tokens is not None else fraction * pretrain_tokens
+    return max(1, math.ceil(budget / tokens_per_iter))
+
+
+def resolve_config(argv: list[str]) -> FinetuneConfig:
+    """Parse flags, filling unset data/shape settings from the pre-training run's own config."""
+    first = parse_flags(FinetuneConfig, argv)
+    if not first.ckpt:
+        raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.pt)")
+    base_cfg = load_checkpoint(first.ckpt)["train_config"]
+    inherited = {k: base_cfg[k] for k in INHERITED if k in base_cfg}
+    cfg = parse_flags(FinetuneConfig, argv, defaults=inherited)
+    if cfg.loss != "ce":
+        raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
+    if not 0 < cfg.budget_fraction <= 1:
+        raise UserError(f"--budget_fraction must be in (0, 1], got {cfg.budget_fraction}")
+    if cfg.tokens is not None and cfg.tokens < 1:
+        raise UserError(f"--tokens must be positive, got {cfg.tokens}")
+    return cfg
+
+
+def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Fine-tune `cfg.ckpt` with an LM head; returns train()'s summary plus the budget figures."""
+    base = load_checkpoint(cfg.ckpt)
+    pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
+    pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
+    block = cfg.block_size or base["model_config"]["block_size"]
+    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum
+    steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
+    lr = cfg.lr if cfg.lr is not None else FINETUNE_LR[cfg.preset]
+    run_cfg = dataclasses.replace(cfg, max_iters=steps, lr=lr, min_lr=lr, init_from=cfg.ckpt, add_lm_head=True)
+    print(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens "
+          f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} pre-training "
+          f"tokens)", file=sys.stderr)
+    summary = train(run_cfg)
+    spent = summary["flops"] - pretrain_flops
+    summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
+                   compute_fraction=spent / pretrain_flops if pretrain_flops else float("nan"))
+    before, after = summary["first_val"], summary["val"]
+    if before and after:
+        print(f"validation CE: {before['val_ce']:.4f} before -> {after['val_ce']:.4f} after fine-tuning | "
+              f"compute: {100 * summary['compute_fraction']:.2f}% of pre-training", file=sys.stderr)
+    return summary
+
+
+def main(argv: list[str]) -> None:
+    finetune(resolve_config(argv))
+
+
+if __name__ == "__main__":
+    run_main(main)

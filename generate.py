@@ -1,0 +1,225 @@
+"""Sample text from a trained checkpoint, streaming it to the terminal as it is produced.
+
+    python generate.py --prompt="ROMEO:"                          # out/ckpt.pt, as train.py writes it
+    python generate.py --ckpt=out/ckpt.pt --prompt="To be" --prompt="Once upon" --num_samples=3
+    python generate.py --prompt_file=prompts.txt --temperature=0  # greedy; prompts split by blank lines
+
+Settings are the fields of `GenerateConfig` (`--key=value`); repeat `--prompt` for several prompts.
+Works on CE checkpoints, fine-tuned headless ones (through their LM head) and raw headless ones
+(scored against the tied input embeddings, which are not calibrated: finetune.py gives better text).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Literal, Optional
+
+import torch
+
+from data import UserError, load_tokenizer, parse_flags, run_main
+from model import GPT, GPTConfig, KVCache, clean_state_dict
+from train import autocast_context, load_checkpoint, pick_device, pick_dtype
+
+
+@dataclass
+class GenerateConfig:
+    ckpt: str = "out/ckpt.pt"  # a train.py or finetune.py checkpoint
+    prompt: str = ""  # the text to continue; repeat --prompt=... for several prompts
+    prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
+    max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first
+    temperature: float = 0.8  # 0 = greedy (always the most likely token)
+    top_k: int = 200  # sample among the k most likely tokens only (0 = off)
+    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p (1 = off)
+    num_samples: int = 1  # samples per prompt
+    seed: int = 1337
+    kv_cache: bool = True  # false: recompute the whole context for every token (slow; for checking)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling (pure functions: no files, no prints)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to -inf all but the top_k largest logits (ties with the k-th are kept), then all but the
+    smallest set of most likely tokens whose probability reaches top_p. Works on (..., V); the most
+    likely token always survives. top_k=0 and top_p=1 turn each filter off."""
+    if 0 < top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (never the first one).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> int:
+    """One token id from fp32 logits (V,): argmax at temperature 0, else a filtered softmax draw."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = filter_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, eot_token: Optional[int] = None, use_cache: bool = True,
+             generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None) -> Iterator[int]:
+    """Yield up to max_new_tokens new token ids, one at a time; stop (without yielding it) at eot_token.
+
+    With `use_cache`, a KVCache holds past keys/values, so each new token runs the model on one
+    position. Within the context window (block_size) both paths see the same tokens at the same
+    positions, so greedy output is identical. Past it, generation goes on over a sliding window: without
+    the cache the model re-reads the last block_size tokens for every token; with it, the full cache is
+    rebuilt from the last block_size // 2 tokens (one half-window re-prefill every block_size // 2 tokens,
+    so about two positions per token instead of a whole window per token).
+    `vocab_size` limits sampling to the tokenizer's ids (the model's vocabulary is padded). Run the model
+    in eval mode; under autocast the cache is kept in the autocast dtype.
+    """
+    if not prompt_ids:
+        raise ValueError("generate() needs at least one prompt token")
+    block, device = model.config.block_size, model.wte.weight.device
+    ids = list(prompt_ids)
+    todo = ids[-block:]  # the tokens the model must still read before predicting the next one
+    cache = None
+    if use_cache:
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
+        cache = KVCache(model.config, 1, device, dtype)
+    for _ in range(max_new_tokens):
+        if cache is None:
+            todo = ids[-block:]
+        elif cache.pos + len(todo) > block:  # the window is full: re-prefill from its last half
+            cache.pos, todo = 0, ids[-max(1, block // 2):]
+        h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]
+        logits = (h @ model.output_weight.T).float()[:vocab_size]  # the last position's scores only
+        token = sample_token(logits, temperature, top_k, top_p, generator)
+        if token == eot_token:
+            return
+        ids.append(token)
+        todo = [token]
+        yield token
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def check_config(cfg: GenerateConfig) -> None:
+    """Reject sampling settings that cannot work, before loading anything."""
+    if not cfg.temperature >= 0:
+        raise UserError(f"--temperature must be 0 (greedy) or positive, got {cfg.temperature}")
+    if cfg.top_k < 0:
+        raise UserError(f"--top_k must be 0 (off) or positive, got {cfg.top_k}")
+    if not 0 < cfg.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1] (1 = off), got {cfg.top_p}")
+    for name in ("max_new_tokens", "num_samples"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+
+
+def read_prompts(cfg: GenerateConfig, argv: list[str]) -> list[str]:
+    """Every --prompt flag (parse_flags keeps only the last), then the prompts of --prompt_file."""
+    prompts = [a.partition("=")[2] for a in argv if a.partition("=")[0] == "--prompt"]
+    if not prompts and cfg.prompt:  # from --config=FILE
+        prompts = [cfg.prompt]
+    if cfg.prompt_file:
+        path = Path(cfg.prompt_file)
+        if not path.is_file():
+            raise UserError(f"prompt file {path} not found; pass --prompt_file=PATH to a text file")
+        in_file = [p.strip() for p in re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8")) if p.strip()]
+        if not in_file:
+            raise UserError(f"prompt file {path} holds no prompts; separate prompts by blank lines")
+        prompts += in_file
+    if not prompts:
+        raise UserError("no prompt given; pass --prompt=TEXT (repeat for several) or --prompt_file=PATH")
+    return prompts
+
+
+def load_for_generation(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """The model (eval mode, on device) and its raw checkpoint dict, reading the file once."""
+    ckpt = load_checkpoint(path, "cpu")
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    except (TypeError, RuntimeError) as e:
+        raise UserError(f"{path} does not match this model code: {str(e).strip().splitlines()[0]}") from None
+    return model.to(device).eval(), ckpt
+
+
+def calibration_note(ckpt: dict) -> Optional[str]:
+    """Raw contrastive checkpoints (cwt, nce) score tokens without calibrated probabilities."""
+    loss = ckpt.get("train_config", {}).get("loss")
+    if loss not in ("cwt", "nce"):
+        return None
+    return (f"note: a raw headless checkpoint (--loss={loss}): its next-token scores are not calibrated "
+            "probabilities; fine-tuning an LM head with finetune.py gives better text")
+
+
+def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out=None) -> int:
+    """Print the prompt, then the text of each new token as it arrives; returns the number of tokens.
+
+    Decodes the whole sequence and prints the new suffix, holding it back while it ends in an
+    incomplete UTF-8 character (a U+FFFD from a multi-byte character split across tokens)."""
+    out, ids, shown = out or sys.stdout, list(prompt_ids), 0
+    for token in itertools.chain([None], new_tokens):  # None: print the prompt before the first token
+        if token is not None:
+            ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    out.write(tokenizer.decode(ids)[shown:] + "\n")
+    return len(ids) - len(prompt_ids)
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_flags(GenerateConfig, argv)
+    check_config(cfg)
+    prompts = read_prompts(cfg, argv)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    model, ckpt = load_for_generation(cfg.ckpt, device)
+    tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
+    if tokenizer.n_vocab > model.config.vocab_size:
+        raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} "
+                        f"has {tokenizer.n_vocab}: the checkpoint's data_meta names the wrong tokenizer")
+    encoded = [tokenizer.encode_ordinary(p) for p in prompts]
+    block = model.config.block_size
+    for i, ids in enumerate(encoded):
+        which = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
+        if not ids:
+            raise UserError(f"{which} is empty; pass some text to continue")
+        if len(ids) > block:
+            raise UserError(f"{which} is {len(ids)} tokens but the model's context is {block}; shorten it")
+    if note := calibration_note(ckpt):
+        print(note, file=sys.stderr)
+
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    runs = [(i, s) for i in range(len(encoded)) for s in range(cfg.num_samples)]
+    n_tokens, start = 0, time.perf_counter()
+    with autocast_context(device, dtype):
+        for i, s in runs:
+            if len(runs) > 1:
+                print(f"---------- prompt {i + 1}/{len(encoded)}, sample {s + 1}/{cfg.num_samples} ----------")
+            tokens = generate(model, encoded[i], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                              tokenizer.eot_token, cfg.kv_cache, generator, tokenizer.n_vocab)
+            n_tokens += stream_text(tokenizer, encoded[i], tokens)
+    elapsed = time.perf_counter() - start
+    print(f"{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s "
+          f"({'kv cache' if cfg.kv_cache else 'no cache'}, {device.type}, {str(dtype).removeprefix('torch.')})",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,101 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from finetune import FinetuneConfig, finetune, finetune_budget, resolve_config
+from model import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+
+
+@pytest.fixture
+def cwt_checkpoint(tiny_data_dir, tmp_path_factory, small_tiny_preset):
+    """A briefly pre-trained headless (CWT) model (made once, reused by every test here)."""
+    path = tmp_path_factory.getbasetemp() / "cwt" / "ckpt.pt"
+    if path.exists():
+        return path
+    out = path.parent
+    train.train(train.TrainConfig(dataset=str(tiny_data_dir), preset="tiny", block_size=32, batch_size=8,
+                                  max_iters=40, warmup_iters=5, lr=3e-3, eval_interval=40, eval_batches=4,
+                                  out_dir=str(out), device="cpu", seed=0, loss="cwt"))
+    return path
+
+
+def test_budget_is_two_percent_of_pretraining_tokens():
+    assert finetune_budget(1_000_000, tokens_per_iter=1000) == 20
+    assert finetune_budget(1_000_000, tokens_per_iter=3000) == 7  # rounded up
+    assert finetune_budget(1_000_000, 1000, fraction=0.1) == 100
+    assert finetune_budget(1_000_000, 1000, tokens=5500) == 6
+    assert finetune_budget(1_000_000, 1000, tokens=5500, max_iters=3) == 3
+    assert finetune_budget(10, 1000) == 1  # never zero steps
+
+
+def test_settings_are_inherited_from_the_pretraining_run(cwt_checkpoint, tmp_path):
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--batch_size=4"])
+    assert cfg.block_size == 32 and cfg.preset == "tiny" and cfg.batch_size == 4  # flag beats inherited
+    assert cfg.loss == "ce" and cfg.lr_schedule == "constant"
+
+
+def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path):
+    raw = load_model(str(cwt_checkpoint))
+    assert raw.lm_head is None
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--eval_interval=1000",
+                          "--budget_fraction=0.5", "--lr=1e-3"])
+    summary = finetune(cfg)
+    assert summary["step"] == 20  # 50% of 40 steps x 256 tokens, at 256 tokens a step
+    before, after = summary["first_val"]["val_ce"], summary["val"]["val_ce"]
+    # step 0 is the raw model: the head is a copy of E, so its CE is the raw model's tied-scoring CE
+    expected_raw = train.evaluate(raw, *_val_args(cwt_checkpoint))["val_ce"]
+    assert before == pytest.approx(expected_raw, rel=1e-5)
+    assert after < before - 0.5, (before, after)
+    tuned = load_model(str(tmp_path / "ckpt.pt"))
+    assert tuned.lm_head is not None
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["base_tokens"] == 40 * 8 * 32 and ckpt["tokens_seen"] == 20 * 8 * 32
+    # compute is counted in FLOPs: the fine-tune pays the full vocabulary head (V columns per token),
+    # the CWT pre-training only the batch's candidates (8 x 32 columns)
+    fpt = lambda columns: tuned.flops_per_token(32, columns)
+    expected = (20 * 256 * fpt(tuned.config.vocab_size)) / (40 * 256 * fpt(256))
+    assert summary["compute_fraction"] == pytest.approx(expected, rel=1e-9)
+
+
+def _val_args(ckpt_path):
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    from data import open_split
+    cfg = ckpt["train_config"]
+    tokens = open_split(cfg["dataset"], "val")
+    return tokens, cfg["batch_size"], 32, torch.device("cpu"), torch.float32, cfg["eval_batches"]
+
+
+def test_freeze_body_trains_only_the_head(cwt_checkpoint, tmp_path):
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--max_iters=3",
+                          "--freeze_body", "--eval_batches=1"])
+    finetune(cfg)
+    before = load_model(str(cwt_checkpoint)).state_dict()
+    after = load_model(str(tmp_path / "ckpt.pt")).state_dict()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
+    assert not torch.equal(after["lm_head.weight"], before["wte.weight"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "missing --ckpt=PATH"),
+    (["--ckpt=nope.pt"], "checkpoint nope.pt not found"),
+    (["--ckpt=CKPT", "--loss=cwt"], "trains the LM head with cross-entropy"),
+    (["--ckpt=CKPT", "--budget_fraction=2"], "--budget_fraction must be in (0, 1]"),
+])
+def test_bad_input(flags, message, cwt_checkpoint, tmp_path):
+    flags = [f.replace("CKPT", str(cwt_checkpoint)) for f in flags]
+    result = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *flags, f"--out_dir={tmp_path / 'o'}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "o").exists()
