@@ -1,0 +1,270 @@
+"""Evaluate a checkpoint: zero-shot LAMBADA (OpenAI version) accuracy and perplexity, or validation loss.
+
+    python eval.py --ckpt=out/ckpt.pt                               # lambada_openai test split (5153 texts)
+    python eval.py --ckpt=out/ckpt.pt --data=lambada_test.jsonl     # offline: one {"text": ...} per line
+    python eval.py --ckpt=out/ckpt.pt --task=val --json=val.json    # loss/perplexity on the checkpoint's data
+
+Every kind of checkpoint is scored the way `model(idx)` scores it: through the LM head if it has one
+(fine-tuned headless, the `nce` ablation), else against the tied input embeddings (CE, raw headless).
+
+The LAMBADA numbers follow EleutherAI's lm-evaluation-harness task `lambada_openai`, so they can be set
+next to published ones. Facts taken from the harness (lm_eval/tasks/lambada/lambada_openai.yaml,
+lm_eval/models/huggingface.py `loglikelihood`/`_encode_pair`/`_loglikelihood_tokens`, lm_eval/api/metrics.py):
+  * context = `" ".join(text.split(" ")[:-1])`, target = `" " + text.split(" ")[-1]` (no extra delimiter);
+  * trailing whitespace of the context moves to the front of the target; the target's tokens are the
+    tokens of encode(context + target) after the first len(encode(context)); no BOS is added;
+  * an empty context is replaced by the end-of-text token, and the target is then encoded on its own;
+  * the model reads (context + target)[-(window + 1):][:-1], so long contexts keep their last tokens;
+  * an example is correct when the argmax of the log-softmax equals the target token at every target
+    position (teacher forcing); its log-likelihood is the sum of the target tokens' log-probabilities;
+  * acc = mean over examples of correct; perplexity = exp(-mean over examples of the log-likelihood).
+Log-softmax (in fp32) covers every column of the model's output, as the harness does for Pythia's padded
+vocabulary. Batches are right-padded: under causal attention pads never reach a scored position.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from data import UserError, ensure_dataset, load_tokenizer, open_split, parse_flags, run_main
+from train import (autocast_context, evaluate, format_duration, load_checkpoint, load_checkpoint_model,
+                   pick_device, pick_dtype)
+
+LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
+
+
+@dataclass
+class EvalConfig:
+    ckpt: str = "out/ckpt.pt"  # a checkpoint written by train.py or finetune.py
+    task: Literal["lambada", "val"] = "lambada"
+    data: Optional[str] = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
+    batch_size: int = 16  # lambada: examples per forward pass; val: sequences per batch
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    max_examples: Optional[int] = None  # lambada: only the first N texts (quick runs; not comparable)
+    split: Literal["train", "val"] = "val"  # val: which split of the checkpoint's dataset
+    max_batches: Optional[int] = None  # val: stop after this many batches (default: the whole split)
+    json: Optional[str] = None  # also write the results to this file
+
+
+# ----------------------------------------------------------------------------------------------
+# LAMBADA: the harness's definition
+
+
+def split_context_target(text: str) -> tuple[str, str]:
+    """lambada_openai's doc_to_text and doc_to_target: the text before its last space, and " " + last word."""
+    *head, last = text.split(" ")
+    return " ".join(head), " " + last
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # Like a Hugging Face tokenizer, "<|endoftext|>" written in the text is the special token.
+    return tokenizer.encode(text, allowed_special="all")
+
+
+def encode_example(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(context tokens, target tokens) exactly as the harness builds them for a GPT-2-style tokenizer."""
+    context, target = split_context_target(text)
+    if context == "":
+        return [tokenizer.eot_token], _encode(tokenizer, target)
+    stripped = context.rstrip()  # trailing whitespace belongs to the target
+    context, target = stripped, context[len(stripped):] + target
+    context_ids = _encode(tokenizer, context)
+    whole = _encode(tokenizer, context + target)
+    # A context of only spaces encodes to nothing (the harness asserts); end-of-text stands in for it.
+    return context_ids or [tokenizer.eot_token], whole[len(context_ids):]
+
+
+def _target_logits(model, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """model(x)[rows, cols], projecting only those positions onto the vocabulary when the model allows."""
+    if hasattr(model, "hidden") and hasattr(model, "output_weight"):  # GPT.forward = hidden @ output_weight.T
+        return model.hidden(x)[rows, cols] @ model.output_weight.T
+    return model(x)[rows, cols]
+
+
+class Progress:
+    """A throttled progress line on stderr (done/total, examples/s, ETA); redrawn in place on a terminal."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
+        self.tty = sys.stderr.isatty()
+        self.start = self.shown = time.time()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.time()
+        if not self.enabled or (now - self.shown < (0.25 if self.tty else 15) and self.done < self.total):
+            return
+        self.shown = now
+        rate = self.done / max(now - self.start, 1e-9)
+        eta = format_duration((self.total - self.done) / max(rate, 1e-9))
+        end = "\r" if self.tty and self.done < self.total else "\n"
+        print(f"{self.label} {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) | "
+              f"{rate:.1f} examples/s | ETA {eta}  ", end=end, file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, device="cpu",
+                  dtype: torch.dtype = torch.float32, progress: bool = False) -> dict:
+    """Zero-shot LAMBADA: {"n", "acc", "ppl", "tokens", "seconds", "loglikelihoods", "greedy"} (lists in
+    the order of `texts`). `tokenizer` needs encode(text, allowed_special=...) and eot_token (tiktoken's)."""
+    device, window, vocab = torch.device(device), model.config.block_size, model.config.vocab_size
+    examples = []  # (model input, target tokens)
+    for i, text in enumerate(texts):
+        context, target = encode_example(tokenizer, text)
+        if not 0 < len(target) <= window:
+            raise UserError(f"example {i}: its target is {len(target)} tokens; the model's window is {window}")
+        if max(context + target) >= vocab:
+            raise UserError(f"example {i} has token ids beyond the model's vocabulary ({vocab}); "
+                            "was the checkpoint trained with another tokenizer?")
+        examples.append(((context + target)[-(window + 1):][:-1], target))
+    if not examples:
+        raise UserError("no LAMBADA examples to score")
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))  # longest first, like the harness
+    lls, greedy = [0.0] * len(examples), [False] * len(examples)
+    was_training = model.training
+    model.eval()
+    bar, start, tokens = Progress(len(examples), "lambada", progress), time.time(), 0
+    for b0 in range(0, len(order), batch_size):
+        batch = order[b0:b0 + batch_size]
+        x = torch.zeros(len(batch), len(examples[batch[0]][0]), dtype=torch.long)  # pad id 0, on the right
+        rows, cols, targets = [], [], []
+        for r, i in enumerate(batch):
+            inp, target = examples[i]
+            x[r, :len(inp)] = torch.tensor(inp)
+            rows += [r] * len(target)
+            cols += range(len(inp) - len(target), len(inp))  # positions that predict the target tokens
+            targets += target
+            tokens += len(inp)
+        with autocast_context(device, dtype):
+            logits = _target_logits(model, x.to(device), torch.tensor(rows, device=device),
+                                    torch.tensor(cols, device=device))
+        logp = F.log_softmax(logits.float(), dim=-1)
+        y = torch.tensor(targets, device=device)
+        token_lp = logp.gather(1, y[:, None]).squeeze(1).double().cpu()
+        hit = (logp.argmax(dim=-1) == y).cpu()
+        k = 0
+        for i in batch:
+            m = len(examples[i][1])
+            lls[i], greedy[i] = token_lp[k:k + m].sum().item(), bool(hit[k:k + m].all())
+            k += m
+        bar.update(len(batch))
+    model.train(was_training)
+    n = len(examples)
+    return {"n": n, "acc": sum(greedy) / n, "ppl": math.exp(min(-sum(lls) / n, 700.0)), "tokens": tokens,
+            "seconds": time.time() - start, "loglikelihoods": lls, "greedy": greedy}
+
+
+def read_jsonl(path: str) -> list[str]:
+    """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format)."""
+    if not Path(path).is_file():
+        raise UserError(f"--data={path} not found; pass a .jsonl file with one {{\"text\": ...}} object per line")
+    texts = []
+    with open(path, encoding="utf-8") as f:
+        try:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise UserError(f"{path} line {number} has no \"text\" field; expected {{\"text\": \"...\"}}")
+                if not row["text"].strip():
+                    raise UserError(f"{path} line {number} has an empty \"text\"")
+                texts.append(row["text"])
+        except UnicodeDecodeError:
+            raise UserError(f"{path} is not UTF-8 text; pass a .jsonl file") from None
+    if not texts:
+        raise UserError(f"{path} holds no examples; expected one {{\"text\": ...}} object per line")
+    return texts
+
+
+def load_lambada(data: str | None) -> list[str]:
+    """The texts of a local .jsonl file, else of the harness's dataset on the Hugging Face hub."""
+    if data:
+        return read_jsonl(data)
+    name, config, split = LAMBADA_HUB
+    try:
+        import datasets  # slow to import; only needed here
+
+        return list(datasets.load_dataset(name, config, split=split)["text"])
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"could not load {name} ({reason}); offline? pass --data=FILE.jsonl "
+                        "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl)") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+    texts = load_lambada(cfg.data)[:cfg.max_examples]
+    r = score_lambada(model, tokenizer, texts, cfg.batch_size, device, dtype, progress=True)
+    print(f"lambada_openai: acc {r['acc']:.4f} | ppl {r['ppl']:.2f} | n {r['n']} | "
+          f"{r['n'] / r['seconds']:.1f} examples/s | {r['tokens'] / r['seconds']:,.0f} tokens/s")
+    return {"task": "lambada", "n": r["n"], "acc": r["acc"], "ppl": r["ppl"],
+            "data": cfg.data or "hf:" + "/".join(LAMBADA_HUB), "examples_per_s": r["n"] / r["seconds"],
+            "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
+
+
+def run_val(cfg: EvalConfig, model, device: torch.device, dtype: torch.dtype) -> dict:
+    train_cfg = load_checkpoint(cfg.ckpt, "cpu").get("train_config") or {}
+    if "dataset" not in train_cfg:
+        raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); --task=val needs a train.py checkpoint")
+    data_dir = ensure_dataset(train_cfg["dataset"], train_cfg.get("data_root", "data"))
+    tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
+    block_size = train_cfg.get("block_size") or model.config.block_size
+    start = time.time()
+    metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
+                       contrastive=train_cfg.get("loss", "ce") != "ce", temperature=train_cfg.get("temperature", 1.0))
+    seconds = time.time() - start
+    n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
+    print(f"{cfg.split} ({train_cfg['dataset']}): " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+          + f" | {n / seconds:,.0f} tokens/s")
+    return {"task": "val", "split": cfg.split, "dataset": train_cfg["dataset"], "n": n, "ce": metrics["val_ce"],
+            "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
+
+
+def write_json(path: str, record: dict) -> None:
+    """Write, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> dict:
+    cfg = parse_flags(EvalConfig, argv)
+    for name in ("batch_size", "max_examples", "max_batches"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    model, meta = load_checkpoint_model(cfg.ckpt, device)
+    if cfg.task == "lambada":
+        result = run_lambada(cfg, model, meta, device, dtype)
+    else:
+        result = run_val(cfg, model, device, dtype)
+    result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+              "batch_size": cfg.batch_size}
+    if cfg.json:
+        write_json(cfg.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,248 @@
+"""eval.py: the lambada_openai definition against an independent plain loop, batching, the command line."""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as evaluation
+import train
+from data import UserError, load_tokenizer
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ToyTokenizer:
+    """GPT-2-like in miniature: " " is 0, letters a-g are 1-7, a space and a letter (" a".." g") make
+    one token 8-14, 15 is end-of-text. So the target " cab" is three tokens: " c", "a", "b"."""
+    letters = "abcdefg"
+    eot_token = 15
+
+    def encode(self, text, **_):
+        ids, i = [], 0
+        while i < len(text):
+            if text[i] == " " and text[i + 1:i + 2] and text[i + 1] in self.letters:
+                ids.append(8 + self.letters.index(text[i + 1]))
+                i += 2
+            else:
+                ids.append(0 if text[i] == " " else 1 + self.letters.index(text[i]))
+                i += 1
+        return ids
+
+
+def tiny_model(vocab_size=16, lm_head=False, seed=0, std=0.5, **overrides) -> GPT:
+    """Random weights; a large init spread makes predictions vary (std 0.02 mostly echoes the input)."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=vocab_size, block_size=24, n_layer=2, n_head=2, d_model=32, lm_head=lm_head)
+    model = GPT(GPTConfig(**{**config, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference(model, tok, texts):
+    """The harness's definition written out plainly, one example at a time: (acc, ppl, lls, hits)."""
+    window = model.config.block_size
+    lls, hits = [], []
+    for text in texts:
+        cut = text.rfind(" ")
+        context = text[:cut].rstrip() if cut >= 0 else ""  # trailing spaces go to the target
+        target = text[len(context):] if cut >= 0 else " " + text
+        if context:
+            context_ids = tok.encode(context)
+            target_ids = tok.encode(context + target)[len(context_ids):]
+        else:
+            context_ids, target_ids = [tok.eot_token], tok.encode(target)
+        inp = (context_ids + target_ids)[-(window + 1):][:-1]
+        logp = torch.log_softmax(model(torch.tensor([inp]))[0].float(), dim=-1)
+        ll, hit = 0.0, True
+        for j, t in enumerate(target_ids):
+            row = logp[len(inp) - len(target_ids) + j]
+            ll += row[t].item()
+            hit = hit and int(row.argmax()) == t
+        lls.append(ll)
+        hits.append(hit)
+    return sum(hits) / len(hits), math.exp(-sum(lls) / len(lls)), lls, hits
+
+
+@torch.no_grad()
+def greedy_texts(model, tok, count, rng):
+    """Texts whose last word is the model's own greedy continuation of a short random context."""
+    def argmax_after(ids):
+        return int(model(torch.tensor([ids]))[0, -1].argmax())
+
+    texts = []
+    for context in random_texts(2000, rng, words=(1, 3)):
+        ids = tok.encode(context)
+        first = argmax_after(ids)
+        if not 8 <= first <= 14:  # the model must predict a word start (" x") first
+            continue
+        word = tok.letters[first - 8]
+        while len(word) < 3 and 1 <= (t := argmax_after(ids + tok.encode(" " + word))) <= 7:
+            word += tok.letters[t - 1]
+        texts.append(f"{context} {word}")
+        if len(texts) == count:
+            return texts
+    raise AssertionError("the model never predicted a word start")
+
+
+def random_texts(count, rng, words=(1, 5)):
+    return [" ".join("".join(rng.choice(list("abcdefg")) for _ in range(rng.randint(1, 5)))
+                     for _ in range(rng.randint(*words))) for _ in range(count)]
+
+
+def test_split_context_target():
+    assert evaluation.split_context_target("He ate the cake") == ("He ate the", " cake")
+    assert evaluation.split_context_target("cake") == ("", " cake")
+    assert evaluation.split_context_target("a  b") == ("a ", " b")  # text.split(" ") keeps empty words
+    assert evaluation.split_context_target("line one\nthe end.") == ("line one\nthe", " end.")
+
+
+def test_encode_example_gpt2():
+    tok = load_tokenizer("gpt2")
+    assert evaluation.encode_example(tok, "The cat sat on the mat") == (tok.encode("The cat sat on the"),
+                                                                      tok.encode(" mat"))
+    context, target = evaluation.encode_example(tok, "said hello  world")  # the context's space moves over
+    assert tok.decode(context) == "said hello" and tok.decode(target) == "  world"
+    assert evaluation.encode_example(tok, "Hello") == ([50256], tok.encode(" Hello"))  # no context: EOT
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_matches_independent_reference(lm_head):
+    import random
+    rng, tok = random.Random(lm_head), ToyTokenizer()
+    model = tiny_model(lm_head=lm_head)
+    window = model.config.block_size
+    texts = greedy_texts(model, tok, 6, rng) + random_texts(12, rng) + random_texts(4, rng, words=(9, 12))
+    texts += ["abc", "ab  cd", " ef", "  ga", "abc def "]  # no space, double space, leading spaces, trailing
+    assert any(len(t) > window + 1 for t in texts)  # some contexts exceed the window
+    acc, ppl, lls, hits = reference(model, tok, texts)
+    assert 0 < acc < 1
+    one = evaluation.score_lambada(model, tok, texts, batch_size=1)
+    assert one["n"] == len(texts) and one["greedy"] == hits and one["acc"] == acc
+    assert one["ppl"] == pytest.approx(ppl, rel=1e-5)
+    assert one["loglikelihoods"] == pytest.approx(lls, rel=1e-5, abs=1e-5)
+    # Padding cannot move a score: same greedy verdicts, log-likelihoods equal up to fp32 rounding. Not
+    # bitwise: CPU matmul kernels sum in an order that depends on the number of rows (about 1e-7 relative).
+    for batch_size in (3, 16):
+        batched = evaluation.score_lambada(model, tok, texts, batch_size=batch_size)
+        assert batched["greedy"] == one["greedy"] and batched["acc"] == one["acc"]
+        assert batched["loglikelihoods"] == pytest.approx(one["loglikelihoods"], rel=1e-5, abs=1e-6)
+        assert batched["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
+
+
+def test_truncation_keeps_the_last_tokens():
+    tok, model = ToyTokenizer(), tiny_model()
+    window = model.config.block_size  # 24: the model reads the last 25 tokens, minus the final one
+    long = "ab" + " abc" * 10 + " fed"  # 35 tokens: " abc" is " a", "b", "c"
+    kept = "c" + " abc" * 7 + " fed"  # its last 25 tokens
+    assert tok.encode(long)[-(window + 1):] == tok.encode(kept)
+    a = evaluation.score_lambada(model, tok, [long])
+    b = evaluation.score_lambada(model, tok, [kept])
+    assert a["loglikelihoods"] == b["loglikelihoods"]
+    one_fewer = evaluation.score_lambada(model, tok, [" abc" * 7 + " fed"])
+    assert one_fewer["loglikelihoods"] != a["loglikelihoods"]
+
+
+def test_any_model_returning_logits():
+    """A model with only forward(idx) -> logits goes through model(idx) itself."""
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, idx):
+            return self.inner(idx)
+
+    import random
+    tok, model = ToyTokenizer(), tiny_model()
+    texts = random_texts(10, random.Random(1))
+    a = evaluation.score_lambada(model, tok, texts, batch_size=4)
+    b = evaluation.score_lambada(LogitsOnly(model), tok, texts, batch_size=4)
+    assert a["greedy"] == b["greedy"] and a["loglikelihoods"] == pytest.approx(b["loglikelihoods"], rel=1e-5)
+
+
+def save_checkpoint(model, path, train_config=None):
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257}, "train_config": train_config or {}}, path)
+    return str(path)
+
+
+GPT2_TEXTS = ["The cat sat on the mat", "She opened the door and said hello", "Goodbye",
+              "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+              "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the"
+              " season of Light, it was the season of Darkness"]
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_cli_lambada_json(tmp_path, lm_head):
+    model = tiny_model(vocab_size=50304, lm_head=lm_head, std=0.02, d_model=8, n_layer=1, n_head=1, block_size=32)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt")
+    data = tmp_path / "lambada.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "domain": None}) + "\n" for t in GPT2_TEXTS) + "\n")
+    out = tmp_path / "results" / "lambada.json"
+    evaluation.main([f"--ckpt={ckpt}", f"--data={data}", f"--json={out}", "--batch_size=3", "--device=cpu"])
+    result = json.loads(out.read_text())
+    acc, ppl, _, _ = reference(model, load_tokenizer("gpt2"), GPT2_TEXTS)
+    assert result["task"] == "lambada" and result["n"] == 4 and result["checkpoint"] == ckpt
+    assert result["acc"] == acc and result["ppl"] == pytest.approx(ppl, rel=1e-5)
+    assert result["tokens_per_s"] > 0 and result["examples_per_s"] > 0
+    assert [p.name for p in out.parent.iterdir()] == ["lambada.json"]  # no temp file left behind
+    evaluation.main([f"--ckpt={ckpt}", f"--data={data}", f"--json={out}", "--max_examples=2"])
+    assert json.loads(out.read_text())["n"] == 2
+
+
+def test_cli_val(tiny_data_dir, tmp_path):
+    model = tiny_model(vocab_size=50304, std=0.02, d_model=16, n_layer=1, n_head=1, block_size=32)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
+    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
+    tokens = train.open_split(tiny_data_dir, "val", 50304)
+    expected = train.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
+    assert result["task"] == "val" and result["n"] == 3 * 4 * 32
+    assert result["ppl"] == pytest.approx(expected["val_ppl"]) and result["ce"] == pytest.approx(expected["val_ce"])
+
+
+def bad_inputs(tmp_path):
+    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.pt")
+    files = {"no_text.jsonl": '{"text": "a b"}\n{"txt": "c d"}\n', "broken.jsonl": '{"text": "a b"\n',
+             "empty.jsonl": "\n"}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    return ckpt, [
+        ([f"--ckpt={tmp_path}/missing.pt"], "missing.pt not found"),
+        ([f"--ckpt={ckpt}", f"--data={tmp_path}/missing.jsonl"], "missing.jsonl not found"),
+        ([f"--ckpt={ckpt}", f"--data={tmp_path}/no_text.jsonl"], 'line 2 has no "text" field'),
+        ([f"--ckpt={ckpt}", f"--data={tmp_path}/broken.jsonl"], "line 1 is not valid JSON"),
+        ([f"--ckpt={ckpt}", f"--data={tmp_path}/empty.jsonl"], "holds no examples"),
+        ([f"--ckpt={ckpt}", "--task=hellaswag"], "choose one of: lambada, val"),
+        ([f"--ckpt={ckpt}", "--batch_size=0"], "--batch_size must be at least 1"),
+        ([f"--ckpt={ckpt}"], "pass --data=FILE.jsonl"),  # tests run offline: the hub is unreachable
+    ]
+
+
+def test_bad_inputs_raise_user_errors(tmp_path):
+    _, cases = bad_inputs(tmp_path)
+    for argv, message in cases:
+        with pytest.raises(UserError, match=message.replace(".", r"\.")):
+            evaluation.main(argv)
+
+
+def test_bad_inputs_one_line_on_the_command_line(tmp_path):
+    """As scripts: exit code 2 and a single `error: ...` line, no traceback (processes run in parallel)."""
+    _, cases = bad_inputs(tmp_path)
+    procs = [(subprocess.Popen([sys.executable, str(ROOT / "eval.py"), *argv], cwd=tmp_path, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE), message)
+             for argv, message in [cases[0], cases[2]]]
+    for proc, message in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2, stderr
+        assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
+        assert "Traceback" not in stderr and stdout == ""
