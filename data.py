@@ -570,7 +570,8 @@ def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
         raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     meta = load_meta(data_dir)
     path, dtype = Path(data_dir) / f"{split}.bin", np.dtype(meta["dtype"])
-    redo = f"prepare the dataset again (python data.py --dataset=...)"
+    source = meta.get("settings", {}).get("dataset", "...")
+    redo = f"prepare the dataset again: python data.py --dataset={source}"
     if not path.is_file():
         raise UserError(f"{path} is missing although meta.json lists it; {redo}")
     size = path.stat().st_size

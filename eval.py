@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from data import UserError, ensure_dataset, load_tokenizer, open_split, parse_flags, run_main
-from train import (autocast_context, evaluate, format_duration, load_checkpoint, load_checkpoint_model,
+from train import (autocast_context, evaluate, format_duration, load_checkpoint_model,
                    pick_device, pick_dtype)
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
@@ -220,8 +220,7 @@ def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype:
             "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
 
 
-def run_val(cfg: EvalConfig, model, device: torch.device, dtype: torch.dtype) -> dict:
-    train_cfg = load_checkpoint(cfg.ckpt, "cpu").get("train_config") or {}
+def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype: torch.dtype) -> dict:
     if "dataset" not in train_cfg:
         raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); --task=val needs a train.py checkpoint")
     data_dir = ensure_dataset(train_cfg["dataset"], train_cfg.get("data_root", "data"))
@@ -254,11 +253,11 @@ def main(argv: list[str]) -> dict:
             raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    model, meta = load_checkpoint_model(cfg.ckpt, device)
+    model, ckpt = load_checkpoint_model(cfg.ckpt, device)
     if cfg.task == "lambada":
-        result = run_lambada(cfg, model, meta, device, dtype)
+        result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:
-        result = run_val(cfg, model, device, dtype)
+        result = run_val(cfg, model, ckpt.get("train_config") or {}, device, dtype)
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
               "batch_size": cfg.batch_size}
     if cfg.json:

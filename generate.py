@@ -21,8 +21,8 @@ from typing import Iterable, Iterator, Literal, Optional
 import torch
 
 from data import UserError, load_tokenizer, parse_flags, run_main
-from model import GPT, GPTConfig, KVCache, clean_state_dict
-from train import autocast_context, load_checkpoint, pick_device, pick_dtype
+from model import GPT, KVCache
+from train import autocast_context, load_checkpoint_model, pick_device, pick_dtype
 
 
 @dataclass
@@ -99,7 +99,8 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
         if cache is None:
             todo = ids[-block:]
         elif cache.pos + len(todo) > block:  # the window is full: re-prefill from its last half
-            cache.pos, todo = 0, ids[-max(1, block // 2):]
+            cache.reset()
+            todo = ids[-max(1, block // 2):]
         h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]
         logits = (h @ model.output_weight.T).float()[:vocab_size]  # the last position's scores only
         token = sample_token(logits, temperature, top_k, top_p, generator)
@@ -145,17 +146,6 @@ def read_prompts(cfg: GenerateConfig, argv: list[str]) -> list[str]:
     return prompts
 
 
-def load_for_generation(path: str, device: torch.device) -> tuple[GPT, dict]:
-    """The model (eval mode, on device) and its raw checkpoint dict, reading the file once."""
-    ckpt = load_checkpoint(path, "cpu")
-    try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (TypeError, RuntimeError) as e:
-        raise UserError(f"{path} does not match this model code: {str(e).strip().splitlines()[0]}") from None
-    return model.to(device).eval(), ckpt
-
-
 def calibration_note(ckpt: dict) -> Optional[str]:
     """Raw contrastive checkpoints (cwt, nce) score tokens without calibrated probabilities."""
     loss = ckpt.get("train_config", {}).get("loss")
@@ -189,7 +179,7 @@ def main(argv: list[str]) -> None:
     prompts = read_prompts(cfg, argv)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    model, ckpt = load_for_generation(cfg.ckpt, device)
+    model, ckpt = load_checkpoint_model(cfg.ckpt, device)
     tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
     if tokenizer.n_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} "

@@ -12,7 +12,7 @@ tying are trained and how a raw headless model is evaluated.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -69,6 +69,10 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # number of positions already stored
         self.capacity = config.block_size
+
+    def reset(self) -> None:
+        """Forget every stored position (the tensors are reused)."""
+        self.pos = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, H, T, hd) for `layer`; return all keys/values so far."""
@@ -227,15 +231,16 @@ def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
 
 
+def model_from_checkpoint(ckpt: dict, **config_overrides) -> GPT:
+    """Rebuild the model stored in a checkpoint dict (`model` weights + `model_config`)."""
+    model = GPT(GPTConfig(**{**ckpt["model_config"], **config_overrides}))
+    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    return model
+
+
 def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
     """Rebuild a model from a checkpoint written by train.py (or finetune.py), in eval mode."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not a headless-lm checkpoint (no model weights or model_config)")
-    model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(clean_state_dict(ckpt["model"]))
-    return model.to(device).eval()
-
-
-def model_config_dict(model: GPT) -> dict:
-    return asdict(model.config)
+    return model_from_checkpoint(ckpt).to(device).eval()

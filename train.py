@@ -27,7 +27,7 @@ import torch
 from data import (BatchSampler, UserError, ensure_dataset, load_meta, open_split, parse_flags, run_main,
                   sequential_batches)
 from loss import LossName, contrastive_accuracy, cwt_loss, training_loss
-from model import GPT, GPTConfig, PRESETS, build_model, load_model, padded_vocab_size
+from model import GPT, PRESETS, build_model, model_from_checkpoint, padded_vocab_size
 
 
 @dataclass
@@ -132,7 +132,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; train one with `python train.py` or pass --ckpt=PATH")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        # mmap: tensors are read lazily, so looking at a big checkpoint's metadata is cheap
+        ckpt = torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # a truncated or foreign file: say so without a traceback
         raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
@@ -141,9 +142,14 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
 
 
 def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
-    """`model.load_model` with user-friendly errors; also returns the checkpoint's data metadata."""
-    ckpt = load_checkpoint(path, device)
-    return load_model(str(path), device), ckpt.get("data_meta", {})
+    """`model.load_model` with one-line errors: the model (eval mode, on device) and the checkpoint dict
+    (its `data_meta` names the tokenizer, its `train_config` the data and loss)."""
+    ckpt = load_checkpoint(path, "cpu")
+    try:
+        model = model_from_checkpoint(ckpt)
+    except (TypeError, RuntimeError) as e:  # written by other model code
+        raise UserError(f"{path} does not match this model code: {str(e).strip().splitlines()[0]}") from None
+    return model.to(device).eval(), ckpt
 
 
 def build_fresh_model(cfg: TrainConfig, vocab_size: int) -> GPT:
@@ -153,13 +159,12 @@ def build_fresh_model(cfg: TrainConfig, vocab_size: int) -> GPT:
                        lm_head=cfg.loss == "nce")
 
 
-def model_from_checkpoint(ckpt: dict, cfg: TrainConfig) -> GPT:
-    config = GPTConfig(**{**ckpt["model_config"], "dropout": cfg.dropout})
-    if cfg.block_size is not None and cfg.block_size > config.block_size:
-        raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {config.block_size}")
-    model = GPT(config)
-    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
-    return model
+def model_to_continue(ckpt: dict, cfg: TrainConfig) -> GPT:
+    """The checkpoint's model, to train further with this run's dropout."""
+    context = ckpt["model_config"]["block_size"]
+    if cfg.block_size is not None and cfg.block_size > context:
+        raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
+    return model_from_checkpoint(ckpt, dropout=cfg.dropout)
 
 
 def check_data_matches(meta: dict, ckpt_meta: dict, where: str) -> None:
@@ -302,10 +307,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
     base = load_checkpoint(cfg.init_from, "cpu") if cfg.init_from and not resumed else None
     if resumed:
-        model = model_from_checkpoint(resumed, cfg)
+        model = model_to_continue(resumed, cfg)
     elif base:
         check_data_matches(meta, base.get("data_meta", {}), cfg.init_from)
-        model = model_from_checkpoint(base, cfg)
+        model = model_to_continue(base, cfg)
         if cfg.add_lm_head:
             model.add_lm_head()
     else:

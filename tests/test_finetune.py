@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from finetune import FinetuneConfig, finetune, finetune_budget, resolve_config
+from finetune import finetune, finetune_budget, resolve_config
 from model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,91 @@
+"""bench.py: the speed/memory grid, its FLOP estimates, the equal-compute budget and the compare run."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+import bench
+from data import UserError
+
+
+def test_variant_names():
+    assert bench.parse_variant("ce") == dict(loss="ce", negatives="all", num_negatives=None)
+    assert bench.parse_variant("cwt-unique-k64") == dict(loss="cwt", negatives="unique", num_negatives=64)
+    for bad in ("ce-unique", "cwt-k", "nce", "cwt-all"):
+        with pytest.raises(UserError, match="unknown variant"):
+            bench.parse_variant(bad)
+
+
+def test_quick_grid_rows_are_consistent(tmp_path):
+    cfg = bench.BenchConfig(preset="tiny", vocab=[2048], tokens=[128], step_tokens=[64], block_size=32,
+                            variants=["ce", "cwt", "cwt-unique", "cwt-k16"], step_variants=["ce", "cwt"],
+                            warmup=1, repeats=2, memory=False, device="cpu")
+    result = bench.run_bench(cfg)
+    rows = result["rows"]
+    assert [(r["kind"], r["variant"]) for r in rows] == [("loss", "ce"), ("loss", "cwt"), ("loss", "cwt-unique"),
+                                                         ("loss", "cwt-k16"), ("step", "ce"), ("step", "cwt")]
+    for r in rows:
+        assert len(r["times_s"]) == 2 and r["time_s"] == statistics.median(r["times_s"]) > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["time_s"])
+        ce = next(c for c in rows if c["kind"] == r["kind"] and c["variant"] == "ce")
+        assert r["time_ratio"] == pytest.approx(r["time_s"] / ce["time_s"])
+        assert r["best_ratio"] == pytest.approx(min(r["times_s"]) / min(ce["times_s"]))
+        assert r["memory_bytes"] is None and r["mfu"] is None
+    flops = {(r["kind"], r["variant"]): r["flops"] for r in rows}
+    d, n, v = 128, 128, 2048  # tiny: d_model 128; loss layer: 6 FLOPs per token, per d, per scored column
+    assert flops["loss", "ce"] == 6 * n * d * v
+    assert flops["loss", "cwt"] == 6 * n * d * n
+    assert flops["loss", "cwt-k16"] == 6 * n * d * 17
+    assert flops["loss", "cwt-unique"] <= flops["loss", "cwt"]
+    # Full step, tiny shape: 4 blocks of 12 d^2 weights + 2 norms, a final norm; T = 32, 64 tokens.
+    body = 4 * (12 * d * d + 2 * d) + d
+    per_token = lambda cols: 6 * body + 12 * 4 * d * 32 + 6 * d * cols  # noqa: E731
+    assert flops["step", "ce"] == 64 * per_token(2048)
+    assert flops["step", "cwt"] == 64 * per_token(64)
+    table = bench.markdown_table(result)
+    assert table.count("\n| loss |") == 4 and "time ×CE" in table
+    bench.write_json(result, str(tmp_path / "b.json"))
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["variant"] == "ce"
+
+
+def test_cpu_memory_is_measured_in_a_fresh_process():
+    spec = dict(kind="loss", preset="tiny", vocab=32768, tokens=256, block_size=256, seed=0, device="cpu",
+                dtype="auto", variants=["ce", "cwt"])
+    memory = bench.measure_memory(spec, bench.pick_device("cpu"))
+    ce, cwt = memory["ce"], memory["cwt"]
+    # CE holds 256 x 32768 fp32 logits (32 MiB) and their gradient; CWT only 256 x 256 scores.
+    assert ce > 32 * 2**20 and ce > cwt > 0
+
+
+def test_flop_budget_solver_gives_equal_budgets():
+    # CE 100 steps at 44 FLOPs/token; CWT at 6 plus 2% of its steps fine-tuned at CE's 44: 6n + 44 ceil(n/50) <= 4400
+    n, ft = bench.solve_cwt_iters(100, 44.0, 6.0, 0.02)
+    assert (n, ft) == (638, 13)
+    assert 6 * 638 + 44 * 13 == 100 * 44  # exactly the budget here
+    assert 6 * 639 + 44 * 13 > 100 * 44  # one more step would exceed it
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(UserError, match="pip install matplotlib"):
+        bench.import_pyplot()
+    with pytest.raises(UserError, match="optional extra"):  # refused before any measurement
+        bench.main(["--quick", f"--plot={tmp_path / 'b.png'}"])
+
+
+def test_compare_end_to_end(tiny_data_dir, tmp_path):
+    cfg = bench.CompareConfig(dataset=str(tiny_data_dir), quick=True, out_dir=str(tmp_path / "cmp"), device="cpu")
+    result = bench.run_compare(cfg)
+    runs, budget = result["runs"], result["budget_flops"]
+    assert runs["ce"]["flops"] == pytest.approx(budget)
+    assert runs["cwt"]["flops"] < runs["cwt-ft"]["flops"] <= budget * (1 + 1e-9)
+    one_more = result["tokens_per_iter"] * (result["flops_per_token"]["cwt"] + result["flops_per_token"]["ce"])
+    assert runs["cwt-ft"]["flops"] > budget - one_more  # CWT gets all the budget it can use
+    assert all(run["val_ce"] > 0 for run in runs.values())
+    for name, curve in result["curves"].items():
+        assert curve and all(x2 >= x1 for (x1, _), (x2, _) in zip(curve, curve[1:]))
+    assert result["curves"]["cwt-ft"][0][0] == pytest.approx(runs["cwt"]["flops"])
+    assert "skipped" in runs["ce"]["lambada"]["note"]
