@@ -111,6 +111,21 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+def flags_help(cls: type, hints: dict[str, Any], defaults: dict[str, Any]) -> str:
+    """The running script's docstring, then every setting with its type and default."""
+    lines = [(sys.modules["__main__"].__doc__ or "").strip(), "", "settings (--key=value):"]
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        optional = type(None) in typing.get_args(kind)
+        if optional:
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind).replace("typing.", ""))
+        shown += " (or none)" if optional else ""
+        lines.append(f"  --{f.name:<16} {shown:<28} default: {defaults.get(f.name, f.default)!r}")
+    return "\n".join(lines)
+
+
 def parse_flags(cls: type, argv: list[str], defaults: dict[str, Any] | None = None) -> Any:
     """Build dataclass `cls` from `--key=value` flags (and an optional `--config=file.json|toml`).
 
@@ -120,6 +135,9 @@ def parse_flags(cls: type, argv: list[str], defaults: dict[str, Any] | None = No
     """
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    if "--help" in argv or "-h" in argv:
+        print(flags_help(cls, hints, defaults or {}))
+        sys.exit(0)
     values: dict[str, Any] = dict(defaults or {})
     flags: dict[str, Any] = {}
     for arg in argv:

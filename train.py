@@ -327,8 +327,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     val_tokens = open_split(data_dir, "val", model.config.vocab_size)
     sampler = BatchSampler(train_tokens, cfg.batch_size, block_size, cfg.seed, device)
 
-    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps,
-                                          fused=device.type == "cuda")
+    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     lineage = {"base_tokens": 0, "base_flops": 0.0}
     if base:  # what it took to make the starting point, so budgets and compute add up across stages
