@@ -12,9 +12,9 @@ so machine noise hits all of them alike; time per step is the median after warm-
 the objective alone (forward + backward from fixed hidden states (N, d) and the embedding E (V, d));
 `step` rows time a whole training step of the preset (hidden states, loss, backward, clipping, AdamW).
 Memory: the extra memory one step needs once warmed up (inputs, weights and optimizer state excluded).
-On CUDA the peak allocated minus what was allocated before the step; on CPU each variant runs in a fresh
-subprocess per configuration takes, for each variant, one warm-up step, resets its peak resident set
-(VmHWM, via /proc/self/clear_refs) and reports the peak during one more step minus the resident set before.
+On CUDA, the peak allocated minus what was allocated before the step. On CPU, each configuration runs in a
+fresh subprocess that, for each variant, takes one warm-up step, resets its peak resident set (VmHWM, via
+/proc/self/clear_refs) and reports the peak during one more step minus the resident set before it.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
-from data import UserError, parse_flags, run_main
+from data import UserError, atomic_write_text, parse_flags, run_main
 from loss import training_loss
 from model import PRESETS, build_model, padded_vocab_size
 from train import TrainConfig, autocast_context, head_columns, peak_flops, pick_device, pick_dtype
@@ -328,8 +328,7 @@ def plot_bench(result: dict, path: str) -> None:
 
 
 def write_json(obj: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
     print(f"results written to {path}", file=sys.stderr)
 
 
@@ -378,9 +377,7 @@ def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> li
 
 
 def lambada_scores(ckpt: str, data: str, out: Path) -> dict:
-    if not Path("eval.py").is_file():
-        return {"note": "eval.py not found"}
-    cmd = [sys.executable, "eval.py", f"--ckpt={ckpt}", "--task=lambada", f"--data={data}", f"--json={out}"]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "eval.py"), f"--ckpt={ckpt}", "--task=lambada", f"--data={data}", f"--json={out}"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         return {"note": f"eval.py failed: {res.stderr.strip().splitlines()[-1:]}"}

@@ -410,7 +410,10 @@ class _ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write to a temp file, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -515,7 +518,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "bench"},
     }
-    _atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Literal, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from data import UserError, ensure_dataset, load_tokenizer, open_split, parse_flags, run_main
+from data import UserError, atomic_write_text, ensure_dataset, load_tokenizer, open_split, parse_flags, run_main
 from train import (autocast_context, evaluate, format_duration, load_checkpoint_model,
                    pick_device, pick_dtype)
 
@@ -237,15 +236,6 @@ def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype
             "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
 
 
-def write_json(path: str, record: dict) -> None:
-    """Write, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(EvalConfig, argv)
     for name in ("batch_size", "max_examples", "max_batches"):
@@ -261,7 +251,7 @@ def main(argv: list[str]) -> dict:
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
               "batch_size": cfg.batch_size}
     if cfg.json:
-        write_json(cfg.json, result)
+        atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
     return result
 
 

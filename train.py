@@ -45,7 +45,7 @@ class TrainConfig:
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
     num_negatives: Optional[int] = None  # score against a random subset of k candidates (not in paper)
     # optimisation
-    batch_size: int = 16  # sequences per micro-batch: CWT's negatives are the other tokens in it
+    batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
     grad_accum: int = 1
     max_iters: int = 600
     lr: float = 1e-3
@@ -385,12 +385,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with StopFlag() as stop:
         while step < cfg.max_iters and not stop.requested:
             if step % cfg.eval_interval == 0 and not (resumed and step == start_step):
+                eval_start = time.time()
                 val = validate()
                 first_val = first_val or val
                 print(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
                 append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, **val})
                 if step > start_step:
                     save_checkpoint(ckpt_path, {**checkpoint(step, val), "first_val": first_val})
+                t_log += time.time() - eval_start  # tokens/s counts training time only
 
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -418,7 +420,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                     f"good checkpoint is {ckpt_path} if any): lower --lr or raise --warmup_iters")
                 now = time.time()
                 tok_s = (step - step_at_log) * tokens_per_iter / max(now - t_log, 1e-9)
-                eta = (cfg.max_iters - step) * tokens_per_iter / max(tok_s, 1e-9)
+                # ETA from the whole run's pace (evaluations included), steadier than the last interval's
+                eta = (now - t_start) / (step - start_step) * (cfg.max_iters - step)
                 mfu = f" | MFU {100 * tok_s * flops_per_token / peak:.1f}%" if peak else ""
                 print(f"step {step}/{cfg.max_iters} | loss {last_loss:.4f} | lr {lr:.2e} | "
                       f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}{mfu}", file=sys.stderr)
