@@ -302,6 +302,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     ckpt_path = out_dir / CKPT_NAME
 
     # Where the weights come from: our own checkpoint (resume), another run's (fine-tune), or fresh.
+    if cfg.resume and not ckpt_path.is_file():
+        raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
+                        "or start without --resume")
     resumed = load_checkpoint(ckpt_path, "cpu") if cfg.resume else None
     if cfg.resume and resumed["train_config"].get("init_from") != cfg.init_from:
         raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
