@@ -309,10 +309,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.resume and resumed["train_config"].get("init_from") != cfg.init_from:
         raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
     base = load_checkpoint(cfg.init_from, "cpu") if cfg.init_from and not resumed else None
+    if resumed or base:
+        check_data_matches(meta, (resumed or base).get("data_meta", {}), str(ckpt_path if resumed else cfg.init_from))
     if resumed:
         model = model_to_continue(resumed, cfg)
     elif base:
-        check_data_matches(meta, base.get("data_meta", {}), cfg.init_from)
         model = model_to_continue(base, cfg)
         if cfg.add_lm_head:
             model.add_lm_head()
