@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -145,11 +146,15 @@ def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") 
     """`model.load_model` with one-line errors: the model (eval mode, on device) and the checkpoint dict
     (its `data_meta` names the tokenizer, its `train_config` the data and loss)."""
     ckpt = load_checkpoint(path, "cpu")
+    return rebuild_model(ckpt, path).to(device).eval(), ckpt
+
+
+def rebuild_model(ckpt: dict, path: str | Path, **config_overrides) -> GPT:
+    """model.model_from_checkpoint, with a one-line error for a checkpoint of other model code."""
     try:
-        model = model_from_checkpoint(ckpt)
-    except (TypeError, RuntimeError) as e:  # written by other model code
+        return model_from_checkpoint(ckpt, **config_overrides)
+    except (TypeError, RuntimeError) as e:
         raise UserError(f"{path} does not match this model code: {str(e).strip().splitlines()[0]}") from None
-    return model.to(device).eval(), ckpt
 
 
 def build_fresh_model(cfg: TrainConfig, vocab_size: int) -> GPT:
@@ -159,12 +164,12 @@ def build_fresh_model(cfg: TrainConfig, vocab_size: int) -> GPT:
                        lm_head=cfg.loss == "nce")
 
 
-def model_to_continue(ckpt: dict, cfg: TrainConfig) -> GPT:
+def model_to_continue(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
     """The checkpoint's model, to train further with this run's dropout."""
-    context = ckpt["model_config"]["block_size"]
+    context = ckpt["model_config"].get("block_size", 0)
     if cfg.block_size is not None and cfg.block_size > context:
         raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
-    return model_from_checkpoint(ckpt, dropout=cfg.dropout)
+    return rebuild_model(ckpt, path, dropout=cfg.dropout)
 
 
 def check_data_matches(meta: dict, ckpt_meta: dict, where: str) -> None:
@@ -196,10 +201,12 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_flops_of(gpu_name: str) -> float | None:
+    """Match whole words of the name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
+    return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", gpu_name)), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +220,8 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
     """Validation metrics on a deterministic sequential pass, comparable across training losses.
 
     `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
-    With `contrastive`, also the CWT loss (paper definition, in-batch negatives) and its top-1 accuracy.
+    With `contrastive`, also the contrastive loss (paper definition, in-batch negatives) and its top-1
+    accuracy, against the same table as `val_ce` (for CWT that is the input embedding E).
     """
     was_training = model.training
     model.eval()
@@ -224,7 +232,7 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
             logits = (h @ model.output_weight.T).float()
             total_ce += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
             if contrastive:
-                e = model.wte.weight[y]
+                e = model.output_weight[y]  # the tied E, or the nce ablation's own output table
                 cwt_sum += cwt_loss(h, e, temperature).item()
                 acc_sum += contrastive_accuracy(h, e, y).item()
         total_tokens += y.numel()
@@ -246,7 +254,10 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
 def save_checkpoint(path: Path, payload: dict) -> None:
     """Write to a temp file, then rename: a crash mid-save never leaves a truncated checkpoint."""
     tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name says the checkpoint is complete
     os.replace(tmp, path)
 
 
@@ -306,15 +317,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
                         "or start without --resume")
     resumed = load_checkpoint(ckpt_path, "cpu") if cfg.resume else None
-    if cfg.resume and resumed["train_config"].get("init_from") != cfg.init_from:
+    if cfg.resume and resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
         raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
     base = load_checkpoint(cfg.init_from, "cpu") if cfg.init_from and not resumed else None
     if resumed or base:
         check_data_matches(meta, (resumed or base).get("data_meta", {}), str(ckpt_path if resumed else cfg.init_from))
     if resumed:
-        model = model_to_continue(resumed, cfg)
+        model = model_to_continue(resumed, ckpt_path, cfg)
     elif base:
-        model = model_to_continue(base, cfg)
+        model = model_to_continue(base, cfg.init_from, cfg)
         if cfg.add_lm_head:
             model.add_lm_head()
     else:
@@ -339,8 +350,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                    "base_flops": base.get("base_flops", 0.0) + base.get("flops", 0.0)}
     start_step = 0
     if resumed:
-        optimizer.load_state_dict(resumed["optimizer"])
-        scaler.load_state_dict(resumed["scaler"])
+        try:
+            optimizer.load_state_dict(resumed["optimizer"])
+        except (KeyError, ValueError):
+            raise UserError(f"{ckpt_path} holds the optimizer of other trainable parameters; resume with the "
+                            "interrupted run's settings (--freeze_body, --loss)") from None
+        if scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
+            scaler.load_state_dict(resumed["scaler"])
         start_step = resumed["step"]
         lineage = {k: resumed[k] for k in lineage}
         torch.set_rng_state(resumed["rng"]["torch"])
@@ -366,9 +382,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     step_loss = torch.compile(loss_of) if cfg.compile else loss_of
 
-    def validate() -> dict[str, float]:
-        return evaluate(model, val_tokens, cfg.batch_size, block_size, device, dtype, cfg.eval_batches,
-                        contrastive, cfg.temperature)
+    def validate(step: int) -> dict[str, float]:
+        """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
+        val = evaluate(model, val_tokens, cfg.batch_size, block_size, device, dtype, cfg.eval_batches,
+                       contrastive, cfg.temperature)
+        print(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
+        append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, **val})
+        if not math.isfinite(val["val_ce"]):
+            raise UserError(f"validation loss became {val['val_ce']} at step {step}; stopped without saving "
+                            f"(the last good checkpoint is {ckpt_path} if any): lower --lr or raise --warmup_iters")
+        return val
 
     def checkpoint(step: int, val: dict | None) -> dict:
         return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -390,10 +413,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         while step < cfg.max_iters and not stop.requested:
             if step % cfg.eval_interval == 0 and not (resumed and step == start_step):
                 eval_start = time.time()
-                val = validate()
+                val = validate(step)
                 first_val = first_val or val
-                print(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
-                append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, **val})
                 if step > start_step:
                     save_checkpoint(ckpt_path, {**checkpoint(step, val), "first_val": first_val})
                 t_log += time.time() - eval_start  # tokens/s counts training time only
@@ -434,10 +455,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 t_log, step_at_log = now, step
 
         if not stop.requested:
-            val = validate()
+            val = validate(step)
             first_val = first_val or val
-            print(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
-            append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, **val})
         save_checkpoint(ckpt_path, {**checkpoint(step, val), "first_val": first_val})
     elapsed = time.time() - t_start
     if stop.requested:

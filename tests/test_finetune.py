@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import train
+from data import UserError
 from finetune import finetune, finetune_budget, resolve_config
 from model import load_model
 
@@ -59,6 +60,8 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
     assert tuned.lm_head is not None
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["base_tokens"] == 40 * 8 * 32 and ckpt["tokens_seen"] == 20 * 8 * 32
+    # the paper's warmup share (20% of the steps); a cosine schedule would decay to lr / 10
+    assert ckpt["train_config"]["warmup_iters"] == 4 and ckpt["train_config"]["min_lr"] == pytest.approx(1e-4)
     # compute is counted in FLOPs: the fine-tune pays the full vocabulary head (V columns per token),
     # the CWT pre-training only the batch's candidates (8 x 32 columns)
     fpt = lambda columns: tuned.flops_per_token(32, columns)
@@ -83,6 +86,13 @@ def test_freeze_body_trains_only_the_head(cwt_checkpoint, tmp_path):
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
     assert not torch.equal(after["lm_head.weight"], before["wte.weight"])
+
+
+def test_resume_with_other_trainable_parameters_is_a_clear_error(cwt_checkpoint, tmp_path):
+    flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_batches=1"]
+    finetune(resolve_config(flags))
+    with pytest.raises(UserError, match="optimizer of other trainable parameters"):
+        finetune(resolve_config(flags + ["--resume", "--max_iters=3", "--freeze_body"]))
 
 
 @pytest.mark.parametrize("flags, message", [

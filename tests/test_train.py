@@ -81,23 +81,39 @@ def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
     assert vals(resumed) == vals(straight)
 
 
-def test_nan_loss_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monkeypatch):
-    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2)
-    train.train(cfg)
-    good = (tmp_path / "ckpt.pt").read_bytes()
+def make_loss_nan_from_call(monkeypatch, first_bad_call: int) -> None:
+    """From its n-th call on, the training loss (and so every gradient and weight after it) is NaN."""
     calls = {"n": 0}
     real_loss = train.training_loss
 
     def diverging(*args, **kwargs):
         calls["n"] += 1
         loss = real_loss(*args, **kwargs)
-        return loss * float("nan") if calls["n"] > 1 else loss
+        return loss * float("nan") if calls["n"] >= first_bad_call else loss
 
     monkeypatch.setattr(train, "training_loss", diverging)
-    with pytest.raises(UserError, match="loss became nan at step 2"):
-        train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=8, eval_interval=2))
+
+
+@pytest.mark.parametrize("log_interval, message", [
+    (1, "loss became nan at step 2"),  # caught when logged
+    (3, "validation loss became nan at step 2"),  # not logged yet: caught by validation, before saving
+])
+def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monkeypatch, log_interval, message):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2, log_interval=log_interval)
+    train.train(cfg)
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    make_loss_nan_from_call(monkeypatch, 2)
+    with pytest.raises(UserError, match=message):
+        train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8}))
     assert (tmp_path / "ckpt.pt").read_bytes() == good
     assert not (tmp_path / "ckpt.tmp").exists()
+
+
+def test_peak_flops_match_whole_gpu_names():
+    assert train.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert train.peak_flops_of("NVIDIA L4") == 121e12
+    assert train.peak_flops_of("NVIDIA L40S") is None  # unknown, rather than wrong
+    assert train.peak_flops(torch.device("cpu")) is None
 
 
 def test_lr_schedule():
