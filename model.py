@@ -68,7 +68,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # number of positions already stored
-        self.capacity = config.block_size
 
     def reset(self) -> None:
         """Forget every stored position (the tensors are reused)."""

@@ -393,8 +393,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                             f"(the last good checkpoint is {ckpt_path} if any): lower --lr or raise --warmup_iters")
         return val
 
-    def checkpoint(step: int, val: dict | None) -> dict:
-        return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    def checkpoint(step: int, val: dict | None, first_val: dict | None) -> dict:
+        return {"first_val": first_val, "model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
                 "train_config": dataclasses.asdict(cfg), "data_meta": meta, "val": val,
                 "tokens_seen": step * tokens_per_iter, "flops": step * tokens_per_iter * flops_per_token,
@@ -416,7 +416,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 val = validate(step)
                 first_val = first_val or val
                 if step > start_step:
-                    save_checkpoint(ckpt_path, {**checkpoint(step, val), "first_val": first_val})
+                    save_checkpoint(ckpt_path, checkpoint(step, val, first_val))
                 t_log += time.time() - eval_start  # tokens/s counts training time only
 
             lr = lr_at(step, cfg)
@@ -457,7 +457,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if not stop.requested:
             val = validate(step)
             first_val = first_val or val
-        save_checkpoint(ckpt_path, {**checkpoint(step, val), "first_val": first_val})
+        save_checkpoint(ckpt_path, checkpoint(step, val, first_val))
     elapsed = time.time() - t_start
     if stop.requested:
         print(f"stopped at step {step}; checkpoint saved to {ckpt_path}; continue with --resume", file=sys.stderr)
