@@ -1,11 +1,10 @@
-"""Speed and memory of cross-entropy vs Contrastive Weight Tying, and an equal-compute training run.
+"""Speed and memory: cross-entropy vs Contrastive Weight Tying, and the data pipeline's throughput.
 
     python bench.py                     # loss layer + full training step, V = 8k..256k, CE vs CWT variants
     python bench.py --quick             # a small grid, under a minute on CPU
     python bench.py --mode=step --preset=pythia-70m --vocab=50304 --step_tokens=512 --repeats=9
     python bench.py --json=results/bench.json --plot=results/bench.png
-    python bench.py compare             # CE vs CWT (+ its LM-head fine-tune) at equal training FLOPs
-    python bench.py compare --preset=pythia-70m --dataset=roneneldan/TinyStories --lambada=lambada.jsonl
+    python bench.py --mode=data         # tokenisation (1 and 2 processes) and batch throughput
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
@@ -20,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,10 +31,11 @@ from typing import Literal
 
 import torch
 
-from data import UserError, atomic_write_text, parse_flags, run_main
-from loss import training_loss
-from model import PRESETS, build_model, padded_vocab_size
-from train import TrainConfig, autocast_context, head_columns, peak_flops, pick_device, pick_dtype
+import data
+from common import (DeviceName, DtypeName, UserError, autocast_context, import_pyplot, parse_flags, peak_flops,
+                    pick_device, pick_dtype, run_main, write_json)
+from loss import scored_columns, training_loss
+from model import PRESETS, PresetName, build_model
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated before it",
                "cpu": "in a fresh subprocess per configuration, after a warm-up step: peak RSS (VmHWM) during one more step minus "
@@ -46,8 +44,8 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step"] = "both"
-    preset: Literal["tiny", "pythia-70m", "gpt2-124m"] = "pythia-70m"  # shape (d) for both kinds of rows
+    mode: Literal["both", "loss", "step", "data"] = "both"
+    preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
     variants: list[str] = field(default_factory=lambda: ["ce", "cwt", "cwt-unique", "cwt-k256"])
@@ -58,8 +56,8 @@ class BenchConfig:
     warmup: int = 1
     repeats: int = 3
     memory: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
     seed: int = 0
     json: str = ""
     plot: str = ""
@@ -83,10 +81,8 @@ def columns(variant: str, vocab: int, targets: torch.Tensor) -> int:
     """Output vectors each position is scored against: V for CE, N (U distinct with -unique) for CWT,
     at most k + 1 with -kN. The head FLOPs of a step are 6 * tokens * d * columns."""
     v = parse_variant(variant)
-    if v["loss"] == "ce":
-        return vocab
-    pool = int(targets.unique().numel()) if v["negatives"] == "unique" else targets.numel()
-    return min(v["num_negatives"] + 1, pool) if v["num_negatives"] else pool
+    candidates = int(targets.unique().numel()) if v["negatives"] == "unique" else targets.numel()
+    return scored_columns(v["loss"], vocab, candidates, v["num_negatives"])
 
 
 def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -223,6 +219,36 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The data pipeline
+
+
+def bench_data(cfg: BenchConfig) -> str:
+    """Tokenisation throughput (1 and 2 processes) and batch-serving throughput, side by side."""
+    data.load_tokenizer("gpt2")  # built once, outside the timings
+    # Each speech is one document: many small documents, like TinyStories or web text.
+    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data._play_files()]
+    docs = [speech for play in plays for speech in play.split("\n\n")]
+    rows = []
+    for num_proc in (1, 2):
+        start = time.perf_counter()
+        n = sum(len(t) for t in data._encode_documents(docs, "gpt2", num_proc))
+        seconds = time.perf_counter() - start
+        rows.append((f"tokenise, num_proc={num_proc}", f"{len(docs) / seconds:,.0f} docs/s", n / seconds))
+    tokens = data.open_split(data.ensure_dataset("shakespeare"), "train")
+    batch, block, steps = 8, 256, 500
+    sampler = data.BatchSampler(tokens, batch, block, seed=0)
+    for name, batches in (("random batches (BatchSampler)", (sampler.get(i) for i in range(steps))),
+                          ("sequential batches", data.sequential_batches(tokens, batch, block, max_batches=steps))):
+        start = time.perf_counter()
+        count = sum(1 for _ in batches)
+        seconds = time.perf_counter() - start
+        rows.append((f"{name}, {batch}x{block} cpu", f"{count / seconds:,.0f} batches/s",
+                     count * batch * block / seconds))
+    lines = ["| benchmark | rate | tokens/s |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {name} | {rate} | {tokens_per_s:,.0f} |" for name, rate, tokens_per_s in rows])
+
+
+# ----------------------------------------------------------------------------------------------
 # The grid
 
 
@@ -296,17 +322,6 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def import_pyplot():
-    """matplotlib is an optional extra: a clear one-line UserError without it."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib, an optional extra: pip install matplotlib") from None
-    return plt
-
-
 def plot_bench(result: dict, path: str) -> None:
     plt = import_pyplot()
     kinds = [k for k in ("loss", "step") if any(r["kind"] == k for r in result["rows"])]
@@ -327,143 +342,6 @@ def plot_bench(result: dict, path: str) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def write_json(obj: dict, path: str) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
-    print(f"results written to {path}", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------------------------
-# Equal-compute comparison
-
-
-@dataclass
-class CompareConfig:
-    preset: Literal["tiny", "pythia-70m", "gpt2-124m"] = "tiny"
-    dataset: str = "shakespeare"
-    data_root: str = "data"
-    block_size: int = 128
-    batch_size: int = 8
-    ce_iters: int = 240  # length of the CE run: sets the FLOP budget both models get
-    finetune_fraction: float = 0.02  # CWT's head fine-tune, in pre-training tokens (paper: 2%)
-    lr: float = 1e-3
-    warmup_fraction: float = 0.1
-    evals: int = 6  # validation points per pre-training run
-    eval_batches: int = 4
-    lambada: str = ""  # LAMBADA .jsonl for eval.py; skipped when empty
-    out_dir: str = "out-compare"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    seed: int = 1337
-    json: str = ""
-    plot: str = ""
-    quick: bool = False  # a few steps, for tests
-
-
-def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
-                    fraction: float) -> tuple[int, int]:
-    """CWT pre-training steps n and fine-tune steps ceil(fraction * n) (same tokens per step) such that
-    n * cwt + ft * ce <= ce_iters * ce FLOPs per token, with n as large as possible."""
-    budget = ce_iters * ce_flops_per_token
-    cost = lambda n: n * cwt_flops_per_token + max(1, math.ceil(fraction * n)) * ce_flops_per_token  # noqa: E731
-    n = max(1, int(budget / (cwt_flops_per_token + fraction * ce_flops_per_token)) + 1)
-    while n > 1 and cost(n) > budget:
-        n -= 1
-    return n, max(1, math.ceil(fraction * n))
-
-
-def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
-    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    return [(offset + r["tokens"] * flops_per_token, r["val_ce"]) for r in recs if "val_ce" in r]
-
-
-def lambada_scores(ckpt: str, data: str, out: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "eval.py"), f"--ckpt={ckpt}", "--task=lambada", f"--data={data}", f"--json={out}"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        return {"note": f"eval.py failed: {res.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(out.read_text())
-
-
-def run_compare(cfg: CompareConfig) -> dict:
-    from data import ensure_dataset, load_meta
-    from finetune import FinetuneConfig, finetune
-    from train import train
-    if cfg.quick:
-        cfg = dataclasses.replace(cfg, block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1,
-                                  finetune_fraction=0.1)
-    vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
-    shape = build_model(cfg.preset, vocab, block_size=cfg.block_size)
-    tokens_per_iter = cfg.batch_size * cfg.block_size
-    fpt = {loss: shape.flops_per_token(cfg.block_size, head_columns(TrainConfig(loss=loss), vocab, tokens_per_iter))
-           for loss in ("ce", "cwt")}
-    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, fpt["ce"], fpt["cwt"], cfg.finetune_fraction)
-    budget = cfg.ce_iters * tokens_per_iter * fpt["ce"]
-    print(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
-          f"steps ({tokens_per_iter} tokens/step; {fpt['ce']:.3e} vs {fpt['cwt']:.3e} FLOPs/token)", file=sys.stderr)
-    root = Path(cfg.out_dir)
-    common = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
-                  batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
-                  seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
-    runs = {}
-    for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters)):
-        shutil.rmtree(root / name, ignore_errors=True)
-        run_cfg = TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
-                              warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
-                              eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **common)
-        runs[name] = train(run_cfg)
-    shutil.rmtree(root / "cwt-ft", ignore_errors=True)
-    ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters, warmup_iters=max(1, min(10, ft_iters // 5)),
-                            eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **common)
-    runs["cwt-ft"] = finetune(ft_cfg)
-    curves = {"ce": val_curve(root / "ce" / "log.jsonl", fpt["ce"]),
-              "cwt": val_curve(root / "cwt" / "log.jsonl", fpt["cwt"]),
-              "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", fpt["ce"], runs["cwt"]["flops"])}
-    lam = {}
-    for name, run in runs.items():
-        lam[name] = lambada_scores(run["ckpt"], cfg.lambada, root / f"lambada-{name}.json") if cfg.lambada \
-            else {"note": "skipped: no --lambada=FILE.jsonl"}
-    result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
-              "flops_per_token": fpt, "budget_flops": budget, "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters,
-                                                                         "cwt-ft": ft_iters},
-              "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
-                              "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
-              "curves": curves}
-    print(compare_table(result))
-    return result
-
-
-def compare_table(result: dict) -> str:
-    labels = {"ce": "CE (tied head)", "cwt": "CWT, raw (scored with tied E)", "cwt-ft": "CWT + head fine-tune"}
-    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE | LAMBADA acc / ppl |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, run in result["runs"].items():
-        lam = run["lambada"]
-        lam = f"{100 * lam['acc']:.1f}% / {lam['ppl']:,.0f}" if "acc" in lam else "-"
-        lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
-                     f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | {run['val_ce']:.4f} | {lam} |")
-    notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
-    lines += [f"\nLAMBADA: {note}" for note in sorted(notes)]
-    return "\n".join(lines)
-
-
-def plot_compare(result: dict, path: str) -> None:
-    plt = import_pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    names = {"ce": "CE", "cwt": "CWT (raw, tied E)", "cwt-ft": "CWT + LM-head fine-tune"}
-    for name, pts in result["curves"].items():
-        ax.plot(*zip(*pts), marker="o", ms=3, label=names[name])
-    ax.axvline(result["budget_flops"], color="grey", ls="--", lw=1, label="FLOP budget")
-    c = result["config"]
-    ax.set(xlabel="training FLOPs (estimate)", ylabel="validation cross-entropy (nats/token)",
-           title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}", file=sys.stderr)
-
-
 # ----------------------------------------------------------------------------------------------
 
 
@@ -471,23 +349,16 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["_mem"]:  # internal: one memory measurement in this fresh process
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
-    if argv[:1] == ["compare"]:
-        cfg = parse_flags(CompareConfig, argv[1:])
-        if cfg.plot:
-            import_pyplot()  # fail before training, not after
-        result = run_compare(cfg)
-        if cfg.json:
-            write_json(result, cfg.json)
-        if cfg.plot:
-            plot_compare(result, cfg.plot)
-        return
     cfg = parse_flags(BenchConfig, argv)
+    if cfg.mode == "data":
+        print(bench_data(cfg))
+        return
     if cfg.plot:
         import_pyplot()
     result = run_bench(cfg)
     print(markdown_table(result))
     if cfg.json:
-        write_json(result, cfg.json)
+        write_json(cfg.json, result)
     if cfg.plot:
         plot_bench(result, cfg.plot)
 

@@ -1,13 +1,16 @@
 """Text -> tokens -> memory-mapped shards -> training batches.
 
-Also home to the small command-line helpers every script shares (`UserError`, `run_main`,
-`parse_flags`), because this is the bottom layer that all of them already import.
+    python data.py                                           # the built-in Shakespeare plays
+    python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (streamed)
+    python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
+
+A prepared dataset is a folder with train.bin and val.bin (token ids, uint16 or uint32) and meta.json,
+which names the tokenizer and vouches for the shards with their sizes and checksums.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import hashlib
 import importlib.metadata
@@ -19,143 +22,18 @@ import os
 import re
 import sys
 import time
-import tomllib
-import typing
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import numpy as np
 import tiktoken
+import torch
+from tqdm import tqdm
 
-if TYPE_CHECKING:  # torch is imported lazily: preparing data never needs it (saves ~2 s start-up)
-    import torch
-
-# ----------------------------------------------------------------------------------------------
-# Command-line helpers shared by data.py, train.py, finetune.py, eval.py, generate.py, bench.py
-
-
-class UserError(Exception):
-    """A mistake the user can fix. Scripts print its one-line message (no traceback), exit 2."""
-
-
-def run_main(main: Callable[[list[str]], Any]) -> None:
-    """Run a script's main(argv): user mistakes become one line on stderr and exit code 2."""
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
-def _coerce(key: str, raw: Any, kind: Any) -> Any:
-    """Convert a flag or config value to the dataclass field's type, or explain what is expected."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is Literal:
-        if raw not in args:
-            raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
-        return raw
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):  # Optional[X]
-        if raw in (None, "", "none", "None"):
-            return None
-        return _coerce(key, raw, next(a for a in args if a is not type(None)))
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(raw).lower() in ("0", "false", "no", "off"):
-            return False
-        raise UserError(f"--{key}={raw!r} is not a boolean; use --{key}=true or --{key}=false")
-    if kind in (int, float):
-        if isinstance(raw, bool):
-            raise UserError(f"--{key} expects a number, got {raw!r}")
-        try:
-            value = kind(float(raw)) if kind is int and "e" in str(raw).lower() else kind(raw)
-        except (TypeError, ValueError):
-            raise UserError(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
-        if kind is int and isinstance(raw, float) and raw != int(raw):
-            raise UserError(f"--{key}={raw!r} is not a whole number")
-        return value
-    if kind is str:
-        if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
-            raise UserError(f"--{key} expects text, got {raw!r}")
-        return str(raw)
-    if origin is list:  # comma-separated on the command line, a list in config files
-        items = raw if isinstance(raw, list) else [s for s in str(raw).split(",") if s]
-        return [_coerce(key, item, args[0]) for item in items]
-    raise TypeError(f"unsupported config field type for {key}: {kind}")
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    """Load a JSON or TOML config as plain data (never executed)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file {path} not found; pass --config=PATH to an existing .json or .toml file")
-    try:
-        if p.suffix == ".json":
-            data = json.loads(p.read_text())
-        elif p.suffix == ".toml":
-            data = tomllib.loads(p.read_text())
-        else:
-            raise UserError(f"config file {path} must end in .json or .toml")
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"config file {path} is not valid {p.suffix[1:].upper()}: {e}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a table of key = value settings")
-    return data
-
-
-def flags_help(cls: type, hints: dict[str, Any], defaults: dict[str, Any]) -> str:
-    """The running script's docstring, then every setting with its type and default."""
-    lines = [(sys.modules["__main__"].__doc__ or "").strip(), "", "settings (--key=value):"]
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        optional = type(None) in typing.get_args(kind)
-        if optional:
-            kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
-        shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind).replace("typing.", ""))
-        shown += " (or none)" if optional else ""
-        lines.append(f"  --{f.name:<16} {shown:<28} default: {defaults.get(f.name, f.default)!r}")
-    return "\n".join(lines)
-
-
-def parse_flags(cls: type, argv: list[str], defaults: dict[str, Any] | None = None) -> Any:
-    """Build dataclass `cls` from `--key=value` flags (and an optional `--config=file.json|toml`).
-
-    Precedence: dataclass defaults < `defaults` < config file < command-line flags. A bare `--flag`
-    means true. Unknown keys and values of the wrong type or outside a Literal's choices are
-    UserErrors that name the valid options.
-    """
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    if "--help" in argv or "-h" in argv:
-        print(flags_help(cls, hints, defaults or {}))
-        sys.exit(0)
-    values: dict[str, Any] = dict(defaults or {})
-    flags: dict[str, Any] = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument {arg!r}; settings are given as --key=value")
-        key, sep, raw = arg[2:].partition("=")
-        flags[key.replace("-", "_")] = raw if sep else "true"
-    if "config" in flags and "config" not in names:
-        values.update(_read_config_file(flags.pop("config")))
-    values.update(flags)
-    for key, raw in values.items():
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean --{close[0]}? " if close else ""
-            raise UserError(f"unknown setting --{key}; {hint}valid settings: {', '.join(names)}")
-        values[key] = _coerce(key, raw, hints[key])
-    return cls(**values)
-
+from common import UserError, atomic_file, atomic_write_text, first_line, parse_flags, run_main
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer
@@ -195,16 +73,12 @@ def load_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads every encoding but gpt2 on first use
         raise UserError(f"could not load tokenizer {name!r} (tiktoken must download it once; "
-                        f"offline?): {_first_line(e)}. --tokenizer=gpt2 works offline") from None
+                        f"offline?): {first_line(e)}. --tokenizer=gpt2 works offline") from None
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every token id: uint16 halves disk and RAM."""
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +101,6 @@ class PrepareConfig:
     max_tokens: int | None = None  # stop after the document that reaches this many tokens
     num_proc: int = 1  # tokeniser processes
     data_root: str = "data"
-    bench: bool = False  # measure tokenisation and batch throughput instead of preparing
 
 
 def _play_files() -> list[Path]:
@@ -331,7 +204,7 @@ def _load_dataset(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as e:
-        raise UserError(f"could not load {what}: {_first_line(e).rstrip('.')}; {hint}") from None
+        raise UserError(f"could not load {what}: {first_line(e).rstrip('.')}; {hint}") from None
 
 
 def _texts(rows: Iterable[dict], field: str, source: str) -> Iterator[str]:
@@ -343,7 +216,7 @@ def _texts(rows: Iterable[dict], field: str, source: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as e:  # malformed JSON, a corrupt parquet file, a dropped connection
-            raise UserError(f"could not read {source}: {_first_line(e)}") from None
+            raise UserError(f"could not read {source}: {first_line(e)}") from None
         if field not in row:
             raise UserError(f"{source} has no field {field!r} (fields: {', '.join(row)}); "
                             f"pass --text_field=NAME")
@@ -386,60 +259,16 @@ def _encode_documents(docs: Iterable[str], tokenizer: str, num_proc: int,
 
 
 class _ShardWriter:
-    """Streams tokens to `<split>.bin.<pid>.tmp`, hashing as it goes; commit() renames atomically."""
+    """Appends token ids to an open shard file, counting and hashing them as it goes."""
 
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path, self.dtype, self.tokens, self.sha256 = path, dtype, 0, hashlib.sha256()
-        self.tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        self.file = open(self.tmp, "wb")
+    def __init__(self, file: Any, dtype: np.dtype):
+        self.file, self.dtype, self.tokens, self.sha256 = file, dtype, 0, hashlib.sha256()
 
     def write(self, tokens: np.ndarray) -> None:
         data = tokens.astype(self.dtype, copy=False).tobytes()
         self.file.write(data)
         self.sha256.update(data)
         self.tokens += len(tokens)
-
-    def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())  # the bytes are on disk before the name says they are complete
-        self.file.close()
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write to a temp file, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class _Progress:
-    """Throttled progress line on stderr: tokens, tokens/s and, when the total is known, an ETA."""
-
-    def __init__(self, total_docs: int | None, max_tokens: int | None, every_s: float = 2.0):
-        self.total_docs, self.max_tokens, self.every_s = total_docs, max_tokens, every_s
-        self.start = self.last = time.perf_counter()
-
-    def update(self, docs: int, tokens: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.every_s:
-            return
-        self.last, elapsed = now, now - self.start
-        line = f"tokenising: {docs:,} docs, {tokens:,} tokens, {tokens / elapsed:,.0f} tokens/s"
-        done = max(docs / self.total_docs if self.total_docs else 0,
-                   tokens / self.max_tokens if self.max_tokens else 0)
-        if done > 0:
-            line += f", ETA {elapsed * (1 - done) / done:,.0f} s"
-        print(line, file=sys.stderr, flush=True)
 
 
 def _write_splits(docs: Iterable[str], cfg: PrepareConfig, eot: int,
@@ -452,7 +281,10 @@ def _write_splits(docs: Iterable[str], cfg: PrepareConfig, eot: int,
     trained on.
     """
     eot_array = np.array([eot], dtype=np.uint32)
-    progress = _Progress(total_docs or cfg.max_docs, cfg.max_tokens)
+    total_docs = min(filter(None, [total_docs, cfg.max_docs]), default=None)
+    # Counted in tokens (tok/s); the total, for the ETA, is --max_tokens or an estimate from the documents.
+    bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
+               file=sys.stderr, leave=False)
     docs = itertools.islice(docs, cfg.max_docs)
     n_docs = 0
     for n_docs, tokens in enumerate(_encode_documents(docs, cfg.tokenizer, cfg.num_proc), 1):
@@ -462,9 +294,13 @@ def _write_splits(docs: Iterable[str], cfg: PrepareConfig, eot: int,
                 writers[split].write(part)
                 writers[split].write(eot_array)
         total = writers["train"].tokens + writers["val"].tokens
-        progress.update(n_docs, total)
+        if total_docs and not cfg.max_tokens:
+            bar.total = round(total / n_docs * total_docs)
+        bar.set_postfix_str(f"{n_docs:,} docs", refresh=False)
+        bar.update(total - bar.n)
         if cfg.max_tokens and total >= cfg.max_tokens:
             break
+    bar.close()
     return n_docs
 
 
@@ -490,21 +326,18 @@ def prepare(cfg: PrepareConfig) -> dict:
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
-    writers: dict[str, _ShardWriter] = {}
     try:
-        writers.update({split: _ShardWriter(out / f"{split}.bin", dtype) for split in SPLITS})
-        n_docs = _write_splits(docs, cfg, enc.eot_token, writers, total_docs)
-        if writers["train"].tokens == 0:
-            raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
-        if writers["val"].tokens == 0:
-            raise UserError(f"the val split is empty: documents are too short for "
-                            f"--val_fraction={cfg.val_fraction}; raise it")
-        (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
-        for writer in writers.values():
-            writer.commit()
+        with contextlib.ExitStack() as shards:  # both shards are renamed into place only if all went well
+            writers = {split: _ShardWriter(shards.enter_context(atomic_file(out / f"{split}.bin")), dtype)
+                       for split in SPLITS}
+            n_docs = _write_splits(docs, cfg, enc.eot_token, writers, total_docs)
+            if writers["train"].tokens == 0:
+                raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
+            if writers["val"].tokens == 0:
+                raise UserError(f"the val split is empty: documents are too short for "
+                                f"--val_fraction={cfg.val_fraction}; raise it")
+            (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
     except BaseException:
-        for writer in writers.values():
-            writer.discard()
         for d in new_dirs:  # children first; only the directories this call created
             with contextlib.suppress(OSError):
                 d.rmdir()
@@ -516,7 +349,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         "source": source,
         "checksums": {split: w.sha256.hexdigest() for split, w in writers.items()},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "bench"},
+        "settings": dataclasses.asdict(cfg),
     }
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
@@ -577,50 +410,45 @@ def load_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-_CHECK_CHUNK = 1 << 24  # tokens per verification step: bounded memory for any shard size
+_CHECK_CHUNK = 1 << 24  # tokens per hashing step: bounded memory for any shard size
 _FULL_CHECK_MAX_BYTES = 2 << 30  # above 2 GiB, hashing every start-up costs seconds: size checks only
 
 
 def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.memmap:
-    """A read-only memmap of one split, checked against meta.json so a mismatch fails at start-up.
-
-    Checks: the file exists, its size is a whole number of tokens equal to meta's count, its sha256
-    matches, and (given vocab_size) every token id fits the model's vocabulary.
-    """
+    """A read-only memmap of one split, checked against meta.json (`check_split`) so that a damaged or
+    mismatched dataset fails at start-up, not hours into a run."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     meta = load_meta(data_dir)
-    path, dtype = Path(data_dir) / f"{split}.bin", np.dtype(meta["dtype"])
-    source = meta.get("settings", {}).get("dataset", "...")
-    redo = f"prepare the dataset again: python data.py --dataset={source}"
+    path = Path(data_dir) / f"{split}.bin"
+    check_split(path, meta, split, vocab_size)
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+def check_split(path: Path, meta: dict, split: str, vocab_size: int | None = None) -> None:
+    """Every integrity check of one shard: it exists, holds exactly meta's number of tokens, its sha256
+    matches (shards up to 2 GiB), and, given the model's vocab_size, every token id fits it."""
+    dtype, expected = np.dtype(meta["dtype"]), meta[f"{split}_tokens"]
+    redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    if vocab_size is not None and meta["vocab_size"] > vocab_size:
+        raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) "
+                        f"but the model's vocab_size is {vocab_size}; match the model to the data")
     if not path.is_file():
         raise UserError(f"{path} is missing although meta.json lists it; {redo}")
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise UserError(f"{path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name}): "
                         f"truncated or corrupt; {redo}")
-    if size // dtype.itemsize != meta[f"{split}_tokens"]:
-        raise UserError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says "
-                        f"{meta[f'{split}_tokens']}; {redo}")
-    if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(f"{data_dir} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) "
-                        f"but the model's vocab_size is {vocab_size}; match the model to the data")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    if size <= _FULL_CHECK_MAX_BYTES:
-        _verify_tokens(tokens, path, meta["checksums"].get(split), vocab_size, redo)
-    return tokens
-
-
-def _verify_tokens(tokens: np.ndarray, path: Path, checksum: str | None, vocab_size: int | None,
-                   redo: str) -> None:
-    """One chunked pass: sha256 of the bytes and, given vocab_size, the largest token id."""
-    sha256, largest = hashlib.sha256(), 0
-    for start in range(0, len(tokens), _CHECK_CHUNK):
+    if size // dtype.itemsize != expected:
+        raise UserError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says {expected}; {redo}")
+    if size > _FULL_CHECK_MAX_BYTES:
+        return
+    tokens, sha256, largest = np.memmap(path, dtype=dtype, mode="r"), hashlib.sha256(), 0
+    for start in range(0, len(tokens), _CHECK_CHUNK):  # one pass: the hash and the largest id
         chunk = tokens[start:start + _CHECK_CHUNK]
         sha256.update(chunk)
-        if vocab_size is not None:
-            largest = max(largest, int(chunk.max()))
-    if sha256.hexdigest() != checksum:
+        largest = max(largest, int(chunk.max()))
+    if sha256.hexdigest() != meta["checksums"].get(split):
         raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo}")
     if vocab_size is not None and largest >= vocab_size:
         raise UserError(f"{path} holds token id {largest} >= vocab_size {vocab_size}: tokenised for "
@@ -640,8 +468,6 @@ def _check_block_size(tokens: np.ndarray, block_size: int) -> None:
 def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
            device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows tokens[s : s + block_size + 1] -> int64 (x, y), y being x shifted by one token."""
-    import torch
-
     windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
     x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
     if torch.device(device).type == "cuda":  # pinned memory: the copy overlaps with compute
@@ -677,41 +503,11 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int,
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line: prepare a dataset, or --bench
-
-
-def _bench(cfg: PrepareConfig) -> None:
-    """Tokenisation throughput (1 and 2 processes) and batch-serving throughput, side by side."""
-    load_tokenizer(cfg.tokenizer)  # built once, outside the timings
-    # Each speech is one document: many small documents, like TinyStories or web text.
-    plays = [clean_play(p.read_text(encoding="utf-8")) for p in _play_files()]
-    docs = [speech for play in plays for speech in play.split("\n\n")]
-    rows = []
-    for num_proc in (1, 2):
-        start = time.perf_counter()
-        n = sum(len(t) for t in _encode_documents(docs, cfg.tokenizer, num_proc))
-        seconds = time.perf_counter() - start
-        rows.append((f"tokenise, num_proc={num_proc}", f"{len(docs) / seconds:,.0f} docs/s", n / seconds))
-    tokens = open_split(ensure_dataset("shakespeare", cfg.data_root), "train")
-    batch, block, steps = 8, 256, 500
-    sampler = BatchSampler(tokens, batch, block, seed=0)
-    sampler.get(0)  # the first batch imports torch: keep that out of the timing
-    for name, batches in (("random batches (BatchSampler)", (sampler.get(i) for i in range(steps))),
-                          ("sequential batches", sequential_batches(tokens, batch, block, max_batches=steps))):
-        start = time.perf_counter()
-        count = sum(1 for _ in batches)
-        seconds = time.perf_counter() - start
-        rows.append((f"{name}, {batch}x{block} cpu", f"{count / seconds:,.0f} batches/s",
-                     count * batch * block / seconds))
-    print(f"{'benchmark':42} {'rate':>18} {'tokens/s':>14}")
-    for name, rate, tokens_per_s in rows:
-        print(f"{name:42} {rate:>18} {tokens_per_s:>14,.0f}")
+# Command line
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_flags(PrepareConfig, argv)
-    if cfg.bench:
-        return _bench(cfg)
     start = time.perf_counter()
     meta = prepare(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)

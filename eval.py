@@ -29,14 +29,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from data import UserError, atomic_write_text, ensure_dataset, load_tokenizer, open_split, parse_flags, run_main
-from train import (autocast_context, evaluate, format_duration, load_checkpoint_model,
-                   pick_device, pick_dtype)
+from tqdm import tqdm
+
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line,
+                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main, write_json)
+from data import ensure_dataset, load_tokenizer, open_split, sequential_batches
+from loss import contrastive_accuracy, cwt_loss
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -45,14 +48,52 @@ LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, co
 class EvalConfig:
     ckpt: str = "out/ckpt.pt"  # a checkpoint written by train.py or finetune.py
     task: Literal["lambada", "val"] = "lambada"
-    data: Optional[str] = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
+    data: str | None = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
     batch_size: int = 16  # lambada: examples per forward pass; val: sequences per batch
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    max_examples: Optional[int] = None  # lambada: only the first N texts (quick runs; not comparable)
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    max_examples: int | None = None  # lambada: only the first N texts (quick runs; not comparable)
     split: Literal["train", "val"] = "val"  # val: which split of the checkpoint's dataset
-    max_batches: Optional[int] = None  # val: stop after this many batches (default: the whole split)
-    json: Optional[str] = None  # also write the results to this file
+    max_batches: int | None = None  # val: stop after this many batches (default: the whole split)
+    json: str | None = None  # also write the results to this file
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation loss (also what train.py reports during training)
+
+
+@torch.no_grad()
+def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.device,
+             dtype: torch.dtype = torch.float32, max_batches: int | None = None,
+             contrastive: bool = False, temperature: float = 1.0) -> dict[str, float]:
+    """Validation metrics on a deterministic sequential pass, comparable across training losses.
+
+    `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
+    With `contrastive`, also the contrastive loss (paper definition, in-batch negatives) and its top-1
+    accuracy, against the same table as `val_ce` (for CWT that is the input embedding E).
+    """
+    was_training = model.training
+    model.eval()
+    total_ce, total_tokens, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
+    for x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches):
+        with autocast_context(device, dtype):
+            h = model.hidden(x)
+            logits = model.logits(h).float()
+            total_ce += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            if contrastive:
+                e = model.output_weight[y]  # the tied E, or the nce ablation's own output table
+                cwt_sum += cwt_loss(h, e, temperature).item()
+                acc_sum += contrastive_accuracy(h, e, y).item()
+        total_tokens += y.numel()
+        n_batches += 1
+    model.train(was_training)
+    if n_batches == 0:
+        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
+    val_ce = total_ce / total_tokens
+    metrics = {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0))}
+    if contrastive:
+        metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,30 +126,9 @@ def encode_example(tokenizer, text: str) -> tuple[list[int], list[int]]:
 
 def _target_logits(model, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """model(x)[rows, cols], projecting only those positions onto the vocabulary when the model allows."""
-    if hasattr(model, "hidden") and hasattr(model, "output_weight"):  # GPT.forward = hidden @ output_weight.T
-        return model.hidden(x)[rows, cols] @ model.output_weight.T
+    if hasattr(model, "hidden") and hasattr(model, "logits"):  # a GPT: forward = logits(hidden(x))
+        return model.logits(model.hidden(x)[rows, cols])
     return model(x)[rows, cols]
-
-
-class Progress:
-    """A throttled progress line on stderr (done/total, examples/s, ETA); redrawn in place on a terminal."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True):
-        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
-        self.tty = sys.stderr.isatty()
-        self.start = self.shown = time.time()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.time()
-        if not self.enabled or (now - self.shown < (0.25 if self.tty else 15) and self.done < self.total):
-            return
-        self.shown = now
-        rate = self.done / max(now - self.start, 1e-9)
-        eta = format_duration((self.total - self.done) / max(rate, 1e-9))
-        end = "\r" if self.tty and self.done < self.total else "\n"
-        print(f"{self.label} {self.done}/{self.total} ({100 * self.done / self.total:.0f}%) | "
-              f"{rate:.1f} examples/s | ETA {eta}  ", end=end, file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
@@ -132,7 +152,8 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
     lls, greedy = [0.0] * len(examples), [False] * len(examples)
     was_training = model.training
     model.eval()
-    bar, start, tokens = Progress(len(examples), "lambada", progress), time.time(), 0
+    bar = tqdm(total=len(examples), desc="lambada", unit="ex", disable=not progress, file=sys.stderr)
+    start, tokens = time.time(), 0
     for b0 in range(0, len(order), batch_size):
         batch = order[b0:b0 + batch_size]
         x = torch.zeros(len(batch), len(examples[batch[0]][0]), dtype=torch.long)  # pad id 0, on the right
@@ -157,6 +178,7 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
             lls[i], greedy[i] = token_lp[k:k + m].sum().item(), bool(hit[k:k + m].all())
             k += m
         bar.update(len(batch))
+    bar.close()
     model.train(was_training)
     n = len(examples)
     return {"n": n, "acc": sum(greedy) / n, "ppl": math.exp(min(-sum(lls) / n, 700.0)), "tokens": tokens,
@@ -199,8 +221,7 @@ def load_lambada(data: str | None) -> list[str]:
 
         return list(datasets.load_dataset(name, config, split=split)["text"])
     except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"could not load {name} ({reason}); offline? pass --data=FILE.jsonl "
+        raise UserError(f"could not load {name} ({first_line(e)}); offline? pass --data=FILE.jsonl "
                         "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl)") from None
 
 
@@ -243,7 +264,8 @@ def main(argv: list[str]) -> dict:
             raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    model, ckpt = load_checkpoint_model(cfg.ckpt, device)
+    ckpt = load_checkpoint(cfg.ckpt)
+    model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if cfg.task == "lambada":
         result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:
@@ -251,7 +273,7 @@ def main(argv: list[str]) -> dict:
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
               "batch_size": cfg.batch_size}
     if cfg.json:
-        atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
+        write_json(cfg.json, result)
     return result
 
 

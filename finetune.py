@@ -14,34 +14,45 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from data import UserError, parse_flags, run_main
+from common import DeviceName, DtypeName, UserError, load_checkpoint, parse_flags, run_main
 from loss import LossName
-from train import TrainConfig, load_checkpoint, train
+from model import PresetName
+from train import TrainConfig, train
 
 # Fine-tuning learning rate by preset. For Pythia-70m the paper gives 1e-4 (text) and 1e-5 (a table);
 # 4e-5 sits between them. The small, briefly trained presets need a larger one for such a short run.
 FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "gpt2-124m": 3e-5}
-
-# Settings inherited from the pre-training run unless given: same data, shape and batch.
-INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad_accum", "device", "dtype",
-             "compile", "eval_batches")
 
 
 @dataclass
 class FinetuneConfig(TrainConfig):
     ckpt: str = ""  # the pre-trained checkpoint to start from (required)
     budget_fraction: float = 0.02  # of the checkpoint's pre-training tokens
-    tokens: Optional[int] = None  # an explicit token budget instead
-    max_iters: Optional[int] = None  # or an explicit number of steps
+    tokens: int | None = None  # an explicit token budget instead
+    max_iters: int | None = None  # or an explicit number of steps
     loss: LossName = "ce"
-    lr: Optional[float] = None  # default: FINETUNE_LR for the preset
-    min_lr: Optional[float] = None  # cosine only; default lr / 10
+    lr: float | None = None  # default: FINETUNE_LR for the preset
+    min_lr: float | None = None  # cosine only; default lr / 10
     lr_schedule: Literal["cosine", "constant"] = "constant"
-    warmup_iters: Optional[int] = None  # default: 20% of the steps, as the paper (2000 of 10000)
+    warmup_iters: int | None = None  # default: 20% of the steps, as the paper (2000 of 10000)
     eval_interval: int = 50
     out_dir: str = "out-ft"
+    # None: the pre-training run's own setting (same data, shape, batch and system)
+    dataset: str | None = None
+    data_root: str | None = None
+    preset: PresetName | None = None
+    batch_size: int | None = None
+    grad_accum: int | None = None
+    eval_batches: int | None = None
+    device: DeviceName | None = None
+    dtype: DtypeName | None = None
+    compile: bool | None = None
+
+
+INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad_accum", "eval_batches",
+             "device", "dtype", "compile")
 
 
 def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float = 0.02,
@@ -53,26 +64,35 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
     return max(1, math.ceil(budget / tokens_per_iter))
 
 
-def resolve_config(argv: list[str]) -> FinetuneConfig:
-    """Parse flags, filling unset data/shape settings from the pre-training run's own config."""
-    first = parse_flags(FinetuneConfig, argv)
-    if not first.ckpt:
-        raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.pt)")
-    base_cfg = load_checkpoint(first.ckpt).get("train_config", {})
-    inherited = {k: base_cfg[k] for k in INHERITED if k in base_cfg}
-    cfg = parse_flags(FinetuneConfig, argv, defaults=inherited)
+def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
+    """Fill the settings left unset (None) from the pre-training run's config, then check them."""
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
     if not 0 < cfg.budget_fraction <= 1:
         raise UserError(f"--budget_fraction must be in (0, 1], got {cfg.budget_fraction}")
     if cfg.tokens is not None and cfg.tokens < 1:
         raise UserError(f"--tokens must be positive, got {cfg.tokens}")
-    return cfg
+    base_cfg, defaults = base.get("train_config", {}), TrainConfig()
+    filled = {k: base_cfg.get(k, getattr(defaults, k)) for k in INHERITED if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **filled)
+
+
+def base_checkpoint(cfg: FinetuneConfig) -> dict:
+    if not cfg.ckpt:
+        raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.pt)")
+    return load_checkpoint(cfg.ckpt)
+
+
+def resolve_config(argv: list[str]) -> FinetuneConfig:
+    """The complete settings of a command line, unset ones taken from the checkpoint's run."""
+    cfg = parse_flags(FinetuneConfig, argv)
+    return inherit_settings(cfg, base_checkpoint(cfg))
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune `cfg.ckpt` with an LM head; returns train()'s summary plus the budget figures."""
-    base = load_checkpoint(cfg.ckpt)
+    base = base_checkpoint(cfg)
+    cfg = inherit_settings(cfg, base)
     pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
     pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
     block = cfg.block_size or base["model_config"]["block_size"]
@@ -98,7 +118,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    finetune(resolve_config(argv))
+    finetune(parse_flags(FinetuneConfig, argv))
 
 
 if __name__ == "__main__":

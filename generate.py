@@ -16,19 +16,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal, Optional
+from typing import Iterable, Iterator
 
 import torch
 
-from data import UserError, load_tokenizer, parse_flags, run_main
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, load_checkpoint,
+                    parse_flags, pick_device, pick_dtype, repeatable, run_main)
+from data import load_tokenizer
 from model import GPT, KVCache
-from train import autocast_context, load_checkpoint_model, pick_device, pick_dtype
 
 
 @dataclass
 class GenerateConfig:
     ckpt: str = "out/ckpt.pt"  # a train.py or finetune.py checkpoint
-    prompt: str = ""  # the text to continue; repeat --prompt=... for several prompts
+    prompt: list[str] = repeatable()  # the text to continue; repeat --prompt=... for several prompts
     prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
     max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first
     temperature: float = 0.8  # 0 = greedy (always the most likely token)
@@ -37,8 +38,8 @@ class GenerateConfig:
     num_samples: int = 1  # samples per prompt
     seed: int = 1337
     kv_cache: bool = True  # false: recompute the whole context for every token (slow; for checking)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None) -> int:
+                 generator: torch.Generator | None = None) -> int:
     """One token id from fp32 logits (V,): argmax at temperature 0, else a filtered softmax draw."""
     if temperature == 0:
         return int(logits.argmax())
@@ -72,8 +73,8 @@ def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
 
 @torch.inference_mode()
 def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, eot_token: Optional[int] = None, use_cache: bool = True,
-             generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None) -> Iterator[int]:
+             top_k: int = 0, top_p: float = 1.0, eot_token: int | None = None, use_cache: bool = True,
+             generator: torch.Generator | None = None, vocab_size: int | None = None) -> Iterator[int]:
     """Yield up to max_new_tokens new token ids, one at a time; stop (without yielding it) at eot_token.
 
     With `use_cache`, a KVCache holds past keys/values, so each new token runs the model on one
@@ -102,7 +103,7 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
             cache.reset()
             todo = ids[-max(1, block // 2):]
         h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]
-        logits = (h @ model.output_weight.T).float()[:vocab_size]  # the last position's scores only
+        logits = model.logits(h).float()[:vocab_size]  # the last position's scores only
         token = sample_token(logits, temperature, top_k, top_p, generator)
         if token == eot_token:
             return
@@ -128,11 +129,9 @@ def check_config(cfg: GenerateConfig) -> None:
             raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
 
 
-def read_prompts(cfg: GenerateConfig, argv: list[str]) -> list[str]:
-    """Every --prompt flag (parse_flags keeps only the last), then the prompts of --prompt_file."""
-    prompts = [a.partition("=")[2] for a in argv if a.partition("=")[0] == "--prompt"]
-    if not prompts and cfg.prompt:  # from --config=FILE
-        prompts = [cfg.prompt]
+def read_prompts(cfg: GenerateConfig) -> list[str]:
+    """Every --prompt, then the prompts of --prompt_file."""
+    prompts = list(cfg.prompt)
     if cfg.prompt_file:
         path = Path(cfg.prompt_file)
         if not path.is_file():
@@ -146,7 +145,7 @@ def read_prompts(cfg: GenerateConfig, argv: list[str]) -> list[str]:
     return prompts
 
 
-def calibration_note(ckpt: dict) -> Optional[str]:
+def calibration_note(ckpt: dict) -> str | None:
     """Raw contrastive checkpoints (cwt, nce) score tokens without calibrated probabilities."""
     loss = ckpt.get("train_config", {}).get("loss")
     if loss not in ("cwt", "nce"):
@@ -176,10 +175,11 @@ def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out
 def main(argv: list[str]) -> None:
     cfg = parse_flags(GenerateConfig, argv)
     check_config(cfg)
-    prompts = read_prompts(cfg, argv)
+    prompts = read_prompts(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    model, ckpt = load_checkpoint_model(cfg.ckpt, device)
+    ckpt = load_checkpoint(cfg.ckpt)
+    model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
     if tokenizer.n_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} "

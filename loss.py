@@ -101,6 +101,14 @@ def contrastive_accuracy(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor
 LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
 
 
+def scored_columns(loss: LossName, vocab_size: int, candidates: int, num_negatives: int | None = None) -> int:
+    """How many output vectors each position is scored against (for FLOP estimates): V for `ce`; for the
+    contrastive losses the candidate embeddings (the N positions of the micro-batch, or the U distinct
+    tokens with unique negatives), at most k + 1 with a sampled subset of k; `ce+cwt` pays both."""
+    contrastive = min(num_negatives + 1, candidates) if num_negatives else candidates
+    return {"ce": vocab_size, "cwt": contrastive, "nce": contrastive, "ce+cwt": vocab_size + contrastive}[loss]
+
+
 def training_loss(
     h: torch.Tensor,
     targets: torch.Tensor,

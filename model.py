@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,8 @@ class GPTConfig:
 
 
 # Shapes only; the vocabulary comes from the tokenizer. `pythia-70m` is the paper's decoder.
-PRESETS: dict[str, dict] = {
+PresetName = Literal["tiny", "pythia-70m", "gpt2-124m"]
+PRESETS: dict[PresetName, dict] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=256),
     "pythia-70m": dict(n_layer=6, n_head=8, d_model=512, block_size=2048),
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, block_size=1024),
@@ -176,9 +178,13 @@ class GPT(nn.Module):
             cache.pos += T
         return self.norm(x)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (..., V) from final hidden states (..., d): through the LM head, else the tied E."""
+        return h @ self.output_weight.T
+
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Next-token logits (B, T, V) at every position."""
-        return self.hidden(idx, cache) @ self.output_weight.T
+        return self.logits(self.hidden(idx, cache))
 
     def add_lm_head(self) -> None:
         """Give a headless model an untied LM head initialised as a copy of the input embeddings.
@@ -201,12 +207,12 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel() + (self.lm_head.weight.numel() if self.lm_head is not None else 0)
         return n
 
-    def flops_per_token(self, seq_len: int, head_columns: int) -> float:
+    def flops_per_token(self, seq_len: int, scored_columns: int) -> float:
         """Training FLOPs (forward + backward) per token, PaLM-style: 6 per weight per token in the
         blocks, attention scores 12 * n_layer * d * T, and 6 * d * C for an output layer scored
         against C columns: C = V for cross-entropy, C = the number of candidate embeddings for CWT."""
         c = self.config
-        return 6 * self.num_params(embeddings=False) + 12 * c.n_layer * c.d_model * seq_len + 6 * c.d_model * head_columns
+        return 6 * self.num_params(embeddings=False) + 12 * c.n_layer * c.d_model * seq_len + 6 * c.d_model * scored_columns
 
     def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
                             eps: float = 1e-8) -> torch.optim.AdamW:
@@ -229,20 +235,19 @@ def build_model(preset: str, vocab_size: int, **overrides) -> GPT:
     return GPT(GPTConfig(vocab_size=vocab_size, **{**PRESETS[preset], **overrides}))
 
 
-def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip the `_orig_mod.` prefix torch.compile adds, so compiled and eager checkpoints match."""
-    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-
-
 def model_from_checkpoint(ckpt: dict, **config_overrides) -> GPT:
     """Rebuild the model stored in a checkpoint dict (`model` weights + `model_config`)."""
     model = GPT(GPTConfig(**{**ckpt["model_config"], **config_overrides}))
-    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    # torch.compile prefixes names with `_orig_mod.`: strip it so compiled and eager checkpoints match
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
     return model
 
 
 def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
-    """Rebuild a model from a checkpoint written by train.py (or finetune.py), in eval mode."""
+    """Rebuild a model from a checkpoint written by train.py (or finetune.py), in eval mode.
+
+    The one function of this file that reads a file: the scripts use common.load_checkpoint, which
+    turns every kind of bad file into a one-line error; this is for notebooks and other programs."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not a headless-lm checkpoint (no model weights or model_config)")

@@ -5,30 +5,29 @@
     python train.py --preset=pythia-70m --dataset=roneneldan/TinyStories --compile
 
 Settings are the fields of `TrainConfig`, overridden by `--key=value` flags or `--config=FILE.json|toml`.
-finetune.py runs this same loop (`train(cfg)`) to add and train an LM head.
+finetune.py and compare.py run this same loop (`train(cfg)`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import re
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 
-from data import (BatchSampler, UserError, ensure_dataset, load_meta, open_split, parse_flags, run_main,
-                  sequential_batches)
-from loss import LossName, contrastive_accuracy, cwt_loss, training_loss
-from model import GPT, PRESETS, build_model, model_from_checkpoint, padded_vocab_size
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, format_duration,
+                    load_checkpoint, parse_flags, peak_flops, pick_device, pick_dtype, run_main, save_checkpoint)
+from data import BatchSampler, ensure_dataset, load_meta, open_split
+from eval import evaluate
+from loss import LossName, scored_columns, training_loss
+from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
 
 @dataclass
@@ -37,14 +36,14 @@ class TrainConfig:
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
     data_root: str = "data"
     # model
-    preset: Literal["tiny", "pythia-70m", "gpt2-124m"] = "tiny"
-    block_size: Optional[int] = None  # context length; default: the preset's (tiny: 256)
+    preset: PresetName = "tiny"
+    block_size: int | None = None  # context length; default: the preset's (tiny: 256)
     dropout: float = 0.0
     # objective
     loss: LossName = "cwt"
     temperature: float = 1.0
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
-    num_negatives: Optional[int] = None  # score against a random subset of k candidates (not in paper)
+    num_negatives: int | None = None  # score against a random subset of k candidates (not in paper)
     # optimisation
     batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
     grad_accum: int = 1
@@ -65,8 +64,8 @@ class TrainConfig:
     out_dir: str = "out"
     resume: bool = False  # continue from out_dir/ckpt.pt
     # system
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
     compile: bool = False
     seed: int = 1337
     # starting from another checkpoint (what finetune.py sets)
@@ -76,10 +75,6 @@ class TrainConfig:
 
 
 CKPT_NAME = "ckpt.pt"
-
-
-# ----------------------------------------------------------------------------------------------
-# Set-up
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -101,82 +96,65 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError("--freeze_body trains only the LM head; it needs --add_lm_head (or use finetune.py)")
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device=cuda but no CUDA GPU is visible; use --device=auto or --device=cpu")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+# ----------------------------------------------------------------------------------------------
+# Where the weights come from: fresh, our own checkpoint (--resume), or another run's (--init_from)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that have it, fp16 (with loss scaling) on older ones, fp32 on CPU by default."""
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name == "float16" and device.type != "cuda":
-        raise UserError("--dtype=float16 needs a CUDA GPU; on CPU use --dtype=float32 or bfloat16")
-    return getattr(torch, name)
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for matmuls; the losses upcast their scores to fp32 themselves."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dict:
-    """A checkpoint dict, with a one-line error for a missing or foreign file."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} not found; train one with `python train.py` or pass --ckpt=PATH")
-    try:
-        # mmap: tensors are read lazily, so looking at a big checkpoint's metadata is cheap
-        ckpt = torch.load(path, map_location=device, weights_only=True, mmap=True)
-    except Exception as e:  # a truncated or foreign file: say so without a traceback
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UserError(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py checkpoint")
-    return ckpt
-
-
-def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GPT, dict]:
-    """`model.load_model` with one-line errors: the model (eval mode, on device) and the checkpoint dict
-    (its `data_meta` names the tokenizer, its `train_config` the data and loss)."""
-    ckpt = load_checkpoint(path, "cpu")
-    return rebuild_model(ckpt, path).to(device).eval(), ckpt
-
-
-def rebuild_model(ckpt: dict, path: str | Path, **config_overrides) -> GPT:
-    """model.model_from_checkpoint, with a one-line error for a checkpoint of other model code."""
-    try:
-        return model_from_checkpoint(ckpt, **config_overrides)
-    except (TypeError, RuntimeError) as e:
-        raise UserError(f"{path} does not match this model code: {str(e).strip().splitlines()[0]}") from None
-
-
-def build_fresh_model(cfg: TrainConfig, vocab_size: int) -> GPT:
-    """A new model for this config: `nce` needs its own output table (no weight tying)."""
+def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, dict | None, dict | None]:
+    """(model, the checkpoint being resumed or None, the checkpoint started from or None)."""
+    if cfg.resume:
+        if not ckpt_path.is_file():
+            raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
+                            "or start without --resume")
+        resumed = load_checkpoint(ckpt_path)
+        if resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
+            raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
+        check_same_tokenizer(meta, resumed, ckpt_path)
+        return continued_model(resumed, ckpt_path, cfg), resumed, None
+    if cfg.init_from:
+        base = load_checkpoint(cfg.init_from)
+        check_same_tokenizer(meta, base, cfg.init_from)
+        model = continued_model(base, cfg.init_from, cfg)
+        if cfg.add_lm_head:
+            model.add_lm_head()
+        return model, None, base
     block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
-    return build_model(cfg.preset, padded_vocab_size(vocab_size), block_size=block, dropout=cfg.dropout,
-                       lm_head=cfg.loss == "nce")
+    # `nce` needs its own output table (no weight tying)
+    model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"]), block_size=block, dropout=cfg.dropout,
+                        lm_head=cfg.loss == "nce")
+    return model, None, None
 
 
-def model_to_continue(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
-    """The checkpoint's model, to train further with this run's dropout."""
+def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
+    """A checkpoint's model, to train further with this run's dropout."""
     context = ckpt["model_config"].get("block_size", 0)
     if cfg.block_size is not None and cfg.block_size > context:
         raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
-    return rebuild_model(ckpt, path, dropout=cfg.dropout)
+    return checkpoint_model(ckpt, path, dropout=cfg.dropout)
 
 
-def check_data_matches(meta: dict, ckpt_meta: dict, where: str) -> None:
+def check_same_tokenizer(meta: dict, ckpt: dict, where: str | Path) -> None:
     """A model only makes sense on data from the tokenizer it was trained with."""
-    if ckpt_meta and ckpt_meta.get("tokenizer") != meta.get("tokenizer"):
-        raise UserError(f"{where} was trained with tokenizer {ckpt_meta.get('tokenizer')!r} but the dataset "
-                        f"uses {meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
+    trained_with = ckpt.get("data_meta", {}).get("tokenizer")
+    if trained_with and trained_with != meta.get("tokenizer"):
+        raise UserError(f"{where} was trained with tokenizer {trained_with!r} but the dataset uses "
+                        f"{meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
+
+
+def restore_state(run: Run, resumed: dict) -> None:
+    """Continue exactly where a checkpoint stopped: optimizer, loss scale, step, compute and RNG state."""
+    try:
+        run.optimizer.load_state_dict(resumed["optimizer"])
+    except (KeyError, ValueError):
+        raise UserError(f"{run.ckpt_path} holds the optimizer of other trainable parameters; resume with the "
+                        "interrupted run's settings (--freeze_body, --loss)") from None
+    if run.scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
+        run.scaler.load_state_dict(resumed["scaler"])
+    run.step, run.first_val, run.val = resumed["step"], resumed.get("first_val"), resumed.get("val")
+    run.earlier_tokens, run.earlier_flops = resumed["base_tokens"], resumed["base_flops"]
+    torch.set_rng_state(resumed["rng"]["torch"])
+    if run.device.type == "cuda" and resumed["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(resumed["rng"]["cuda"])
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -189,76 +167,139 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def head_columns(cfg: TrainConfig, vocab_size: int, tokens_per_micro_batch: int) -> int:
-    """How many output vectors each position is scored against (for the FLOP estimate)."""
-    contrastive = min(cfg.num_negatives + 1, tokens_per_micro_batch) if cfg.num_negatives else tokens_per_micro_batch
-    return {"ce": vocab_size, "cwt": contrastive, "nce": contrastive, "ce+cwt": vocab_size + contrastive}[cfg.loss]
+# ----------------------------------------------------------------------------------------------
+# A run: everything the loop reads and updates, set up once
 
 
-# Dense bf16 peak FLOP/s, for MFU. Add your GPU here if it is missing.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}
+@dataclass
+class Run:
+    cfg: TrainConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    val_tokens: np.ndarray
+    meta: dict
+    out_dir: Path
+    block_size: int
+    loss_fn: Callable[..., torch.Tensor]  # compute_loss, compiled with --compile
+    tokens_per_iter: int
+    flops_per_token: float
+    step: int = 0
+    first_val: dict | None = None
+    val: dict | None = None
+    earlier_tokens: int = 0  # tokens and FLOPs of the checkpoints this run started from, so budgets
+    earlier_flops: float = 0.0  # and compute add up across stages (pre-training, fine-tune)
+    negatives_rng: torch.Generator = dataclasses.field(default_factory=torch.Generator)
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out_dir / CKPT_NAME
+
+    @property
+    def tokens(self) -> int:
+        return self.step * self.tokens_per_iter
 
 
-def peak_flops(device: torch.device) -> float | None:
-    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
-def peak_flops_of(gpu_name: str) -> float | None:
-    """Match whole words of the name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
-    return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", gpu_name)), None)
+def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
+    """Device, data, model, optimizer; restored from out_dir's checkpoint with --resume. Returns the run
+    and the resumed checkpoint (None for a new run)."""
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
+    data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
+    meta = load_meta(data_dir)
+    out_dir = Path(cfg.out_dir)
+    model, resumed, base = choose_model(cfg, meta, out_dir / CKPT_NAME)
+    if cfg.loss == "nce" and model.lm_head is None:
+        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
+    if cfg.freeze_body:
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("lm_head.")
+    model.to(device)
+    block_size = cfg.block_size or model.config.block_size
+    vocab_size = model.config.vocab_size
+    tokens_per_micro = cfg.batch_size * block_size
+    columns = scored_columns(cfg.loss, vocab_size, tokens_per_micro, cfg.num_negatives)
+    run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
+              optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
+              scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+              sampler=BatchSampler(open_split(data_dir, "train", vocab_size), cfg.batch_size, block_size,
+                                   cfg.seed, device),
+              val_tokens=open_split(data_dir, "val", vocab_size), meta=meta, out_dir=out_dir,
+              block_size=block_size, loss_fn=torch.compile(compute_loss) if cfg.compile else compute_loss,
+              tokens_per_iter=tokens_per_micro * cfg.grad_accum,
+              flops_per_token=model.flops_per_token(block_size, columns))
+    if base:
+        run.earlier_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
+        run.earlier_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
+    if resumed:
+        restore_state(run, resumed)
+    return run, resumed
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation (also used by eval.py --task=val)
+# Steps, validation, checkpoints, logs
 
 
-@torch.no_grad()
-def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
-             dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             contrastive: bool = False, temperature: float = 1.0) -> dict[str, float]:
-    """Validation metrics on a deterministic sequential pass, comparable across training losses.
-
-    `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
-    With `contrastive`, also the contrastive loss (paper definition, in-batch negatives) and its top-1
-    accuracy, against the same table as `val_ce` (for CWT that is the input embedding E).
-    """
-    was_training = model.training
-    model.eval()
-    total_ce, total_tokens, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
-    for x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches):
-        with autocast_context(device, dtype):
-            h = model.hidden(x)
-            logits = (h @ model.output_weight.T).float()
-            total_ce += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            if contrastive:
-                e = model.output_weight[y]  # the tied E, or the nce ablation's own output table
-                cwt_sum += cwt_loss(h, e, temperature).item()
-                acc_sum += contrastive_accuracy(h, e, y).item()
-        total_tokens += y.numel()
-        n_batches += 1
-    model.train(was_training)
-    if n_batches == 0:
-        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    val_ce = total_ce / total_tokens
-    metrics = {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0))}
-    if contrastive:
-        metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
-    return metrics
+def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+                 negatives_rng: torch.Generator) -> torch.Tensor:
+    """The training objective of one micro-batch, from the model's final hidden states."""
+    return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
+                         cfg.negatives, cfg.num_negatives, negatives_rng)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and logs
+def train_step(run: Run) -> torch.Tensor:
+    """One optimizer step over grad_accum micro-batches; returns the mean loss (still on the device)."""
+    cfg, step = run.cfg, run.step
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        x, y = run.sampler.get(step * cfg.grad_accum + micro)  # batch i is a function of (seed, i) only
+        run.negatives_rng.manual_seed(cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
+        with autocast_context(run.device, run.dtype):
+            loss = run.loss_fn(run.model, x, y, cfg, run.negatives_rng) / cfg.grad_accum
+        run.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    if cfg.grad_clip > 0:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return loss_sum
 
 
-def save_checkpoint(path: Path, payload: dict) -> None:
-    """Write to a temp file, then rename: a crash mid-save never leaves a truncated checkpoint."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name says the checkpoint is complete
-    os.replace(tmp, path)
+def validate(run: Run) -> dict[str, float]:
+    """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
+    cfg = run.cfg
+    val = evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
+                   cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
+    print(f"step {run.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
+    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
+    if not math.isfinite(val["val_ce"]):
+        raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
+                        f"(the last good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
+    run.val, run.first_val = val, run.first_val or val
+    return val
+
+
+def checkpoint(run: Run) -> None:
+    """Save everything needed to continue exactly, and what it took to get here (tokens, FLOPs)."""
+    save_checkpoint(run.ckpt_path, {
+        "model": run.model.state_dict(), "model_config": dataclasses.asdict(run.model.config),
+        "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "step": run.step,
+        "train_config": dataclasses.asdict(run.cfg), "data_meta": run.meta, "val": run.val,
+        "first_val": run.first_val, "tokens_seen": run.tokens, "flops": run.tokens * run.flops_per_token,
+        "base_tokens": run.earlier_tokens, "base_flops": run.earlier_flops,
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None}})
 
 
 def append_log(out_dir: Path, record: dict) -> None:
@@ -266,9 +307,15 @@ def append_log(out_dir: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+def report_progress(run: Run, loss: float, seconds: float, steps: int, eta: float) -> None:
+    """The progress line (loss, lr, tokens/s over the last interval, ETA, MFU on GPUs) and its log record."""
+    tok_s = steps * run.tokens_per_iter / max(seconds, 1e-9)
+    peak = peak_flops(run.device)
+    mfu = f" | MFU {100 * tok_s * run.flops_per_token / peak:.1f}%" if peak else ""
+    lr = lr_at(run.step - 1, run.cfg)
+    print(f"step {run.step}/{run.cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+          f"ETA {format_duration(eta)}{mfu}", file=sys.stderr)
+    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
 
 
 class StopFlag:
@@ -301,172 +348,55 @@ class StopFlag:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training as configured; returns a summary (first/last validation metrics, tokens, FLOPs)."""
     check_config(cfg)
-    device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
-    torch.manual_seed(cfg.seed)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-
-    data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
-    meta = load_meta(data_dir)
-    out_dir = Path(cfg.out_dir)
-    ckpt_path = out_dir / CKPT_NAME
-
-    # Where the weights come from: our own checkpoint (resume), another run's (fine-tune), or fresh.
-    if cfg.resume and not ckpt_path.is_file():
-        raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
-                        "or start without --resume")
-    resumed = load_checkpoint(ckpt_path, "cpu") if cfg.resume else None
-    if cfg.resume and resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
-        raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
-    base = load_checkpoint(cfg.init_from, "cpu") if cfg.init_from and not resumed else None
-    if resumed or base:
-        check_data_matches(meta, (resumed or base).get("data_meta", {}), str(ckpt_path if resumed else cfg.init_from))
-    if resumed:
-        model = model_to_continue(resumed, ckpt_path, cfg)
-    elif base:
-        model = model_to_continue(base, cfg.init_from, cfg)
-        if cfg.add_lm_head:
-            model.add_lm_head()
-    else:
-        model = build_fresh_model(cfg, meta["vocab_size"])
-    block_size = cfg.block_size or model.config.block_size
-    if cfg.loss == "nce" and model.lm_head is None:
-        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
-    if cfg.freeze_body:
-        for name, p in model.named_parameters():
-            p.requires_grad = name.startswith("lm_head.")
-    model.to(device)
-
-    train_tokens = open_split(data_dir, "train", model.config.vocab_size)
-    val_tokens = open_split(data_dir, "val", model.config.vocab_size)
-    sampler = BatchSampler(train_tokens, cfg.batch_size, block_size, cfg.seed, device)
-
-    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    lineage = {"base_tokens": 0, "base_flops": 0.0}
-    if base:  # what it took to make the starting point, so budgets and compute add up across stages
-        lineage = {"base_tokens": base.get("base_tokens", 0) + base.get("tokens_seen", 0),
-                   "base_flops": base.get("base_flops", 0.0) + base.get("flops", 0.0)}
-    start_step = 0
-    if resumed:
-        try:
-            optimizer.load_state_dict(resumed["optimizer"])
-        except (KeyError, ValueError):
-            raise UserError(f"{ckpt_path} holds the optimizer of other trainable parameters; resume with the "
-                            "interrupted run's settings (--freeze_body, --loss)") from None
-        if scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
-            scaler.load_state_dict(resumed["scaler"])
-        start_step = resumed["step"]
-        lineage = {k: resumed[k] for k in lineage}
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if device.type == "cuda" and resumed["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(resumed["rng"]["cuda"])
-
-    tokens_per_micro = cfg.batch_size * block_size
-    tokens_per_iter = tokens_per_micro * cfg.grad_accum
-    flops_per_token = model.flops_per_token(block_size, head_columns(cfg, model.config.vocab_size, tokens_per_micro))
-    peak = peak_flops(device)
+    run, resumed = set_up(cfg)
+    model = run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model {cfg.preset}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
           f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
-          f"{device.type} {str(dtype).removeprefix('torch.')} | {tokens_per_iter:,} tokens/iter", file=sys.stderr)
-
-    embedding = model.wte.weight
-    contrastive = cfg.loss != "ce"
-    negatives_rng = torch.Generator()
-
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return training_loss(model.hidden(x), y, embedding, model.output_weight, cfg.loss, cfg.temperature,
-                             cfg.negatives, cfg.num_negatives, negatives_rng)
-
-    step_loss = torch.compile(loss_of) if cfg.compile else loss_of
-
-    def validate(step: int) -> dict[str, float]:
-        """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
-        val = evaluate(model, val_tokens, cfg.batch_size, block_size, device, dtype, cfg.eval_batches,
-                       contrastive, cfg.temperature)
-        print(f"step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
-        append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, **val})
-        if not math.isfinite(val["val_ce"]):
-            raise UserError(f"validation loss became {val['val_ce']} at step {step}; stopped without saving "
-                            f"(the last good checkpoint is {ckpt_path} if any): lower --lr or raise --warmup_iters")
-        return val
-
-    def checkpoint(step: int, val: dict | None, first_val: dict | None) -> dict:
-        return {"first_val": first_val, "model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
-                "train_config": dataclasses.asdict(cfg), "data_meta": meta, "val": val,
-                "tokens_seen": step * tokens_per_iter, "flops": step * tokens_per_iter * flops_per_token,
-                **lineage, "rng": {"torch": torch.get_rng_state(),
-                                   "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}}
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+          f"{run.device.type} {str(run.dtype).removeprefix('torch.')} | {run.tokens_per_iter:,} tokens/iter",
+          file=sys.stderr)
+    run.out_dir.mkdir(parents=True, exist_ok=True)
     if not resumed:  # a fresh run starts a fresh log
-        (out_dir / "log.jsonl").unlink(missing_ok=True)
-    first_val = resumed.get("first_val") if resumed else None
-    val = resumed.get("val") if resumed else None
-    step, last_loss = start_step, float("nan")
-    t_start, t_log, step_at_log = time.time(), time.time(), start_step
+        (run.out_dir / "log.jsonl").unlink(missing_ok=True)
+    start_step, last_loss = run.step, float("nan")
+    t_start = t_log = time.time()
+    step_at_log = start_step
     model.train()
     with StopFlag() as stop:
-        while step < cfg.max_iters and not stop.requested:
-            if step % cfg.eval_interval == 0 and not (resumed and step == start_step):
+        while run.step < cfg.max_iters and not stop.requested:
+            if run.step % cfg.eval_interval == 0 and not (resumed and run.step == start_step):
                 eval_start = time.time()
-                val = validate(step)
-                first_val = first_val or val
-                if step > start_step:
-                    save_checkpoint(ckpt_path, checkpoint(step, val, first_val))
+                validate(run)
+                if run.step > start_step:
+                    checkpoint(run)
                 t_log += time.time() - eval_start  # tokens/s counts training time only
 
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                x, y = sampler.get(step * cfg.grad_accum + micro)
-                negatives_rng.manual_seed(cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
-                with autocast_context(device, dtype):
-                    loss = step_loss(x, y) / cfg.grad_accum
-                scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+            loss_sum = train_step(run)
 
-            if step % cfg.log_interval == 0 or step == cfg.max_iters or stop.requested:
+            if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters or stop.requested:
                 last_loss = loss_sum.item()  # the only host sync per log interval
                 if not math.isfinite(last_loss):
-                    raise UserError(f"loss became {last_loss} at step {step}; stopped without saving (the last "
-                                    f"good checkpoint is {ckpt_path} if any): lower --lr or raise --warmup_iters")
+                    raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving (the last "
+                                    f"good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
                 now = time.time()
-                tok_s = (step - step_at_log) * tokens_per_iter / max(now - t_log, 1e-9)
                 # ETA from the whole run's pace (evaluations included), steadier than the last interval's
-                eta = (now - t_start) / (step - start_step) * (cfg.max_iters - step)
-                mfu = f" | MFU {100 * tok_s * flops_per_token / peak:.1f}%" if peak else ""
-                print(f"step {step}/{cfg.max_iters} | loss {last_loss:.4f} | lr {lr:.2e} | "
-                      f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}{mfu}", file=sys.stderr)
-                append_log(out_dir, {"step": step, "tokens": step * tokens_per_iter, "loss": last_loss,
-                                     "lr": lr, "tokens_per_s": tok_s})
-                t_log, step_at_log = now, step
+                eta = (now - t_start) / (run.step - start_step) * (cfg.max_iters - run.step)
+                report_progress(run, last_loss, now - t_log, run.step - step_at_log, eta)
+                t_log, step_at_log = now, run.step
 
         if not stop.requested:
-            val = validate(step)
-            first_val = first_val or val
-        save_checkpoint(ckpt_path, checkpoint(step, val, first_val))
+            validate(run)
+        checkpoint(run)
     elapsed = time.time() - t_start
     if stop.requested:
-        print(f"stopped at step {step}; checkpoint saved to {ckpt_path}; continue with --resume", file=sys.stderr)
+        print(f"stopped at step {run.step}; checkpoint saved to {run.ckpt_path}; continue with --resume",
+              file=sys.stderr)
     else:
-        print(f"done: {step} steps in {format_duration(elapsed)}; checkpoint {ckpt_path}", file=sys.stderr)
-    return {"step": step, "first_val": first_val, "val": val, "loss": last_loss, "ckpt": str(ckpt_path),
-            "tokens": lineage["base_tokens"] + step * tokens_per_iter,
-            "flops": lineage["base_flops"] + step * tokens_per_iter * flops_per_token,
-            "interrupted": stop.requested, "seconds": elapsed}
+        print(f"done: {run.step} steps in {format_duration(elapsed)}; checkpoint {run.ckpt_path}", file=sys.stderr)
+    return {"step": run.step, "first_val": run.first_val, "val": run.val, "loss": last_loss,
+            "ckpt": str(run.ckpt_path), "tokens": run.earlier_tokens + run.tokens,
+            "flops": run.earlier_flops + run.tokens * run.flops_per_token, "interrupted": stop.requested,
+            "seconds": elapsed}
 
 
 def main(argv: list[str]) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import eval as evaluation
-import train
-from data import UserError, load_tokenizer
+from common import UserError
+from data import load_tokenizer, open_split
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,8 +204,8 @@ def test_cli_val(tiny_data_dir, tmp_path):
     model = tiny_model(vocab_size=50304, std=0.02, d_model=16, n_layer=1, n_head=1, block_size=32)
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
-    tokens = train.open_split(tiny_data_dir, "val", 50304)
-    expected = train.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
+    tokens = open_split(tiny_data_dir, "val", 50304)
+    expected = evaluation.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
     assert result["ppl"] == pytest.approx(expected["val_ppl"]) and result["ce"] == pytest.approx(expected["val_ce"])
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import load_tokenizer, run_main
+from common import run_main
+from data import load_tokenizer
 from generate import filter_logits, generate, main, sample_token, stream_text
 from model import build_model
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import train
-from data import UserError
+from common import UserError
 from model import load_model
 from train import TrainConfig, lr_at
 
@@ -110,10 +111,10 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
 
 
 def test_peak_flops_match_whole_gpu_names():
-    assert train.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
-    assert train.peak_flops_of("NVIDIA L4") == 121e12
-    assert train.peak_flops_of("NVIDIA L40S") is None  # unknown, rather than wrong
-    assert train.peak_flops(torch.device("cpu")) is None
+    assert common.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert common.peak_flops_of("NVIDIA L4") == 121e12
+    assert common.peak_flops_of("NVIDIA L40S") is None  # unknown, rather than wrong
+    assert common.peak_flops(torch.device("cpu")) is None
 
 
 def test_lr_schedule():

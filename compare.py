@@ -1,0 +1,171 @@
+"""CE vs CWT at equal training compute: the paper's headline experiment, small enough for a CPU.
+
+    python compare.py                   # tiny preset on Shakespeare: CE, then CWT + its LM-head fine-tune
+    python compare.py --json=results/compare.json --plot=results/compare.png
+    python compare.py --preset=pythia-70m --dataset=roneneldan/TinyStories --lambada=lambada.jsonl
+
+CE trains for --ce_iters steps; that sets the FLOP budget (GPT.flops_per_token). CWT then trains for as
+many steps as fit in the same budget once its LM-head fine-tune (2% of its tokens, at CE's cost per token)
+is paid for. All three models are scored on validation CE and, with --lambada, on LAMBADA, in this process
+with train.py's, finetune.py's and eval.py's own functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import (DeviceName, DtypeName, checkpoint_model, import_pyplot, load_checkpoint, parse_flags,
+                    pick_device, run_main, write_json)
+from data import ensure_dataset, load_meta, load_tokenizer
+from eval import load_lambada, score_lambada
+from finetune import FinetuneConfig, finetune
+from loss import scored_columns
+from model import PresetName, build_model, padded_vocab_size
+from train import TrainConfig, train
+
+
+@dataclass
+class CompareConfig:
+    preset: PresetName = "tiny"
+    dataset: str = "shakespeare"
+    data_root: str = "data"
+    block_size: int = 128
+    batch_size: int = 8
+    ce_iters: int = 240  # length of the CE run: sets the FLOP budget both models get
+    finetune_fraction: float = 0.02  # CWT's head fine-tune, in pre-training tokens (paper: 2%)
+    lr: float = 1e-3
+    warmup_fraction: float = 0.1
+    evals: int = 6  # validation points per pre-training run
+    eval_batches: int = 4
+    lambada: str = ""  # LAMBADA .jsonl for eval.py; skipped when empty
+    out_dir: str = "out-compare"
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
+    seed: int = 1337
+    json: str = ""
+    plot: str = ""
+    quick: bool = False  # a few steps, for tests
+
+
+def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
+                    fraction: float) -> tuple[int, int]:
+    """CWT pre-training steps n and fine-tune steps ceil(fraction * n) (same tokens per step) such that
+    n * cwt + ft * ce <= ce_iters * ce FLOPs per token, with n as large as possible."""
+    budget = ce_iters * ce_flops_per_token
+    cost = lambda n: n * cwt_flops_per_token + max(1, math.ceil(fraction * n)) * ce_flops_per_token  # noqa: E731
+    n = max(1, int(budget / (cwt_flops_per_token + fraction * ce_flops_per_token)) + 1)
+    while n > 1 and cost(n) > budget:
+        n -= 1
+    return n, max(1, math.ceil(fraction * n))
+
+
+def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
+    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    return [(offset + r["tokens"] * flops_per_token, r["val_ce"]) for r in recs if "val_ce" in r]
+
+
+def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict:
+    """eval.py's LAMBADA scoring of one checkpoint, in this process."""
+    device = pick_device(cfg.device)
+    ckpt = load_checkpoint(ckpt_path)
+    model = checkpoint_model(ckpt, ckpt_path).to(device).eval()
+    tokenizer = load_tokenizer(ckpt["data_meta"].get("tokenizer", "gpt2"))
+    r = score_lambada(model, tokenizer, texts, device=device, progress=True)
+    return {"n": r["n"], "acc": r["acc"], "ppl": r["ppl"], "data": cfg.lambada}
+
+
+def run_compare(cfg: CompareConfig) -> dict:
+    """Train CE, then CWT and its head fine-tune on the same FLOP budget; score all three."""
+    texts = load_lambada(cfg.lambada) if cfg.lambada else None  # a bad file fails before any training
+    if cfg.quick:
+        cfg = dataclasses.replace(cfg, block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1,
+                                  finetune_fraction=0.1)
+    vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
+    shape = build_model(cfg.preset, vocab, block_size=cfg.block_size)
+    tokens_per_iter = cfg.batch_size * cfg.block_size
+    fpt = {loss: shape.flops_per_token(cfg.block_size, scored_columns(loss, vocab, tokens_per_iter))
+           for loss in ("ce", "cwt")}
+    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, fpt["ce"], fpt["cwt"], cfg.finetune_fraction)
+    budget = cfg.ce_iters * tokens_per_iter * fpt["ce"]
+    print(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
+          f"steps ({tokens_per_iter} tokens/step; {fpt['ce']:.3e} vs {fpt['cwt']:.3e} FLOPs/token)", file=sys.stderr)
+    root = Path(cfg.out_dir)
+    common = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
+                  batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
+                  seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+    runs = {}
+    for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters)):
+        shutil.rmtree(root / name, ignore_errors=True)
+        run_cfg = TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
+                              warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
+                              eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **common)
+        runs[name] = train(run_cfg)
+    shutil.rmtree(root / "cwt-ft", ignore_errors=True)
+    ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters, warmup_iters=max(1, min(10, ft_iters // 5)),
+                            eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **common)
+    runs["cwt-ft"] = finetune(ft_cfg)
+    curves = {"ce": val_curve(root / "ce" / "log.jsonl", fpt["ce"]),
+              "cwt": val_curve(root / "cwt" / "log.jsonl", fpt["cwt"]),
+              "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", fpt["ce"], runs["cwt"]["flops"])}
+    lam = {name: lambada_scores(run["ckpt"], texts, cfg) if texts else {"note": "skipped: no --lambada=FILE.jsonl"}
+           for name, run in runs.items()}
+    result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
+              "flops_per_token": fpt, "budget_flops": budget, "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters,
+                                                                         "cwt-ft": ft_iters},
+              "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
+                              "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
+              "curves": curves}
+    print(compare_table(result))
+    return result
+
+
+def compare_table(result: dict) -> str:
+    labels = {"ce": "CE (tied head)", "cwt": "CWT, raw (scored with tied E)", "cwt-ft": "CWT + head fine-tune"}
+    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE | LAMBADA acc / ppl |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in result["runs"].items():
+        lam = run["lambada"]
+        lam = f"{100 * lam['acc']:.1f}% / {lam['ppl']:,.0f}" if "acc" in lam else "-"
+        lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
+                     f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | {run['val_ce']:.4f} | {lam} |")
+    notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
+    lines += [f"\nLAMBADA: {note}" for note in sorted(notes)]
+    return "\n".join(lines)
+
+
+def plot_compare(result: dict, path: str) -> None:
+    plt = import_pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    names = {"ce": "CE", "cwt": "CWT (raw, tied E)", "cwt-ft": "CWT + LM-head fine-tune"}
+    for name, pts in result["curves"].items():
+        ax.plot(*zip(*pts), marker="o", ms=3, label=names[name])
+    ax.axvline(result["budget_flops"], color="grey", ls="--", lw=1, label="FLOP budget")
+    c = result["config"]
+    ax.set(xlabel="training FLOPs (estimate)", ylabel="validation cross-entropy (nats/token)",
+           title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_flags(CompareConfig, argv)
+    if cfg.plot:
+        import_pyplot()  # fail before training, not after
+    result = run_compare(cfg)
+    if cfg.json:
+        write_json(cfg.json, result)
+    if cfg.plot:
+        plot_compare(result, cfg.plot)
+
+
+if __name__ == "__main__":
+    run_main(main)
