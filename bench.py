@@ -33,7 +33,7 @@ import torch
 
 import data
 from common import (DeviceName, DtypeName, UserError, autocast_context, import_pyplot, parse_flags, peak_flops,
-                    pick_device, pick_dtype, run_main, write_json)
+                    pick_device, pick_dtype, run_main, save_results)
 from loss import scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
@@ -357,10 +357,7 @@ def main(argv: list[str]) -> None:
         import_pyplot()
     result = run_bench(cfg)
     print(markdown_table(result))
-    if cfg.json:
-        write_json(cfg.json, result)
-    if cfg.plot:
-        plot_bench(result, cfg.plot)
+    save_results(result, cfg.json, cfg.plot, plot_bench)
 
 
 if __name__ == "__main__":

@@ -258,6 +258,14 @@ def write_json(path: str | Path, obj: Any) -> None:
     print(f"results written to {path}", file=sys.stderr)
 
 
+def save_results(result: dict, json_path: str, plot_path: str, plot: Callable[[dict, str], None]) -> None:
+    """The --json and --plot outputs of a measuring script (bench.py, compare.py)."""
+    if json_path:
+        write_json(json_path, result)
+    if plot_path:
+        plot(result, plot_path)
+
+
 def import_pyplot():
     """matplotlib is an optional extra (--plot): a clear one-line UserError without it."""
     try:

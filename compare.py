@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import (DeviceName, DtypeName, checkpoint_model, import_pyplot, load_checkpoint, parse_flags,
-                    pick_device, run_main, write_json)
+                    pick_device, run_main, save_results)
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -160,11 +160,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
-    result = run_compare(cfg)
-    if cfg.json:
-        write_json(cfg.json, result)
-    if cfg.plot:
-        plot_compare(result, cfg.plot)
+    save_results(run_compare(cfg), cfg.json, cfg.plot, plot_compare)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_quick_grid_rows_are_consistent(tmp_path):
     assert flops["step", "cwt"] == 64 * per_token(64)
     table = bench.markdown_table(result)
     assert table.count("\n| loss |") == 4 and "time ×CE" in table
-    bench.write_json(str(tmp_path / "b.json"), result)
+    bench.save_results(result, str(tmp_path / "b.json"), "", bench.plot_bench)
     assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["variant"] == "ce"
 
 

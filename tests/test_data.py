@@ -263,21 +263,21 @@ def test_block_size_longer_than_the_split():
         next(sequential_batches(np.arange(10, dtype=np.uint16), 2, block_size=10))
 
 
+def assert_open_split_fails(data_dir: Path, split: str, *words: str) -> None:
+    with pytest.raises(UserError) as e:
+        open_split(data_dir, split)
+    assert_one_line_error(e, *words)
+
+
 def test_missing_or_broken_meta(tmp_path, tiny_data_dir):
     out = copy_dataset(tiny_data_dir, tmp_path)
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1}))
-    with pytest.raises(UserError) as e:
-        open_split(out, "val")
-    assert_one_line_error(e, "but meta.json says")
+    assert_open_split_fails(out, "val", "but meta.json says")
     (out / "meta.json").write_text("{not json")
-    with pytest.raises(UserError) as e:
-        open_split(out, "train")
-    assert_one_line_error(e, "not valid JSON")
+    assert_open_split_fails(out, "train", "not valid JSON")
     (out / "meta.json").unlink()
-    with pytest.raises(UserError) as e:
-        open_split(out, "train")
-    assert_one_line_error(e, "meta.json not found", "python data.py")
+    assert_open_split_fails(out, "train", "meta.json not found", "python data.py")
     with pytest.raises(UserError) as e:
         data.ensure_dataset("roneneldan/TinyStories", str(tmp_path))
     assert_one_line_error(e, "python data.py --dataset=roneneldan/TinyStories")
@@ -287,18 +287,12 @@ def test_corrupt_shards(tmp_path, tiny_data_dir):
     out = copy_dataset(tiny_data_dir, tmp_path)
     shard = bytearray((out / "train.bin").read_bytes())
     (out / "train.bin").write_bytes(shard + b"\0")
-    with pytest.raises(UserError) as e:
-        open_split(out, "train")
-    assert_one_line_error(e, "not a multiple of 2 (uint16)")
+    assert_open_split_fails(out, "train", "not a multiple of 2 (uint16)")
     shard[100] ^= 1
     (out / "train.bin").write_bytes(shard)
-    with pytest.raises(UserError) as e:
-        open_split(out, "train")
-    assert_one_line_error(e, "checksum")
+    assert_open_split_fails(out, "train", "checksum")
     (out / "val.bin").unlink()
-    with pytest.raises(UserError) as e:
-        open_split(out, "val")
-    assert_one_line_error(e, "val.bin is missing")
+    assert_open_split_fails(out, "val", "val.bin is missing")
 
 
 def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
