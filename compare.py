@@ -88,14 +88,15 @@ def run_compare(cfg: CompareConfig) -> dict:
     vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
     shape = build_model(cfg.preset, vocab, block_size=cfg.block_size)
     tokens_per_iter = cfg.batch_size * cfg.block_size
-    fpt = {loss: shape.flops_per_token(cfg.block_size, scored_columns(loss, vocab, tokens_per_iter))
-           for loss in ("ce", "cwt")}
-    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, fpt["ce"], fpt["cwt"], cfg.finetune_fraction)
-    budget = cfg.ce_iters * tokens_per_iter * fpt["ce"]
+    per_token = {loss: shape.flops_per_token(cfg.block_size, scored_columns(loss, vocab, tokens_per_iter))
+                 for loss in ("ce", "cwt")}
+    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, per_token["ce"], per_token["cwt"], cfg.finetune_fraction)
+    budget = cfg.ce_iters * tokens_per_iter * per_token["ce"]
     print(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
-          f"steps ({tokens_per_iter} tokens/step; {fpt['ce']:.3e} vs {fpt['cwt']:.3e} FLOPs/token)", file=sys.stderr)
+          f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} FLOPs/token)",
+          file=sys.stderr)
     root = Path(cfg.out_dir)
-    common = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
+    shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
                   batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
                   seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
     runs = {}
@@ -103,19 +104,19 @@ def run_compare(cfg: CompareConfig) -> dict:
         shutil.rmtree(root / name, ignore_errors=True)
         run_cfg = TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
                               warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
-                              eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **common)
+                              eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **shared)
         runs[name] = train(run_cfg)
     shutil.rmtree(root / "cwt-ft", ignore_errors=True)
     ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters, warmup_iters=max(1, min(10, ft_iters // 5)),
-                            eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **common)
+                            eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **shared)
     runs["cwt-ft"] = finetune(ft_cfg)
-    curves = {"ce": val_curve(root / "ce" / "log.jsonl", fpt["ce"]),
-              "cwt": val_curve(root / "cwt" / "log.jsonl", fpt["cwt"]),
-              "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", fpt["ce"], runs["cwt"]["flops"])}
+    curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
+              "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
+              "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", per_token["ce"], runs["cwt"]["flops"])}
     lam = {name: lambada_scores(run["ckpt"], texts, cfg) if texts else {"note": "skipped: no --lambada=FILE.jsonl"}
            for name, run in runs.items()}
     result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
-              "flops_per_token": fpt, "budget_flops": budget, "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters,
+              "flops_per_token": per_token, "budget_flops": budget, "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters,
                                                                          "cwt-ft": ft_iters},
               "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
                               "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},

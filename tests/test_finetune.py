@@ -65,8 +65,8 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
     assert ckpt["train_config"]["warmup_iters"] == 4 and ckpt["train_config"]["min_lr"] == pytest.approx(1e-4)
     # compute is counted in FLOPs: the fine-tune pays the full vocabulary head (V columns per token),
     # the CWT pre-training only the batch's candidates (8 x 32 columns)
-    fpt = lambda columns: tuned.flops_per_token(32, columns)
-    expected = (20 * 256 * fpt(tuned.config.vocab_size)) / (40 * 256 * fpt(256))
+    flops_at = lambda columns: tuned.flops_per_token(32, columns)
+    expected = (20 * 256 * flops_at(tuned.config.vocab_size)) / (40 * 256 * flops_at(256))
     assert summary["compute_fraction"] == pytest.approx(expected, rel=1e-9)
 
 
