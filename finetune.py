@@ -22,7 +22,7 @@ from train import TrainConfig, load_checkpoint, train
 
 # Fine-tuning learning rate by preset. For Pythia-70m the paper gives 1e-4 (text) and 1e-5 (a table);
 # 4e-5 sits between them. The small, briefly trained presets need a larger one for such a short run.
-FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "gpt2-124m": 3e-5}
+FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "pythia-160m": 4e-5, "gpt2-124m": 3e-5}
 
 # Settings inherited from the pre-training run unless given: same data, shape and batch.
 INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad_accum", "device", "dtype",

@@ -37,7 +37,7 @@ class TrainConfig:
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
     data_root: str = "data"
     # model
-    preset: Literal["tiny", "pythia-70m", "gpt2-124m"] = "tiny"
+    preset: Literal["tiny", "pythia-70m", "pythia-160m", "gpt2-124m"] = "tiny"
     block_size: Optional[int] = None  # context length; default: the preset's (tiny: 256)
     dropout: float = 0.0
     # objective

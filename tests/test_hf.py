@@ -1,8 +1,6 @@
 """The Hugging Face bridge: GPT-NeoX checkpoints in and out with equal logits, generations and tokens."""
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from finetune import FinetuneConfig, finetune
 from generate import generate
 from model import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 # LAMBADA-like text: quotes, punctuation, runs of spaces, newlines, non-ASCII, and the special token.
@@ -176,11 +173,11 @@ def test_bad_sources_get_one_line(tmp_path):
     assert "hub" in one_line(e)
 
 
-def test_export_command_line(checkpoints, tmp_path):
-    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "hf.py"), *args],  # noqa: E731
-                                       capture_output=True, text=True, cwd=tmp_path)
-    done = run("export", f"--ckpt={checkpoints['ce']}", "--out=hf")
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
-    again = run("export", f"--ckpt={checkpoints['ce']}", "--out=hf")
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "not empty" in again.stderr
+def test_export_command_line(checkpoints, tmp_path, capsys):
+    hf.main(["export", f"--ckpt={checkpoints['ce']}", f"--out={tmp_path / 'hf'}"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and "from_pretrained" in capsys.readouterr().err
+    with pytest.raises(UserError) as e:  # never over an existing export
+        hf.main(["export", f"--ckpt={checkpoints['ce']}", f"--out={tmp_path / 'hf'}"])
+    assert "not empty" in one_line(e)
+    with pytest.raises(UserError, match="usage"):
+        hf.main(["--ckpt=x"])
