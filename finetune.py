@@ -23,7 +23,7 @@ from train import TrainConfig, train
 
 # Fine-tuning learning rate by preset. For Pythia-70m the paper gives 1e-4 (text) and 1e-5 (a table);
 # 4e-5 sits between them. The small, briefly trained presets need a larger one for such a short run.
-FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "gpt2-124m": 3e-5}
+FINETUNE_LR = {"tiny": 3e-4, "pythia-70m": 4e-5, "pythia-160m": 4e-5, "gpt2-124m": 3e-5}
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""A compact modern decoder-only transformer (pure torch: no files except `load_model`, no prints).
+"""A compact decoder-only transformer (pure torch: no files except `load_model`, no prints).
 
-Pre-norm blocks with RMSNorm, rotary position embeddings, causal attention through
-`F.scaled_dot_product_attention` (flash attention on CUDA), a GELU MLP and no biases.
+GPT-NeoX (Pythia) by default: pre-norm blocks with LayerNorm (with bias), a parallel residual
+(x + attn(ln1(x)) + mlp(ln2(x))), rotary position embeddings on the first quarter of each head's
+channels, causal attention through `F.scaled_dot_product_attention` (flash attention on CUDA), an exact
+GELU MLP and biases on every linear layer. GPTConfig has GPT-NeoX's few switches (as nanoGPT has `bias`
+for GPT-2): RMSNorm, a sequential residual, full or partial rotary, tanh GELU, no biases.
 
 The model has no vocabulary head by default. `hidden(idx)` gives the final-normalised states that the
 training losses consume. `forward(idx)` gives next-token logits: through the separate LM head when the
@@ -27,17 +30,34 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
-    mlp_ratio: int = 4
+    mlp_hidden: int | None = None  # the MLP's inner width; default 4 * d_model
     dropout: float = 0.0
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm always has a bias
+    norm_eps: float = 1e-5
+    bias: bool = True  # biases on every linear layer (not on the output head)
+    parallel_residual: bool = True  # x + attn(ln1(x)) + mlp(ln2(x)), else x += attn(ln1(x)); x += mlp(ln2(x))
+    rotary_pct: float = 0.25  # rotary on the first fraction of each head's channels, the rest position-free
     rope_base: float = 10000.0
+    gelu: Literal["exact", "tanh"] = "exact"
     lm_head: bool = False  # a separate, untied output matrix (V x d) instead of scoring with E
 
+    def __post_init__(self):
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 4 * self.d_model
 
-# Shapes only; the vocabulary comes from the tokenizer. `pythia-70m` is the paper's decoder.
-PresetName = Literal["tiny", "pythia-70m", "gpt2-124m"]
+    @property
+    def rotary_dims(self) -> int:
+        """Rotated channels per head, int(head_dim * rotary_pct) as GPT-NeoX counts them."""
+        return int(self.d_model // self.n_head * self.rotary_pct)
+
+
+# Shapes only: every preset uses the GPT-NeoX defaults above, so every checkpoint exports to transformers.
+# The vocabulary comes from the tokenizer. `pythia-70m` is the paper's decoder, `pythia-160m` the next size.
+PresetName = Literal["tiny", "pythia-70m", "pythia-160m", "gpt2-124m"]
 PRESETS: dict[PresetName, dict] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=256),
     "pythia-70m": dict(n_layer=6, n_head=8, d_model=512, block_size=2048),
+    "pythia-160m": dict(n_layer=12, n_head=12, d_model=768, block_size=2048),
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, block_size=1024),
 }
 
@@ -47,18 +67,20 @@ def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
     return multiple * math.ceil(n_vocab / multiple)
 
 
-def rotary_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (length, head_dim/2) for rotary position embeddings."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rotary_tables(dims: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (length, dims/2) for rotary position embeddings over `dims` channels."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head's channels by position-dependent angles."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.type_as(x)
+    """Rotate the first 2 * cos.size(-1) channels of each head in pairs (i, i + half), GPT-NeoX's
+    rotate-half convention, by position-dependent angles; the remaining channels pass unchanged."""
+    dims = 2 * cos.size(-1)
+    x1, x2 = x[..., :dims].float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+    return rotated if dims == x.size(-1) else torch.cat((rotated, x[..., dims:]), dim=-1)
 
 
 class KVCache:
@@ -88,8 +110,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         assert config.d_model % config.n_head == 0, "d_model must be divisible by n_head"
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
@@ -114,24 +136,35 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.up = nn.Linear(config.d_model, config.mlp_ratio * config.d_model, bias=False)
-        self.down = nn.Linear(config.mlp_ratio * config.d_model, config.d_model, bias=False)
+        self.up = nn.Linear(config.d_model, config.mlp_hidden, bias=config.bias)
+        self.down = nn.Linear(config.mlp_hidden, config.d_model, bias=config.bias)
+        self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x):
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm1 = nn.RMSNorm(config.d_model)
+        self.norm1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.norm2 = nn.RMSNorm(config.d_model)
+        self.norm2 = make_norm(config)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
+        self.parallel = config.parallel_residual
 
     def forward(self, x, cos, sin, cache=None, layer=0):
-        x = x + self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer))
+        attn = self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer))
+        if self.parallel:  # both branches read the same x (GPT-NeoX, GPT-J)
+            return x + attn + self.dropout(self.mlp(self.norm2(x)))
+        x = x + attn
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
@@ -142,9 +175,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.d_model)
+        self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False) if config.lm_head else None
-        cos, sin = rotary_tables(config.d_model // config.n_head, config.block_size, config.rope_base)
+        cos, sin = rotary_tables(config.rotary_dims, config.block_size, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -158,6 +191,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -179,7 +214,7 @@ class GPT(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (..., V) from final hidden states (..., d): through the LM head, else the tied E."""
+        """Next-token logits (..., V) for hidden states h (..., d): through the LM head, else the tied E."""
         return h @ self.output_weight.T
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -216,7 +251,7 @@ class GPT(nn.Module):
 
     def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
                             eps: float = 1e-8) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices and embeddings only (norm gains stay undecayed).
+        """AdamW with weight decay on matrices and embeddings only (norm gains and biases stay undecayed).
 
         Fused: one kernel updates every tensor. On CUDA that is the usual speed-up; on CPU it is ~7x
         faster than the default for-each update, which matters with a 50k x d embedding table."""

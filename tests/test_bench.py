@@ -40,8 +40,9 @@ def test_quick_grid_rows_are_consistent(tmp_path):
     assert flops["loss", "cwt"] == 6 * n * d * n
     assert flops["loss", "cwt-k16"] == 6 * n * d * 17
     assert flops["loss", "cwt-unique"] <= flops["loss", "cwt"]
-    # Full step, tiny shape: 4 blocks of 12 d^2 weights + 2 norms, a final norm; T = 32, 64 tokens.
-    body = 4 * (12 * d * d + 2 * d) + d
+    # Full step, tiny shape: 4 blocks of 12 d^2 weights, 9 d biases and 2 LayerNorms (2 d each), a final
+    # LayerNorm; T = 32, 64 tokens.
+    body = 4 * (12 * d * d + 9 * d + 4 * d) + 2 * d
     per_token = lambda cols: 6 * body + 12 * 4 * d * 32 + 6 * d * cols  # noqa: E731
     assert flops["step", "ce"] == 64 * per_token(2048)
     assert flops["step", "cwt"] == 64 * per_token(64)

@@ -67,16 +67,56 @@ def test_context_longer_than_block_size_is_rejected():
 
 def test_presets_have_the_papers_shapes():
     assert padded_vocab_size(50257) == 50304
-    pythia = build_model("pythia-70m", 50304)
+    pythia = build_model("pythia-70m", 50304, lm_head=True)
     c = pythia.config
-    assert (c.d_model, c.n_layer, c.n_head, c.block_size) == (512, 6, 8, 2048)
-    # Non-embedding parameters: 12 d^2 per block (attention 4 d^2, MLP 8 d^2) plus the RMSNorm gains.
-    expected = 6 * (12 * 512 * 512 + 2 * 512) + 512
-    assert pythia.num_params(embeddings=False) == expected
-    assert pythia.num_params() == expected + 50304 * 512
-    assert set(PRESETS) == {"tiny", "pythia-70m", "gpt2-124m"}
+    assert (c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_hidden) == (512, 6, 8, 2048, 2048)
+    assert (c.norm, c.norm_eps, c.bias, c.parallel_residual, c.gelu) == ("layernorm", 1e-5, True, True, "exact")
+    assert (c.rotary_dims, c.rope_base) == (16, 10000.0)  # 25% of each 64-channel head
+    # Pythia-70m's published counts (untied embed_in and embed_out)
+    assert pythia.num_params() == 70_426_624
+    assert pythia.num_params(embeddings=False) == 18_915_328
+    c = build_model("pythia-160m", 50304).config
+    assert (c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_hidden, c.rotary_dims) == (768, 12, 12, 2048, 3072, 16)
+    assert set(PRESETS) == {"tiny", "pythia-70m", "pythia-160m", "gpt2-124m"}
     with pytest.raises(ValueError, match="unknown preset"):
         build_model("gpt5", 100)
+
+
+def test_architecture_switches():
+    idx = torch.randint(0, 97, (2, 10))
+    base = small_model()
+    with torch.no_grad():  # non-zero biases and norm shifts
+        for p in base.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    # Partial rotary: only the first rotary_dims channels of each head see positions.
+    assert base.config.rotary_dims == 2 and base.rope_cos.shape == (24, 1)
+    variants = dict(norm="rmsnorm", parallel_residual=False, rotary_pct=1.0, gelu="tanh", bias=False)
+    for name, value in variants.items():
+        model = small_model(**{name: value})
+        model.load_state_dict(base.state_dict(), strict=False)  # same weights where the shapes agree
+        assert not torch.allclose(model(idx), base(idx)), name
+    plain = small_model(**variants)
+    assert all(not n.endswith("bias") for n, _ in plain.named_parameters())
+    assert isinstance(plain.norm, torch.nn.RMSNorm) and isinstance(base.norm, torch.nn.LayerNorm)
+
+
+def test_sequential_and_parallel_residual_blocks():
+    """One block against its formula, written out by hand."""
+    for parallel in (True, False):
+        model = small_model(parallel_residual=parallel, n_layer=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        block, x = model.blocks[0], torch.randn(2, 10, 16)
+        cos, sin = model.rope_cos[:10], model.rope_sin[:10]
+        attn = lambda z: block.attn(z, cos, sin)  # noqa: E731
+        mlp = lambda z: block.mlp.down(torch.nn.functional.gelu(block.mlp.up(z)))  # noqa: E731
+        if parallel:
+            expected = x + attn(block.norm1(x)) + mlp(block.norm2(x))
+        else:
+            y = x + attn(block.norm1(x))
+            expected = y + mlp(block.norm2(y))
+        torch.testing.assert_close(block(x, cos, sin), expected)
 
 
 def test_flops_per_token_formula():
