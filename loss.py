@@ -246,9 +246,9 @@ class _ChunkedSoftmaxLoss(torch.autograd.Function):
                     p = p.mul_((grad[rows] / t)[:, None]).to(dtype)  # d loss / d (h @ candidates.T)
                     cols = slice(c0, c0 + TILE_COLUMNS)
                     if grad_h is not None:
-                        grad_h[rows] += (p @ cc[cols]).to(acc)
+                        _add_product(grad_h[rows], p, cc[cols])
                     if grad_c is not None:
-                        grad_c[cols] += (p.T @ hc[rows]).to(acc)
+                        _add_product(grad_c[cols], p.T, hc[rows])
         grad_h = None if grad_h is None else grad_h.to(h.dtype)
         grad_c = None if grad_c is None else grad_c.to(candidates.dtype)
         return grad_h, grad_c, None, None, None, None, None
@@ -256,11 +256,19 @@ class _ChunkedSoftmaxLoss(torch.autograd.Function):
 
 def _tile(h_rows, candidates, c0, exclude, rows, temperature, acc):
     """Scores of a row block against candidates[c0 : c0 + TILE_COLUMNS], upcast, excluded ones -inf."""
-    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc) / temperature
+    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc).div_(temperature)  # a fresh tensor either way
     if exclude is not None:
         cols = torch.arange(c0, c0 + s.size(1), device=s.device)
         s.masked_fill_(exclude[rows, None] == cols[None, :], float("-inf"))
     return s
+
+
+def _add_product(out, a, b):
+    """out += a @ b, in place (no temporary) when the dtypes agree, else through the matmul's dtype."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += (a @ b).to(out.dtype)
 
 
 def _label_slots(labels, c0, width):
