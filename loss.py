@@ -256,7 +256,9 @@ class _ChunkedSoftmaxLoss(torch.autograd.Function):
 
 def _tile(h_rows, candidates, c0, exclude, rows, temperature, acc):
     """Scores of a row block against candidates[c0 : c0 + TILE_COLUMNS], upcast, excluded ones -inf."""
-    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc).div_(temperature)  # a fresh tensor either way
+    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc)  # a fresh tensor either way: edit in place
+    if temperature != 1.0:  # x / 1 == x: skip a pass over the tile
+        s.div_(temperature)
     if exclude is not None:
         cols = torch.arange(c0, c0 + s.size(1), device=s.device)
         s.masked_fill_(exclude[rows, None] == cols[None, :], float("-inf"))
