@@ -69,12 +69,15 @@ QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512], variants=["ce", "
 
 
 def parse_variant(name: str) -> dict:
-    """'ce', 'cwt', 'cwt-unique', 'cwt-k256', 'cwt-unique-k256' -> training_loss keyword arguments."""
-    m = re.fullmatch(r"(ce|cwt)(-unique)?(?:-k(\d+))?", name)
+    """'ce', 'cwt', 'cwt-unique', 'cwt-k256', 'cwt-unique-k256' -> training_loss keyword arguments;
+    a '-chunkN' suffix (ce-chunk256, cwt-chunk1024) computes the loss N rows at a time."""
+    m = re.fullmatch(r"(ce|cwt)(-unique)?(?:-k(\d+))?(?:-chunk([1-9]\d*))?", name)
     if not m or (m.group(1) == "ce" and (m.group(2) or m.group(3))):
-        raise UserError(f"unknown variant {name!r}; use ce, cwt, cwt-unique, cwt-kN or cwt-unique-kN")
+        raise UserError(f"unknown variant {name!r}; use ce, cwt, cwt-unique, cwt-kN or cwt-unique-kN, "
+                        "each optionally followed by -chunkN")
     return dict(loss=m.group(1), negatives="unique" if m.group(2) else "all",
-                num_negatives=int(m.group(3)) if m.group(3) else None)
+                num_negatives=int(m.group(3)) if m.group(3) else None,
+                chunk_size=int(m.group(4)) if m.group(4) else None)
 
 
 def columns(variant: str, vocab: int, targets: torch.Tensor) -> int:

@@ -7,6 +7,7 @@ for any score magnitude (the paper's code computes exp(scores) directly and over
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -18,11 +19,15 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+            chunk_size: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of logits `h @ weight.T` (N, V) against target ids (N,).
 
     `weight` is the input embedding E (weight tying, as in the paper's baselines) or a separate head.
+    With `chunk_size`, the N x V logits are never held at once (see `chunked_cross_entropy`).
     """
+    if chunk_size:
+        return chunked_cross_entropy(h, weight, targets, chunk_size=chunk_size)
     logits = at_least_fp32(h @ weight.T)
     return F.cross_entropy(logits, targets)
 
@@ -36,6 +41,7 @@ def cwt_loss(
     negatives: Literal["all", "unique"] = "all",
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Contrastive Weight Tying: row i of `h` must pick out `e[i]`, the input embedding of its target.
 
@@ -49,6 +55,8 @@ def cwt_loss(
     - `num_negatives=k`: score each row against its positive plus k candidates drawn at random (shared
       by all rows, without replacement) from the N rows (or U tokens); a drawn copy of the row's own
       positive is skipped.
+    - `chunk_size=c`: same value and gradients, but at most c x `TILE_COLUMNS` scores exist at a time
+      instead of N x N (see `chunked_cross_entropy`).
     """
     h, e = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1))
     if negatives == "unique":
@@ -60,7 +68,9 @@ def cwt_loss(
     else:
         raise ValueError(f"negatives must be 'all' or 'unique', got {negatives!r}")
     if num_negatives is not None and num_negatives < e.size(0):
-        return _sampled_contrastive(h, e, labels, temperature, num_negatives, generator)
+        return _sampled_contrastive(h, e, labels, temperature, num_negatives, generator, chunk_size)
+    if chunk_size:
+        return chunked_cross_entropy(h, e, labels, temperature, chunk_size)
     scores = at_least_fp32(h @ e.T) / temperature
     return F.cross_entropy(scores, labels)
 
@@ -77,10 +87,15 @@ def unique_candidates(e: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     return e[first], labels
 
 
-def _sampled_contrastive(h, e, labels, temperature, k, generator):
+def _sampled_contrastive(h, e, labels, temperature, k, generator, chunk_size=None):
     """Softmax over [positive, k shared random candidates], skipping a candidate equal to the positive."""
     drawn = torch.randperm(e.size(0), generator=generator, device="cpu")[:k].to(h.device)
     pos = at_least_fp32((h * e[labels]).sum(-1, keepdim=True)) / temperature  # (N, 1)
+    if chunk_size:  # logsumexp over [positive, negatives] = logaddexp(positive, logsumexp(negatives))
+        slot = torch.full((e.size(0),), -1, device=h.device, dtype=torch.long)
+        slot[drawn] = torch.arange(k, device=h.device)
+        neg = chunked_row_losses(h, e[drawn], None, temperature, chunk_size, exclude=slot[labels])
+        return (torch.logaddexp(pos.squeeze(1), neg) - pos.squeeze(1)).mean()
     neg = at_least_fp32(h @ e[drawn].T) / temperature  # (N, k)
     neg = neg.masked_fill(drawn[None, :] == labels[:, None], float("-inf"))
     scores = torch.cat([pos, neg], dim=1)
@@ -119,6 +134,7 @@ def training_loss(
     negatives: Literal["all", "unique"] = "all",
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The pre-training objective selected by name, from hidden states (..., d) and targets (...).
 
@@ -126,16 +142,157 @@ def training_loss(
     - `cwt`: Contrastive Weight Tying against the input embeddings of the targets.
     - `ce+cwt`: the sum of both (paper's ablation).
     - `nce`: contrastive without weight tying: targets come from the separate output table.
+    `chunk_size` (None or 0: off) computes every score matrix in row blocks, with the same result.
     """
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     contrastive = dict(temperature=temperature, targets=targets, negatives=negatives,
-                       num_negatives=num_negatives, generator=generator)
+                       num_negatives=num_negatives, generator=generator, chunk_size=chunk_size)
     if loss == "ce":
-        return ce_loss(h, output_weight, targets)
+        return ce_loss(h, output_weight, targets, chunk_size)
     if loss == "cwt":
         return cwt_loss(h, input_embedding[targets], **contrastive)
     if loss == "ce+cwt":
-        return ce_loss(h, output_weight, targets) + cwt_loss(h, input_embedding[targets], **contrastive)
+        return (ce_loss(h, output_weight, targets, chunk_size)
+                + cwt_loss(h, input_embedding[targets], **contrastive))
     if loss == "nce":
         return cwt_loss(h, output_weight[targets], **contrastive)
     raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory-flat softmax cross-entropy (the idea of Cut Cross-Entropy and Liger's fused linear CE, in torch)
+
+TILE_COLUMNS = 32768  # widest block of candidates scored at once: bounds a tile when candidates are many
+
+
+def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor,
+                          temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """Mean cross-entropy of softmax(h @ candidates.T / temperature) (N, M) against `labels` (N,), the
+    index of each row's positive among the M candidates; gradients flow into `h` and `candidates`.
+
+    Same value and gradients as the plain path, but the scores are made `chunk_size` rows x at most
+    `TILE_COLUMNS` candidates at a time: extra memory O(chunk_size x min(M, TILE_COLUMNS)), not O(N x M).
+    CE: candidates = the (V, d) output weight, labels = targets. CWT: candidates = the target
+    embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset.
+    """
+    h, candidates = h.reshape(-1, h.size(-1)), candidates.reshape(-1, candidates.size(-1))
+    return chunked_row_losses(h, candidates, labels.reshape(-1), temperature, chunk_size).mean()
+
+
+def chunked_row_losses(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor | None,
+                       temperature: float, chunk_size: int,
+                       exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row (N,): logsumexp of its scores minus the score of its label (labels=None: the logsumexp
+    alone), leaving out candidate exclude[i] for row i where exclude[i] >= 0."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    return _ChunkedSoftmaxLoss.apply(h, candidates, labels, exclude, temperature, chunk_size,
+                                     compute_dtype(h, candidates))
+
+
+def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """The dtype the score matmuls run in: autocast's (which never casts float64), else the inputs'."""
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])
+    device = xs[0].device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
+
+
+class _ChunkedSoftmaxLoss(torch.autograd.Function):
+    """`chunked_row_losses`, with s = h @ candidates.T / temperature made one tile at a time.
+
+    A custom Function rather than checkpointed blocks: the backward needs only each row's logsumexp
+    (N floats) to rebuild a tile's softmax, so it recomputes each tile once and frees it at once, where
+    checkpointing would replay (and hold) the forward's autograd graph of a whole row block. The loss
+    gradient of the positive is folded into the tile (softmax - one-hot), so no N x M tensor or extra
+    (M, d) gradient ever exists. Matmuls run in `dtype` (bf16 under autocast, like the plain path);
+    logsumexp, softmax and the gradient sums are accumulated in fp32 (or fp64 for fp64 inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, h, candidates, labels, exclude, temperature, chunk_size, dtype):
+        acc = torch.promote_types(dtype, torch.float32)
+        with torch.autocast(h.device.type, enabled=False):
+            hc, cc = h.to(dtype), candidates.to(dtype)
+            lse = torch.empty(h.size(0), device=h.device, dtype=acc)
+            pos = torch.zeros(h.size(0), device=h.device, dtype=acc)
+            for r0 in range(0, h.size(0), chunk_size):
+                rows = slice(r0, r0 + chunk_size)
+                m = torch.full_like(lse[rows], float("-inf"))
+                total = torch.zeros_like(lse[rows])
+                for c0 in range(0, cc.size(0), TILE_COLUMNS):
+                    s = _tile(hc[rows], cc, c0, exclude, rows, temperature, acc)
+                    if labels is not None:
+                        pos[rows] += _at_labels(s, labels[rows], c0)
+                    m_new = torch.maximum(m, s.amax(dim=1))
+                    shift = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing yet
+                    total = total * torch.exp(m - shift) + s.sub_(shift[:, None]).exp_().sum(dim=1)
+                    m = m_new
+                lse[rows] = total.log() + torch.where(torch.isinf(m), 0.0, m)
+        ctx.save_for_backward(h, candidates, labels, exclude, lse)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        return lse - pos
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, candidates, labels, exclude, lse = ctx.saved_tensors
+        dtype, t = ctx.dtype, ctx.temperature
+        acc = lse.dtype
+        safe_lse = torch.where(torch.isinf(lse), 0.0, lse)  # a row with every candidate excluded
+        grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
+        grad_c = torch.zeros_like(candidates, dtype=acc) if ctx.needs_input_grad[1] else None
+        with torch.autocast(h.device.type, enabled=False):
+            hc, cc = h.to(dtype), candidates.to(dtype)
+            for r0 in range(0, h.size(0), ctx.chunk_size):
+                rows = slice(r0, r0 + ctx.chunk_size)
+                for c0 in range(0, cc.size(0), TILE_COLUMNS):
+                    s = _tile(hc[rows], cc, c0, exclude, rows, t, acc)
+                    p = s.sub_(safe_lse[rows, None]).exp_()  # softmax of this tile, in place
+                    if labels is not None:
+                        _add_at_labels(p, labels[rows], c0, -1.0)
+                    p = p.mul_((grad[rows] / t)[:, None]).to(dtype)  # d loss / d (h @ candidates.T)
+                    cols = slice(c0, c0 + TILE_COLUMNS)
+                    if grad_h is not None:
+                        _add_product(grad_h[rows], p, cc[cols])
+                    if grad_c is not None:
+                        _add_product(grad_c[cols], p.T, hc[rows])
+        grad_h = None if grad_h is None else grad_h.to(h.dtype)
+        grad_c = None if grad_c is None else grad_c.to(candidates.dtype)
+        return grad_h, grad_c, None, None, None, None, None
+
+
+def _tile(h_rows, candidates, c0, exclude, rows, temperature, acc):
+    """Scores of a row block against candidates[c0 : c0 + TILE_COLUMNS], upcast, excluded ones -inf."""
+    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc)  # a fresh tensor either way: edit in place
+    if temperature != 1.0:  # x / 1 == x: skip a pass over the tile
+        s.div_(temperature)
+    if exclude is not None:
+        cols = torch.arange(c0, c0 + s.size(1), device=s.device)
+        s.masked_fill_(exclude[rows, None] == cols[None, :], float("-inf"))
+    return s
+
+
+def _add_product(out, a, b):
+    """out += a @ b, in place (no temporary) when the dtypes agree, else through the matmul's dtype."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += (a @ b).to(out.dtype)
+
+
+def _label_slots(labels, c0, width):
+    """Each row's label as a column of this tile (clamped), and whether it falls inside the tile."""
+    slot = labels - c0
+    inside = (slot >= 0) & (slot < width)
+    return slot.clamp(0, width - 1)[:, None], inside
+
+
+def _at_labels(s, labels, c0):
+    slot, inside = _label_slots(labels, c0, s.size(1))
+    return torch.where(inside, s.gather(1, slot).squeeze(1), 0.0)
+
+
+def _add_at_labels(s, labels, c0, value):
+    slot, inside = _label_slots(labels, c0, s.size(1))
+    s.scatter_add_(1, slot, (inside.to(s.dtype) * value)[:, None])

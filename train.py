@@ -44,6 +44,7 @@ class TrainConfig:
     temperature: float = 1.0
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
     num_negatives: int | None = None  # score against a random subset of k candidates (not in paper)
+    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns); 0 = off
     # optimisation
     batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
     grad_accum: int = 1
@@ -88,6 +89,8 @@ def check_config(cfg: TrainConfig) -> None:
             raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise UserError(f"--block_size must be at least 2, got {cfg.block_size}")
+    if cfg.loss_chunk_size < 0:
+        raise UserError(f"--loss_chunk_size must be 0 (off) or a number of rows, got {cfg.loss_chunk_size}")
     if cfg.num_negatives is not None and cfg.num_negatives < 1:
         raise UserError(f"--num_negatives must be at least 1 (or unset for all), got {cfg.num_negatives}")
     if not 0 <= cfg.dropout < 1:
@@ -250,7 +253,7 @@ def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
                  negatives_rng: torch.Generator) -> torch.Tensor:
     """The training objective of one micro-batch, from the model's final hidden states."""
     return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
-                         cfg.negatives, cfg.num_negatives, negatives_rng)
+                         cfg.negatives, cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None)
 
 
 def train_step(run: Run) -> torch.Tensor:

@@ -12,9 +12,12 @@ from common import UserError
 
 
 def test_variant_names():
-    assert bench.parse_variant("ce") == dict(loss="ce", negatives="all", num_negatives=None)
-    assert bench.parse_variant("cwt-unique-k64") == dict(loss="cwt", negatives="unique", num_negatives=64)
-    for bad in ("ce-unique", "cwt-k", "nce", "cwt-all"):
+    assert bench.parse_variant("ce") == dict(loss="ce", negatives="all", num_negatives=None, chunk_size=None)
+    assert bench.parse_variant("cwt-unique-k64") == dict(loss="cwt", negatives="unique", num_negatives=64,
+                                                         chunk_size=None)
+    assert bench.parse_variant("ce-chunk256") == dict(loss="ce", negatives="all", num_negatives=None,
+                                                      chunk_size=256)
+    for bad in ("ce-unique", "cwt-k", "nce", "cwt-all", "cwt-chunk0", "cwt-chunk"):
         with pytest.raises(UserError, match="unknown variant"):
             bench.parse_variant(bad)
 

@@ -179,3 +179,99 @@ def test_training_loss_selects_objectives():
     assert training_loss(h, t, E, W, "nce").item() == pytest.approx(naive_cwt(hf, W[tf]), abs=1e-12)
     with pytest.raises(ValueError):
         training_loss(h, t, E, E, "mse")
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked (memory-flat) paths: the same values and gradients as the plain ones
+
+
+@pytest.fixture
+def narrow_tiles(monkeypatch):
+    """Tiles 4 candidates wide, so the streaming logsumexp across column blocks is exercised too."""
+    import loss
+    monkeypatch.setattr(loss, "TILE_COLUMNS", 4)
+
+
+def loss_and_grads(fn, *inputs):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    value = fn(*inputs)
+    return value.detach(), torch.autograd.grad(value, inputs, allow_unused=True, materialize_grads=True)
+
+
+CHUNKED_CASES = [  # (objective, negatives, num_negatives)
+    ("ce", "all", None), ("cwt", "all", None), ("cwt", "unique", None), ("cwt", "all", 4),
+    ("cwt", "unique", 3), ("cwt", "all", 1), ("ce+cwt", "all", None), ("nce", "unique", None)]
+
+
+@pytest.mark.parametrize("objective,negatives,k", CHUNKED_CASES)
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])  # 5 does not divide 13 rows; 64 is one block
+@pytest.mark.parametrize("scale,temperature", [(1.0, 1.0), (1.0, 0.3), (100.0, 2.0)])
+def test_chunked_training_loss_equals_plain(narrow_tiles, objective, negatives, k, chunk_size, scale,
+                                            temperature):
+    g = torch.Generator().manual_seed(11)
+    E, W = torch.randn(9, 4, generator=g) * scale, torch.randn(9, 4, generator=g) * scale
+    h = torch.randn(13, 4, generator=g) * scale  # scale 100: scores ~1e4, softmax almost one-hot
+    t = torch.randint(0, 9, (13,), generator=g)
+
+    def run(chunk):
+        return lambda h, E, W: training_loss(h, t, E, W, objective, temperature, negatives, k,
+                                             torch.Generator().manual_seed(3), chunk_size=chunk)
+    want, want_grads = loss_and_grads(run(None), h, E, W)
+    got, got_grads = loss_and_grads(run(chunk_size), h, E, W)
+    assert torch.isfinite(got) and got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_core_gradcheck_with_labels_at_an_offset(narrow_tiles):
+    # The core takes any candidate set larger than the rows (e.g. negatives gathered from other ranks)
+    from loss import chunked_cross_entropy
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(6, 3, generator=g, requires_grad=True)
+    cand = torch.randn(11, 3, generator=g, requires_grad=True)
+    labels = torch.arange(6) + 5
+    got = chunked_cross_entropy(h, cand, labels, temperature=0.7, chunk_size=4)
+    assert got.item() == pytest.approx(naive_ce(h.detach() / 0.7, cand.detach(), labels), abs=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: chunked_cross_entropy(a, b, labels, 0.7, 4), (h, cand))
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_cross_entropy(h, cand, labels, chunk_size=0)
+
+
+@pytest.mark.parametrize("objective", ["ce", "cwt"])
+def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective):
+    g = torch.Generator().manual_seed(13)
+    E = torch.randn(50, 32, generator=g, dtype=torch.float32)
+    h = torch.randn(40, 32, generator=g, dtype=torch.float32) * 3
+    t = torch.randint(0, 50, (40,), generator=g)
+
+    def run(chunk):
+        def fn(h, E):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return training_loss(h, t, E, E, objective, chunk_size=chunk)
+        return fn
+    want, want_grads = loss_and_grads(run(None), h, E)
+    got, got_grads = loss_and_grads(run(16), h, E)
+    # the same bf16 scores, summed in fp32 in another order
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        assert a.dtype == torch.float32
+        # bf16 matmuls of the gradient: plain rounds each product to bf16, chunked adds blocks in fp32
+        torch.testing.assert_close(a, b, rtol=0, atol=0.01 * float(b.abs().max()))
+
+
+def test_chunked_cwt_runs_under_torch_compile():
+    g = torch.Generator().manual_seed(14)
+    E = torch.randn(30, 8, generator=g, dtype=torch.float32)
+    h = torch.randn(20, 8, generator=g, dtype=torch.float32)
+    t = torch.randint(0, 30, (20,), generator=g)
+    fn = lambda h, E: training_loss(h, t, E, E, "cwt", chunk_size=8)  # noqa: E731
+    want, want_grads = loss_and_grads(fn, h, E)
+    try:  # fullgraph: the chunked Function must trace without graph breaks
+        got, got_grads = loss_and_grads(torch.compile(fn, fullgraph=True), h, E)
+    except Exception as e:  # the backend failed (no C compiler, say): not this code's concern
+        if not type(e).__module__.startswith("torch._inductor"):
+            raise
+        pytest.skip(f"torch.compile's backend is unavailable here: {type(e).__name__}")
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

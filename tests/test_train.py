@@ -158,3 +158,12 @@ def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
     assert "tok/s" in result.stderr and "ETA" in result.stderr
     result = run_train(f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}")
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_loss_chunk_size_trains_like_the_plain_loss(tiny_data_dir, tmp_path):
+    # ce+cwt: both chunked paths; 8 x 32 = 256 rows in chunks of 100, CE's 50304 columns in 2 tiles
+    runs = {chunk: train.train(tiny_config(tiny_data_dir, tmp_path / str(chunk), loss="ce+cwt", max_iters=3,
+                                           eval_interval=3, loss_chunk_size=chunk)) for chunk in (0, 100)}
+    assert runs[100]["loss"] == pytest.approx(runs[0]["loss"], rel=1e-4)
+    with pytest.raises(UserError, match="--loss_chunk_size must be 0"):
+        train.train(tiny_config(tiny_data_dir, tmp_path / "bad", loss_chunk_size=-1))
