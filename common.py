@@ -287,7 +287,12 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint dict (tensors on CPU, read lazily), with a one-line error for a missing or foreign file."""
+    """A checkpoint dict (tensors on CPU, read lazily), with a one-line error for a missing or foreign file.
+    `hf:ORG/NAME` or `hf:FOLDER` reads a Hugging Face GPT-NeoX model through hf.py instead."""
+    if str(path).startswith("hf:"):
+        from hf import hf_checkpoint  # the bridge's libraries load only when it is used
+
+        return hf_checkpoint(str(path))
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; train one with `python train.py` or pass --ckpt=PATH")

@@ -13,6 +13,7 @@ GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py p
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import torch
 
 from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
 from data import gpt2_vocab_files, load_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, PRESETS, GPTConfig
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -268,6 +269,20 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     model = GPT(config_from_hf(hf, source))
     model.load_state_dict(state_from_hf(read_hf_weights(folder), model, source))
     return model.eval(), tokenizer_name(folder, source, hub)
+
+
+def hf_checkpoint(source: str) -> dict:
+    """A Hugging Face GPT-NeoX model as a checkpoint dict like train.py's, so that every script takes it
+    where it takes a checkpoint: `train.py --init_from=hf:EleutherAI/pythia-70m`, `finetune.py --ckpt=hf:...`,
+    `eval.py --ckpt=hf:...`, `generate.py --ckpt=hf:...`. It records the preset of the same shape, if any
+    (the context length aside, which a run may shorten)."""
+    model, tokenizer = load_hf(source)
+    c = model.config
+    preset = next((name for name, shape in PRESETS.items()
+                   if all(getattr(c, k) == v for k, v in shape.items() if k != "block_size")), None)
+    return {"model": model.state_dict(), "model_config": dataclasses.asdict(c),
+            "data_meta": {"tokenizer": tokenizer} if tokenizer else {},
+            "train_config": {"preset": preset} if preset else {}, "source": source}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ class TrainConfig:
     grad_accum: int = 1
     max_iters: int = 600
     lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iters: int = 60
+    min_lr: float | None = None  # default: the preset's recipe (RECIPES)
+    warmup_iters: int | None = None  # default: the preset's recipe (RECIPES)
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -73,6 +73,15 @@ class TrainConfig:
     init_from: str = ""  # start from this checkpoint's weights instead of a fresh model
     add_lm_head: bool = False  # give the model an untied LM head initialised from its embeddings
     freeze_body: bool = False  # train only the LM head
+    untied_head: bool = False  # ce: a separate output matrix, as Pythia's config (the paper's CE baselines tie it)
+
+
+# Learning-rate recipe by preset: warmup steps and final learning rate as fractions of max_iters and lr.
+# The Pythia shapes follow the paper's pre-training (lr 1e-3, betas 0.9/0.95, weight decay 0.1, clip 1:
+# TrainConfig's defaults) with its cosine schedule to 0 after a 1% warmup (1430 of 143,000 steps);
+# the small presets, trained for minutes, warm up over 10% of the steps and decay to lr / 10.
+RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
+DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 
 
 CKPT_NAME = "ckpt.pt"
@@ -95,6 +104,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise UserError(f"--num_negatives must be at least 1 (or unset for all), got {cfg.num_negatives}")
     if not 0 <= cfg.dropout < 1:
         raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
+        raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
         raise UserError("--freeze_body trains only the LM head; it needs --add_lm_head (or use finetune.py)")
 
@@ -124,7 +135,7 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
     block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
     # `nce` needs its own output table (no weight tying)
     model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"]), block_size=block, dropout=cfg.dropout,
-                        lm_head=cfg.loss == "nce")
+                        lm_head=cfg.loss == "nce" or cfg.untied_head)
     return model, None, None
 
 
@@ -158,6 +169,14 @@ def restore_state(run: Run, resumed: dict) -> None:
     torch.set_rng_state(resumed["rng"]["torch"])
     if run.device.type == "cuda" and resumed["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(resumed["rng"]["cuda"])
+
+
+def with_recipe(cfg: TrainConfig) -> TrainConfig:
+    """The config with its unset schedule settings (None) taken from the preset's recipe."""
+    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
+    warmup = cfg.warmup_iters if cfg.warmup_iters is not None else max(1, round(recipe["warmup"] * cfg.max_iters))
+    min_lr = cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * cfg.lr
+    return dataclasses.replace(cfg, warmup_iters=warmup, min_lr=min_lr)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -351,6 +370,7 @@ class StopFlag:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training as configured; returns a summary (first/last validation metrics, tokens, FLOPs)."""
     check_config(cfg)
+    cfg = with_recipe(cfg)
     run, resumed = set_up(cfg)
     model = run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -126,6 +126,25 @@ def test_export_then_import_round_trips(checkpoints, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, tmp_path):
+    """--init_from=hf:DIR continues an exported (or Pythia) model, and finetune.py fine-tunes one."""
+    import common
+    import eval as evaluation
+
+    out = hf.export(str(checkpoints["cwt"]), str(tmp_path / "hf"))
+    ckpt = common.load_checkpoint(f"hf:{out}")
+    assert ckpt["data_meta"] == {"tokenizer": "gpt2"} and ckpt["train_config"] == {"preset": "tiny"}
+    ours = load_model(str(checkpoints["cwt"]))
+    settings = dict(dataset=str(tiny_data_dir), block_size=32, batch_size=4, eval_batches=1, device="cpu")
+    first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,
+                                          out_dir=str(tmp_path / "cont")))["first_val"]
+    tokens = evaluation.open_split(tiny_data_dir, "val")
+    expected = evaluation.evaluate(ours, tokens, 4, 32, torch.device("cpu"), max_batches=1, contrastive=True)
+    assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
+    tuned = finetune(FinetuneConfig(**settings, ckpt=f"hf:{out}", max_iters=1, out_dir=str(tmp_path / "ft")))
+    assert tuned["step"] == 1 and load_model(str(tmp_path / "ft" / "ckpt.pt")).lm_head is not None
+
+
 def test_architectures_without_a_transformers_class_are_refused(tmp_path):
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, norm="rmsnorm"))
     ckpt = tmp_path / "ckpt.pt"
