@@ -83,10 +83,9 @@ LOG_NAME = "log.jsonl"
 TRAIN_RANGES = {
     "batch_size": "[1, inf)", "grad_accum": "[1, inf)", "max_iters": "[1, inf)", "eval_interval": "[1, inf)",
     "eval_batches": "[1, inf)", "log_interval": "[1, inf)", "warmup_iters": "[0, inf)",
-    "block_size": "[2, inf)",
-    "num_negatives": "[1, inf)", "dropout": "[0, 1)", "temperature": "(0, inf)", "lr": "(0, inf)",
-    "min_lr": "[0, lr]", "weight_decay": "[0, inf)", "beta1": "[0, 1)", "beta2": "[0, 1)", "eps": "(0, inf)",
-    "grad_clip": "[0, inf)",
+    "block_size": "[2, inf)", "num_negatives": "[1, inf)", "dropout": "[0, 1)", "temperature": "(0, inf)",
+    "lr": "(0, inf)", "min_lr": "[0, lr]", "weight_decay": "[0, inf)", "beta1": "[0, 1)", "beta2": "[0, 1)",
+    "eps": "(0, inf)", "grad_clip": "[0, inf)",
 }
 
 

@@ -50,7 +50,7 @@ def without_timing(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
 
 
-# ------------------------------------------------------------------------------ 1. never save non-finite weights
+# ---------------------------------------------------------------------- 1. never save non-finite weights
 
 
 def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir, tmp_path, monkeypatch):
@@ -68,8 +68,8 @@ def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir,
         return loss
 
     monkeypatch.setattr(train, "train_step", step_then_interrupt)
-    with pytest.raises(UserError, match=r"not saving .*ckpt.pt: weight \S+ is not finite at step 5; the last good "
-                                        r"checkpoint is .*ckpt.pt \(step 4\)"):
+    with pytest.raises(UserError, match=r"not saving .*ckpt.pt: weight \S+ is not finite at step 5; the last "
+                                        r"good checkpoint is .*ckpt.pt \(step 4\)"):
         train.train(resumed(cfg, max_iters=8))
     assert (tmp_path / "ckpt.pt").read_bytes() == good
     assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / ".lock").exists()
@@ -96,7 +96,8 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
         with pytest.raises(UserError) as e:
             train.train(cfg)
     message = str(e.value)
-    assert "in use by another training run" in message and f"pid {os.getpid()} on {socket.gethostname()}" in message
+    assert "in use by another training run" in message
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in message
     assert re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", message) and "\n" not in message
     assert not (tmp_path / "log.jsonl").exists() and not (tmp_path / "ckpt.pt").exists()
 
@@ -115,7 +116,7 @@ def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
 def test_two_preparations_of_one_dataset_folder(tmp_path):
     with common.hold_lock(tmp_path / "data" / "shakespeare", "data.py preparing it"):
         with pytest.raises(UserError, match="in use by another data.py preparing it"):
-            data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=1, data_root=str(tmp_path / "data")))
+            data.prepare(data.PrepareConfig(max_docs=1, data_root=str(tmp_path / "data")))
     out = tmp_path / "data" / "books"
     # Two local folders both called `books` map to data/books: the second must not replace the first.
     for name in ("a", "b"):
@@ -173,25 +174,26 @@ def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
 
 
 def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    fill_disk_after(monkeypatch, opens=1)  # the save at step 2 succeeds, the one at step 4 finds the disk full
-    monkeypatch.setattr(sys, "argv", ["train.py", f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32",
-                                      "--batch_size=4", "--max_iters=4", "--eval_interval=2", "--eval_batches=2",
-                                      f"--out_dir={tmp_path}", "--device=cpu"])
+    fill_disk_after(monkeypatch, opens=1)  # the save at step 2 succeeds; at step 4 the disk is full
+    flags = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32", "--batch_size=4",
+             "--max_iters=4", "--eval_interval=2", "--eval_batches=2", f"--out_dir={tmp_path}",
+             "--device=cpu"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
     with pytest.raises(SystemExit) as e:
         common.run_main(train.main)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2
-    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt \(the partial file was removed\); "
-                        r"the last good checkpoint is \S+ckpt.pt \(step 2\)\. Free some space, then continue "
-                        r"with --resume", err), err
+    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt \(the partial file was "
+                        r"removed\); the last good checkpoint is \S+ckpt.pt \(step 2\)\. Free some space, "
+                        r"then continue with --resume", err), err
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
     fill_disk_after(monkeypatch, opens=0, room=5000)
-    with pytest.raises(UserError, match=r"^no space left on device while saving \S+\.bin; the partial file was "
-                                        r"removed and no \S+ was written$"):
+    with pytest.raises(UserError, match=r"^no space left on device while saving \S+\.bin; the partial file "
+                                        r"was removed and no \S+ was written$"):
         data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=2, data_root=str(tmp_path / "d")))
     assert not (tmp_path / "d").exists()
 
@@ -228,7 +230,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     assert not dead.exists() and live.exists()
 
 
-# ------------------------------------------------------------------------------ 5, 6. bad numbers, one line each
+# ---------------------------------------------------------------------- 5, 6. bad numbers, one line each
 
 
 def fake_checkpoint(path: Path) -> str:
@@ -261,14 +263,16 @@ def fake_checkpoint(path: Path) -> str:
 ])
 def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
-    subs = {"CKPT": fake_checkpoint(tmp_path / "base.pt"), "OUT": str(tmp_path), "LATIN1": str(tmp_path / "latin1.txt")}
+    subs = {"CKPT": fake_checkpoint(tmp_path / "base.pt"), "OUT": str(tmp_path),
+            "LATIN1": str(tmp_path / "latin1.txt")}
     flags = [re.sub("CKPT|OUT|LATIN1", lambda m: subs[m[0]], f) for f in flags]
     out = tmp_path / "out"
-    common_flags = {"train": [f"--out_dir={out}"], "finetune": [f"--out_dir={out}"], "compare": [f"--out_dir={out}"],
-                    "eval": [f"--ckpt={subs['CKPT']}"], "generate": [f"--ckpt={subs['CKPT']}"], "bench": [],
+    common_flags = {"train": [f"--out_dir={out}"], "finetune": [f"--out_dir={out}"],
+                    "compare": [f"--out_dir={out}"], "eval": [f"--ckpt={subs['CKPT']}"],
+                    "generate": [f"--ckpt={subs['CKPT']}"], "bench": [],
                     "data": [f"--data_root={out}"]}[script]
-    main = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main, "generate": generate.main,
-            "bench": bench.main, "compare": compare.main, "data": data.main}[script]
+    main = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main,
+            "generate": generate.main, "bench": bench.main, "compare": compare.main, "data": data.main}[script]
     before = sorted(tmp_path.iterdir())
     with pytest.raises(UserError) as e:
         main(common_flags + flags)
@@ -315,13 +319,13 @@ def test_resume_refuses_another_preset_and_explains_a_longer_schedule(tiny_data_
             "(lr at step 2: 7.75e-04, was 1.00e-04)") in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------ 8, 10. data: skipped rows, hints
+# ---------------------------------------------------------------------- 8, 10. data: skipped rows, hints
 
 
 def test_rows_without_text_are_counted_and_reported(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
-    rows = [{"text": "one two three " * 20}, {"title": "no text here"}, {"text": ""}, {"text": "four five " * 20}]
+    rows = [{"text": "one two three " * 20}, {"title": "no text"}, {"text": ""}, {"text": "four five " * 20}]
     (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d")))
     assert meta["documents"] == 2 and meta["skipped_rows"] == 2
@@ -349,7 +353,7 @@ def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
     assert "..." not in str(e.value) and f"--data_root={tmp_path / 'd'}" in str(e.value)
 
 
-# ------------------------------------------------------------------------------ 9. weights that don't fit the config
+# ---------------------------------------------------------------------- 9. weights that don't fit the config
 
 
 def test_mismatched_weights_name_the_first_tensor(tmp_path):
@@ -358,8 +362,8 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     model = build_model("tiny", 64, d_model=32, n_layer=1, n_head=2, block_size=16)
     config = dataclasses.asdict(model.config)
     wider = {"model": model.state_dict(), "model_config": {**config, "d_model": 64}}
-    with pytest.raises(UserError, match=r"ckpt.pt does not match this model code: tensor wte.weight has shape "
-                                        r"\[64, 32\] in the checkpoint but \[64, 64\] in the model"):
+    with pytest.raises(UserError, match=r"ckpt.pt does not match this model code: tensor wte.weight has "
+                                        r"shape \[64, 32\] in the checkpoint but \[64, 64\] in the model"):
         common.checkpoint_model(wider, "ckpt.pt")
     deeper = {"model": model.state_dict(), "model_config": {**config, "n_layer": 2}}
     with pytest.raises(UserError, match=r"tensor blocks.1.\S+ \(and \d+ more\) missing from the checkpoint"):
@@ -376,7 +380,8 @@ def test_bench_quick_fills_only_unset_flags():
 
 
 def test_too_many_negatives_are_reported_once(capsys):
-    bench.warn_if_every_negative(bench.BenchConfig(variants=["ce", "cwt-k256", "cwt-k64"], tokens=[128, 1024]))
+    cfg = bench.BenchConfig(variants=["ce", "cwt-k256", "cwt-k64"], tokens=[128, 1024])
+    bench.warn_if_every_negative(cfg)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cwt-k256 at 128 tokens" in err and "k64" not in err
     train.warn_if_every_negative(TrainConfig(num_negatives=300), candidates=256)
@@ -389,14 +394,15 @@ def test_a_capped_perplexity_prints_short():
     assert common.format_metric(12.345678) == "12.3457"
 
 
-# ------------------------------------------------------------------------------ 12, 13. eval.py matches train.py
+# ---------------------------------------------------------------------- 12, 13. eval.py matches train.py
 
 
 def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, batch_size=4, eval_batches=3)
     train.train(cfg)
     logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
-    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3", "--device=cpu"])
+    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
+                              "--device=cpu"])
     assert result["batch_size"] == 4 and result["dtype"] == "float32"
     for key in ("val_ce", "val_cwt", "val_acc"):
         assert result[key] == pytest.approx(logged[key], rel=1e-6), key
