@@ -271,8 +271,9 @@ def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_pat
                     "compare": [f"--out_dir={out}"], "eval": [f"--ckpt={subs['CKPT']}"],
                     "generate": [f"--ckpt={subs['CKPT']}"], "bench": [],
                     "data": [f"--data_root={out}"]}[script]
-    main = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main,
-            "generate": generate.main, "bench": bench.main, "compare": compare.main, "data": data.main}[script]
+    mains = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main, "data": data.main,
+             "generate": generate.main, "bench": bench.main, "compare": compare.main}
+    main = mains[script]
     before = sorted(tmp_path.iterdir())
     with pytest.raises(UserError) as e:
         main(common_flags + flags)
