@@ -32,8 +32,8 @@ from typing import Literal
 import torch
 
 import data
-from common import (DeviceName, DtypeName, UserError, autocast_context, import_pyplot, parse_flags, peak_flops,
-                    pick_device, pick_dtype, run_main, save_results)
+from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
+                    import_pyplot, parse_flags, peak_flops, pick_device, pick_dtype, run_main, save_results)
 from loss import scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
@@ -61,9 +61,12 @@ class BenchConfig:
     seed: int = 0
     json: str = ""
     plot: str = ""
-    quick: bool = False
+    quick: bool = False  # a small grid: fills the settings not given on the command line
 
 
+BENCH_RANGES = {"vocab": "[2, inf)", "tokens": "[1, inf)", "step_tokens": "[1, inf)",
+                "block_size": "[1, inf)", "max_logits": "[1, inf)", "warmup": "[0, inf)",
+                "repeats": "[1, inf)"}
 QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512], variants=["ce", "cwt", "cwt-unique", "cwt-k128"],
              step_tokens=[512], repeats=3)
 
@@ -257,10 +260,10 @@ def bench_data(cfg: BenchConfig) -> str:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every configuration of the grid; returns {"meta": ..., "rows": [...]}."""
-    if cfg.quick:
-        cfg = dataclasses.replace(cfg, **QUICK)
+    check_ranges(cfg, BENCH_RANGES)
     for v in cfg.variants + cfg.step_variants:
         parse_variant(v)
+    warn_if_every_negative(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     peak = peak_flops(device)
@@ -292,6 +295,15 @@ def run_bench(cfg: BenchConfig) -> dict:
                 ratios=f"relative to the first variant ({(cfg.variants + cfg.step_variants)[0]}) of the same row",
                 skipped=skipped, config=dataclasses.asdict(cfg))
     return {"meta": meta, "rows": rows}
+
+
+def warn_if_every_negative(cfg: BenchConfig) -> None:
+    """Once per run: a -kN variant whose N tokens are no more than k scores every candidate (no sampling)."""
+    ks = [(v, parse_variant(v)["num_negatives"]) for v in cfg.variants]
+    full = sorted({f"{v} at {n} tokens" for v, k in ks for n in cfg.tokens if k is not None and k >= n})
+    if full and cfg.mode in ("both", "loss"):
+        print(f"warning: k is not below the candidates (tokens) for {', '.join(full)}: every candidate is "
+              "scored, as without -kN", file=sys.stderr)
 
 
 def summarize(row: dict, base_times: list[float], base_memory: int | None, peak: float | None) -> dict:
@@ -352,7 +364,11 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["_mem"]:  # internal: one memory measurement in this fresh process
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
-    cfg = parse_flags(BenchConfig, argv)
+    cfg = parse_flags(BenchConfig, argv, quick=QUICK)
+    check_ranges(cfg, BENCH_RANGES)
+    for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
+        if path:
+            check_output_path(path, flag)
     if cfg.mode == "data":
         print(bench_data(cfg))
         return

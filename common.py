@@ -8,10 +8,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import errno
+import fcntl
 import json
+import math
 import os
 import re
+import signal
+import socket
 import sys
+import threading
+import time
 import tomllib
 import types
 import typing
@@ -169,10 +176,59 @@ def build_config(cls: type, values: dict[str, Any]) -> Any:
     return cls(**checked)
 
 
-def parse_flags(cls: type, argv: list[str]) -> Any:
+def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
     """Build dataclass `cls` from `--key=value` flags and an optional `--config=file.json|toml`
-    (precedence: dataclass defaults < config file < command-line flags)."""
-    return build_config(cls, read_flags(cls, argv))
+    (precedence: dataclass defaults < config file < command-line flags). With `--quick`, the `quick`
+    settings replace the defaults, never a value the user gave."""
+    values = read_flags(cls, argv)
+    cfg = build_config(cls, values)
+    if quick and getattr(cfg, "quick", False):
+        cfg = build_config(cls, {**quick, **values})
+    return cfg
+
+
+_INTERVAL = re.compile(r"([\[(])\s*([^,]+?)\s*,\s*([^\])]+?)\s*([\])])")
+
+
+def _bound(cfg: Any, text: str) -> tuple[float | None, str]:
+    """A range bound: a number, inf, or the value of another field (None when that field is unset)."""
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", text) and text not in ("inf",):
+        value = getattr(cfg, text)
+        return value, f"--{text}={value}"
+    return float(text), text
+
+
+def check_ranges(cfg: Any, ranges: dict[str, str]) -> None:
+    """Refuse, in one line, a number of `cfg` that is not finite or lies outside its declared range.
+
+    `ranges` maps a field to an interval: "[1, inf)", "(0, inf)", "[0, 1)", "[0, lr]" (a bound may name
+    another field). Unset (None) values are skipped and lists are checked item by item. Every float field
+    must be finite, whether listed or not."""
+    def items(name: str) -> list[Any]:
+        value = getattr(cfg, name)
+        return [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+
+    for f in dataclasses.fields(cfg):
+        for value in items(f.name):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"--{f.name} must be a finite number, got {value}")
+    for name, spec in ranges.items():
+        opening, low_text, high_text, closing = _INTERVAL.fullmatch(spec).groups()
+        (low, low_shown), (high, high_shown) = _bound(cfg, low_text), _bound(cfg, high_text)
+        for value in items(name):
+            too_low = low is not None and (value < low or (value == low and opening == "("))
+            too_high = high is not None and (value > high or (value == high and closing == ")"))
+            if too_low or too_high:
+                shown = _describe_range(opening, low_shown, high_shown, closing)
+                raise UserError(f"--{name} must be {shown}, got {value}")
+
+
+def _describe_range(opening: str, low: str, high: str, closing: str) -> str:
+    if high == "inf":
+        if (opening, low) == ("(", "0"):
+            return "positive"
+        return f"at least {low}" if opening == "[" else f"above {low}"
+    return f"in {opening}{low}, {high}{closing}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,6 +275,12 @@ def peak_flops_of(gpu_name: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", gpu_name)), None)
 
 
+def format_metric(value: float, digits: int = 4) -> str:
+    """A metric for a progress line: fixed-point, but never hundreds of digits (a perplexity capped at
+    e^700 would print 304 of them)."""
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.{digits}g}"
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -228,12 +290,36 @@ def format_duration(seconds: float) -> str:
 # Files
 
 
+class DiskFullError(UserError):
+    """No space left on the device while writing a file; the partial file is already removed."""
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's chain (torch.save wraps the OSError in a RuntimeError)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def check_output_path(path: str | Path, flag: str) -> None:
+    """Refuse, before any work, an output file that could never be written (a directory, say)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--{flag}={path} is a directory; pass a file path such as {path / 'results.json'}")
+    if any(p.exists() and not p.is_dir() for p in path.parents):
+        raise UserError(f"--{flag}={path}: a parent of it is a file, not a folder")
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     """A file to write `path` through: a temp file, fsync'd and renamed to `path` when the block ends
     without error, deleted when it fails. Readers never see a half-written file, and the temp name
-    carries the process id, so two writers never share one."""
+    carries the process id, so two writers never share one. A full disk is a DiskFullError."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"cannot write {path}: it is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -242,9 +328,91 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name says the file is complete
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            kept = f"{path} is unchanged" if path.exists() else f"no {path} was written"
+            raise DiskFullError(f"no space left on device while saving {path}; the partial file was removed "
+                                f"and {kept}") from None
         raise
+
+
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Delete the temp files (`NAME.PID.tmp`) that `atomic_file` calls of dead processes left behind
+    (a kill -9 mid-save); a live process's are kept. Returns the files removed."""
+    removed = []
+    for tmp in Path(folder).glob("*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2] if tmp.name.count(".") >= 2 else ""
+        if pid.isdigit() and not _process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def hold_lock(folder: str | Path, what: str = "folder") -> Iterator[Path]:
+    """Hold an exclusive lock on `folder` (an fcntl.flock on folder/.lock) for the block's life.
+
+    A second holder is refused at once with a one-line error naming the first (pid, host, start time).
+    The kernel drops the lock when its process dies, so a crashed run never leaves a stale lock; the
+    file itself is removed on release."""
+    path = Path(folder) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UserError(f"{folder} is in use by another {what} ({holder}); wait for it to finish or "
+                            f"use another folder") from None
+        # The holder before us may have removed the file after we opened it: lock the file on disk.
+        if path.exists() and os.path.samestat(os.fstat(f.fileno()), path.stat()):
+            break
+        f.close()
+    try:
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+        f.flush()
+        yield path
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: nobody can have locked the file we remove
+        f.close()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM received inside the block are handled when it ends, so a second Ctrl-C waits
+    for a save to finish instead of breaking it (and torch's writer would turn it into a RuntimeError)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in received:
+            signal.raise_signal(sig)  # now handled as usual
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -282,8 +450,45 @@ def import_pyplot():
 
 
 def save_checkpoint(path: str | Path, payload: dict) -> None:
-    with atomic_file(path) as f:
-        torch.save(payload, f)
+    """Write a checkpoint atomically, signals deferred. Refused (UserError, the previous file untouched)
+    when its weights, its training loss (`payload["loss"]`) or its validation metrics are not finite, or
+    when the disk is full."""
+    path = Path(path)
+    if problem := non_finite(payload):
+        raise UserError(f"not saving {path}: {problem} at step {payload.get('step', '?')}; "
+                        f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
+    try:
+        with signals_deferred(), atomic_file(path) as f:
+            torch.save(payload, f)
+    except DiskFullError:
+        raise DiskFullError(f"no space left on device while saving {path} (the partial file was removed); "
+                            f"{last_good_checkpoint(path)}. Free some space, then continue with --resume"
+                            ) from None
+
+
+def non_finite(payload: dict) -> str | None:
+    """What is not finite in a checkpoint payload (the first weight, the loss, a metric), or None."""
+    for name, tensor in payload["model"].items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"weight {name} is not finite"
+    loss = payload.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"the training loss is {loss}"
+    for key, value in (payload.get("val") or {}).items():
+        if not math.isfinite(value):
+            return f"{key} is {value}"
+    return None
+
+
+def last_good_checkpoint(path: Path) -> str:
+    """Where the user can continue from after a refused or failed save."""
+    if not path.is_file():
+        return "there is no earlier checkpoint"
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step", "?")
+    except Exception:
+        return f"{path} is unreadable"
+    return f"the last good checkpoint is {path} (step {step})"
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -313,4 +518,18 @@ def checkpoint_model(ckpt: dict, path: str | Path, **config_overrides: Any) -> G
     try:
         return model_from_checkpoint(ckpt, **config_overrides)
     except (TypeError, RuntimeError) as e:
-        raise UserError(f"{path} does not match this model code: {first_line(e)}") from None
+        raise UserError(f"{path} does not match this model code: {state_dict_problem(e)}") from None
+
+
+def state_dict_problem(e: Exception) -> str:
+    """The first concrete problem in load_state_dict's message (its first line only names the class)."""
+    text = str(e)
+    if m := re.search(r"size mismatch for ([\w.]+): copying a param with shape torch.Size\((\[.*?\])\) from "
+                      r"checkpoint, the shape in current model is torch.Size\((\[.*?\])\)", text):
+        return f"tensor {m[1]} has shape {m[2]} in the checkpoint but {m[3]} in the model its config builds"
+    for kind, where in (("Missing", "missing from the checkpoint"), ("Unexpected", "not in the model")):
+        if m := re.search(rf"{kind} key\(s\) in state_dict: ((?:\"[\w.]+\"(?:, )?)+)", text):
+            keys = re.findall(r"\"([\w.]+)\"", m[1])
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            return f"tensor {keys[0]}{more} {where}"
+    return first_line(e)

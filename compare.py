@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import (DeviceName, DtypeName, checkpoint_model, import_pyplot, load_checkpoint, parse_flags,
-                    pick_device, run_main, save_results)
+from common import (DeviceName, DtypeName, check_output_path, check_ranges, checkpoint_model, format_metric,
+                    import_pyplot, load_checkpoint, parse_flags, pick_device, run_main, save_results)
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -50,6 +50,11 @@ class CompareConfig:
     json: str = ""
     plot: str = ""
     quick: bool = False  # a few steps, for tests
+
+
+COMPARE_RANGES = {"block_size": "[2, inf)", "batch_size": "[1, inf)", "ce_iters": "[1, inf)",
+                  "finetune_fraction": "(0, 1]", "lr": "(0, inf)", "warmup_fraction": "[0, 1]",
+                  "evals": "[1, inf)", "eval_batches": "[1, inf)"}
 
 
 def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
@@ -131,7 +136,7 @@ def compare_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for name, run in result["runs"].items():
         lam = run["lambada"]
-        lam = f"{100 * lam['acc']:.1f}% / {lam['ppl']:,.0f}" if "acc" in lam else "-"
+        lam = f"{100 * lam['acc']:.1f}% / {format_metric(lam['ppl'], 0)}" if "acc" in lam else "-"
         lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
                      f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | {run['val_ce']:.4f} | {lam} |")
     notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
@@ -159,6 +164,10 @@ def plot_compare(result: dict, path: str) -> None:
 
 def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
+    check_ranges(cfg, COMPARE_RANGES)
+    for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
+        if path:
+            check_output_path(path, flag)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
     save_results(run_compare(cfg), cfg.json, cfg.plot, plot_compare)

@@ -33,7 +33,8 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from common import UserError, atomic_file, atomic_write_text, first_line, parse_flags, run_main
+from common import (UserError, atomic_file, atomic_write_text, check_ranges, first_line, hold_lock,
+                    parse_flags, remove_stale_temps, run_main)
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizer
@@ -203,12 +204,12 @@ def _open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[str], int | None]:
         rows = _load_dataset(cfg.dataset, "is every file valid?", builder, data_files=files,
                              split="train", streaming=True, **options)
         source = f"{Path(cfg.dataset).resolve()} ({len(files)} {builder} file(s))"
-        return source, _texts(rows, "text" if builder == "text" else cfg.text_field, source), None
+        return source, _Texts(rows, "text" if builder == "text" else cfg.text_field, source), None
     # Hub corpora are streamed: FineWeb-Edu never has to fit on disk, let alone in RAM.
     rows = _load_dataset(f"dataset {cfg.dataset!r}", "check the id, --subset and --split, and the network "
                          "(or pass a local path)", cfg.dataset, cfg.subset, split=cfg.split, streaming=True)
     source = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
-    return source, _texts(rows, cfg.text_field, source), None
+    return source, _Texts(rows, cfg.text_field, source), None
 
 
 def _load_dataset(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
@@ -221,25 +222,33 @@ def _load_dataset(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
         raise UserError(f"could not load {what}: {first_line(e).rstrip('.')}; {hint}") from None
 
 
-def _texts(rows: Iterable[dict], field: str, source: str) -> Iterator[str]:
-    """The text of each row; a missing field is a clear error, a missing value is skipped."""
-    rows = iter(rows)
-    while True:
-        try:
-            row = next(rows)
-        except StopIteration:
-            return
-        except Exception as e:  # malformed JSON, a corrupt parquet file, a dropped connection
-            raise UserError(f"could not read {source}: {first_line(e)}") from None
-        if field not in row:
-            raise UserError(f"{source} has no field {field!r} (fields: {', '.join(row)}); "
-                            f"pass --text_field=NAME")
-        text = row[field]
-        if text is not None and not isinstance(text, str):
-            raise UserError(f"field {field!r} of {source} holds {type(text).__name__}, not text; "
-                            f"pass --text_field=NAME of a text column")
-        if text:
-            yield text
+class _Texts:
+    """The text of each row: a field no row has is a clear error; rows without text in it (a .jsonl line
+    that lacks it, a null, an empty string) are skipped and counted in `skipped`."""
+
+    def __init__(self, rows: Iterable[dict], field: str, source: str):
+        self.rows, self.field, self.source, self.skipped = rows, field, source, 0
+
+    def __iter__(self) -> Iterator[str]:
+        rows, field, source = iter(self.rows), self.field, self.source
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # malformed JSON, a corrupt parquet file, a dropped connection
+                raise UserError(f"could not read {source}: {first_line(e)}") from None
+            if field not in row:
+                raise UserError(f"{source} has no field {field!r} (fields: {', '.join(row)}); "
+                                f"pass --text_field=NAME")
+            text = row[field]
+            if text is not None and not isinstance(text, str):
+                raise UserError(f"field {field!r} of {source} holds {type(text).__name__}, not text; "
+                                f"pass --text_field=NAME of a text column")
+            if text:
+                yield text
+            else:
+                self.skipped += 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,12 +327,37 @@ def _write_splits(docs: Iterable[str], cfg: PrepareConfig, eot: int,
     return n_docs
 
 
+PREPARE_RANGES = {"val_fraction": "(0, 1)", "max_docs": "[1, inf)", "max_tokens": "[1, inf)",
+                  "num_proc": "[1, inf)"}
+
+
 def _check_config(cfg: PrepareConfig) -> None:
-    if not 0 < cfg.val_fraction < 1:
-        raise UserError(f"--val_fraction={cfg.val_fraction} must be between 0 and 1, e.g. 0.05")
-    for name in ("max_docs", "max_tokens", "num_proc"):
-        if (value := getattr(cfg, name)) is not None and value < 1:
-            raise UserError(f"--{name}={value} must be at least 1")
+    check_ranges(cfg, PREPARE_RANGES)
+
+
+def _source_id(cfg: PrepareConfig) -> str:
+    """What a dataset folder was prepared from: a local path (resolved), or the hub id, subset and split."""
+    if _source_kind(cfg.dataset) == "local":
+        return str(Path(cfg.dataset).expanduser().resolve())
+    if cfg.dataset == "shakespeare":
+        return "shakespeare"
+    return f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
+
+
+def _check_same_source(out: Path, cfg: PrepareConfig) -> None:
+    """Preparing again replaces a folder's dataset, but only with one of the same source: two local
+    folders both called `books` map to the same data_root/books."""
+    if not (out / "meta.json").is_file():
+        return
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        old = meta.get("source_id") or _source_id(PrepareConfig(**meta["settings"]))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UserError):
+        return  # a broken meta.json vouches for nothing: preparing again repairs the folder
+    new = _source_id(cfg)
+    if old != new:
+        raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {new} would replace "
+                        f"it: pass another --data_root, or delete {out} first")
 
 
 def prepare(cfg: PrepareConfig) -> dict:
@@ -338,34 +372,42 @@ def prepare(cfg: PrepareConfig) -> dict:
     enc = load_tokenizer(cfg.tokenizer)
     dtype = token_dtype(enc.n_vocab)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+    _check_same_source(out, cfg)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with contextlib.ExitStack() as shards:  # both shards are renamed into place only if all went well
-            writers = {split: _ShardWriter(shards.enter_context(atomic_file(out / f"{split}.bin")), dtype)
-                       for split in SPLITS}
-            n_docs = _write_splits(docs, cfg, enc.eot_token, writers, total_docs)
-            if writers["train"].tokens == 0:
-                raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
-            if writers["val"].tokens == 0:
-                raise UserError(f"the val split is empty: documents are too short for "
-                                f"--val_fraction={cfg.val_fraction}; raise it")
-            (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
+        with hold_lock(out, "data.py preparing it"):  # one writer per folder; removed before the rmdir below
+            _check_same_source(out, cfg)  # again: another process may have prepared it meanwhile
+            remove_stale_temps(out)
+            with contextlib.ExitStack() as shards:  # both shards are renamed into place only if all went well
+                writers = {split: _ShardWriter(shards.enter_context(atomic_file(out / f"{split}.bin")), dtype)
+                           for split in SPLITS}
+                n_docs = _write_splits(docs, cfg, enc.eot_token, writers, total_docs)
+                if writers["train"].tokens == 0:
+                    raise UserError(f"{source} holds no text (0 tokens); check the path, --split and "
+                                    "--text_field")
+                if writers["val"].tokens == 0:
+                    raise UserError(f"the val split is empty: documents are too short for "
+                                    f"--val_fraction={cfg.val_fraction}; raise it")
+                (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
+            meta = {
+                "tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab, "dtype": dtype.name,
+                "eot_token": enc.eot_token, "documents": n_docs,
+                **{f"{split}_tokens": w.tokens for split, w in writers.items()},
+                "source": source, "source_id": _source_id(cfg), "skipped_rows": getattr(docs, "skipped", 0),
+                "checksums": {split: w.sha256.hexdigest() for split, w in writers.items()},
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "settings": dataclasses.asdict(cfg),
+            }
+            atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
     except BaseException:
         for d in new_dirs:  # children first; only the directories this call created
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
-    meta = {
-        "tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab, "dtype": dtype.name,
-        "eot_token": enc.eot_token, "documents": n_docs,
-        **{f"{split}_tokens": w.tokens for split, w in writers.items()},
-        "source": source,
-        "checksums": {split: w.sha256.hexdigest() for split, w in writers.items()},
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "settings": dataclasses.asdict(cfg),
-    }
-    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    if meta["skipped_rows"]:
+        print(f"skipped {meta['skipped_rows']:,} rows of {source} without text in field {cfg.text_field!r} "
+              "(missing, null or empty)", file=sys.stderr)
     return meta
 
 
@@ -401,8 +443,19 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
         print(f"preparing the built-in shakespeare dataset in {out} (one-off, a few seconds)", file=sys.stderr)
         prepare(PrepareConfig(data_root=data_root))
         return out
-    raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: "
-                    f"python data.py --dataset={dataset} --data_root={data_root}")
+    raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); "
+                    f"{prepare_hint(dataset, data_root)}")
+
+
+def prepare_hint(dataset: str, data_root: str) -> str:
+    """A command that prepares `dataset` so that train.py finds it as --dataset=DATASET, or, for a folder
+    that holds no corpus files (a dataset folder whose preparation was interrupted), what to do instead."""
+    path = Path(dataset).expanduser()
+    if path.is_dir() and not any(p.suffix in _LOCAL_FORMATS for p in path.rglob("*")):
+        return (f"{path} holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus it came from "
+                f"again with python data.py --dataset=SOURCE --data_root={path.parent}, then pass that "
+                "--dataset")
+    return f"run: python data.py --dataset={dataset} --data_root={data_root}"
 
 
 _META_KEYS = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "checksums")
@@ -412,8 +465,9 @@ def load_meta(data_dir: str | Path) -> dict:
     """meta.json of a prepared dataset; UserError when missing (e.g. an interrupted prepare) or invalid."""
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise UserError(f"{path} not found: the dataset is not prepared or its preparation was "
-                        f"interrupted; run python data.py --dataset=...")
+        raise UserError(f"{path} not found: {path.parent} is not a prepared dataset or its preparation was "
+                        f"interrupted; prepare its corpus again with python data.py --dataset=SOURCE "
+                        f"--data_root={path.parent.parent}")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -23,6 +23,7 @@ vocabulary. Batches are right-padded: under causal attention pads never reach a 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line,
-                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main, write_json)
+from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
+                    checkpoint_model, first_line, format_metric, load_checkpoint, parse_flags, pick_device,
+                    pick_dtype, run_main, write_json)
 from data import ensure_dataset, load_tokenizer, open_split, sequential_batches
 from loss import contrastive_accuracy, cwt_loss
 
@@ -49,13 +51,17 @@ class EvalConfig:
     ckpt: str = "out/ckpt.pt"  # a checkpoint written by train.py or finetune.py
     task: Literal["lambada", "val"] = "lambada"
     data: str | None = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
-    batch_size: int = 16  # lambada: examples per forward pass; val: sequences per batch
+    batch_size: int | None = None  # lambada: examples per pass (16); val: the checkpoint's micro-batch
     device: DeviceName = "auto"
-    dtype: DtypeName = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    dtype: DtypeName = "float32"  # as lm-evaluation-harness; bfloat16 (autocast) on request
     max_examples: int | None = None  # lambada: only the first N texts (quick runs; not comparable)
     split: Literal["train", "val"] = "val"  # val: which split of the checkpoint's dataset
     max_batches: int | None = None  # val: stop after this many batches (default: the whole split)
     json: str | None = None  # also write the results to this file
+
+
+EVAL_RANGES = {"batch_size": "[1, inf)", "max_examples": "[1, inf)", "max_batches": "[1, inf)"}
+LAMBADA_BATCH = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype:
     tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
     texts = load_lambada(cfg.data)[:cfg.max_examples]
     r = score_lambada(model, tokenizer, texts, cfg.batch_size, device, dtype, progress=True)
-    print(f"lambada_openai: acc {r['acc']:.4f} | ppl {r['ppl']:.2f} | n {r['n']} | "
+    print(f"lambada_openai: acc {r['acc']:.4f} | ppl {format_metric(r['ppl'], 2)} | n {r['n']} | "
           f"{r['n'] / r['seconds']:.1f} examples/s | {r['tokens'] / r['seconds']:,.0f} tokens/s")
     return {"task": "lambada", "n": r["n"], "acc": r["acc"], "ppl": r["ppl"],
             "data": cfg.data or "hf:" + "/".join(LAMBADA_HUB), "examples_per_s": r["n"] / r["seconds"],
@@ -251,21 +257,31 @@ def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype
                        contrastive=train_cfg.get("loss", "ce") != "ce", temperature=train_cfg.get("temperature", 1.0))
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
-    print(f"{cfg.split} ({train_cfg['dataset']}): " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-          + f" | {n / seconds:,.0f} tokens/s")
+    shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
+    print(f"{cfg.split} ({train_cfg['dataset']}): {shown} | {n / seconds:,.0f} tokens/s")
     return {"task": "val", "split": cfg.split, "dataset": train_cfg["dataset"], "n": n, "ce": metrics["val_ce"],
             "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
 
 
+def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
+    """The default batch: 16 LAMBADA examples; for val, the checkpoint's training micro-batch, because the
+    contrastive metrics take their negatives from the batch (and train.py's log used that one)."""
+    if cfg.batch_size is not None:
+        return cfg
+    trained = (ckpt.get("train_config") or {}).get("batch_size")
+    return dataclasses.replace(cfg, batch_size=trained if cfg.task == "val" and trained else LAMBADA_BATCH)
+
+
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(EvalConfig, argv)
-    for name in ("batch_size", "max_examples", "max_batches"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    check_ranges(cfg, EVAL_RANGES)
+    if cfg.json:
+        check_output_path(cfg.json, "json")
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
+    cfg = with_batch_size(cfg, ckpt)
     if cfg.task == "lambada":
         result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:

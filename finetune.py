@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common import DeviceName, DtypeName, UserError, load_checkpoint, parse_flags, run_main
+from common import DeviceName, DtypeName, UserError, check_ranges, load_checkpoint, parse_flags, run_main
 from loss import LossName
 from model import PresetName
-from train import TrainConfig, train
+from train import TRAIN_RANGES, TrainConfig, train
 
 # Head fine-tune recipe by preset: learning rate, schedule, warmup (share of the steps), final lr (share
 # of lr). The Pythia shapes follow the official fine-tune config, which settles what the paper leaves
@@ -59,6 +59,7 @@ class FinetuneConfig(TrainConfig):
     compile: bool | None = None
 
 
+FINETUNE_RANGES = {**TRAIN_RANGES, "budget_fraction": "(0, 1]", "tokens": "[1, inf)"}
 INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad_accum", "eval_batches",
              "device", "dtype", "compile")
 
@@ -76,17 +77,15 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     """Fill the settings left unset (None) from the pre-training run's config, then check them."""
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
-    if not 0 < cfg.budget_fraction <= 1:
-        raise UserError(f"--budget_fraction must be in (0, 1], got {cfg.budget_fraction}")
-    if cfg.tokens is not None and cfg.tokens < 1:
-        raise UserError(f"--tokens must be positive, got {cfg.tokens}")
     base_cfg, defaults = base.get("train_config", {}), TrainConfig()
     filled = {k: base_cfg.get(k, getattr(defaults, k)) for k in INHERITED if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **filled)
     recipe = FINETUNE_RECIPES[cfg.preset]
     lr = cfg.lr if cfg.lr is not None else recipe["lr"]
-    return dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
-                               min_lr=cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * lr)
+    cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
+                              min_lr=cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * lr)
+    check_ranges(cfg, FINETUNE_RANGES)  # before the budget divides by the batch
+    return cfg
 
 
 def base_checkpoint(cfg: FinetuneConfig) -> dict:

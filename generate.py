@@ -20,8 +20,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, load_checkpoint,
-                    parse_flags, pick_device, pick_dtype, repeatable, run_main)
+from common import (DeviceName, DtypeName, UserError, autocast_context, check_ranges, checkpoint_model,
+                    load_checkpoint, parse_flags, pick_device, pick_dtype, repeatable, run_main)
 from data import load_tokenizer
 from model import GPT, KVCache
 
@@ -116,17 +116,13 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
 # Command line
 
 
+GENERATE_RANGES = {"temperature": "[0, inf)", "top_k": "[0, inf)", "top_p": "(0, 1]",
+                   "max_new_tokens": "[1, inf)", "num_samples": "[1, inf)"}
+
+
 def check_config(cfg: GenerateConfig) -> None:
     """Reject sampling settings that cannot work, before loading anything."""
-    if not cfg.temperature >= 0:
-        raise UserError(f"--temperature must be 0 (greedy) or positive, got {cfg.temperature}")
-    if cfg.top_k < 0:
-        raise UserError(f"--top_k must be 0 (off) or positive, got {cfg.top_k}")
-    if not 0 < cfg.top_p <= 1:
-        raise UserError(f"--top_p must be in (0, 1] (1 = off), got {cfg.top_p}")
-    for name in ("max_new_tokens", "num_samples"):
-        if getattr(cfg, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    check_ranges(cfg, GENERATE_RANGES)
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
@@ -136,7 +132,12 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
         path = Path(cfg.prompt_file)
         if not path.is_file():
             raise UserError(f"prompt file {path} not found; pass --prompt_file=PATH to a text file")
-        in_file = [p.strip() for p in re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8")) if p.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8"
+                            ) from None
+        in_file = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
         if not in_file:
             raise UserError(f"prompt file {path} holds no prompts; separate prompts by blank lines")
         prompts += in_file

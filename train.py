@@ -9,6 +9,7 @@ finetune.py and compare.py run this same loop (`train(cfg)`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,8 +23,9 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, format_duration,
-                    load_checkpoint, parse_flags, peak_flops, pick_device, pick_dtype, run_main, save_checkpoint)
+from common import (DeviceName, DtypeName, UserError, atomic_write_text, autocast_context, check_ranges,
+                    checkpoint_model, format_duration, format_metric, hold_lock, load_checkpoint, parse_flags,
+                    peak_flops, pick_device, pick_dtype, remove_stale_temps, run_main, save_checkpoint)
 from data import BatchSampler, ensure_dataset, load_meta, open_split
 from eval import evaluate
 from loss import LossName, scored_columns, training_loss
@@ -85,25 +87,21 @@ DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 
 
 CKPT_NAME = "ckpt.pt"
+LOG_NAME = "log.jsonl"
+
+# The valid range of every numeric setting (see common.check_ranges); unset (None) ones are not checked.
+TRAIN_RANGES = {
+    "batch_size": "[1, inf)", "grad_accum": "[1, inf)", "max_iters": "[1, inf)", "eval_interval": "[1, inf)",
+    "eval_batches": "[1, inf)", "log_interval": "[1, inf)", "warmup_iters": "[0, inf)",
+    "block_size": "[2, inf)", "num_negatives": "[1, inf)", "dropout": "[0, 1)", "temperature": "(0, inf)",
+    "lr": "(0, inf)", "min_lr": "[0, lr]", "weight_decay": "[0, inf)", "beta1": "[0, 1)", "beta2": "[0, 1)",
+    "eps": "(0, inf)", "grad_clip": "[0, inf)", "loss_chunk_size": "[0, inf)",
+}
 
 
 def check_config(cfg: TrainConfig) -> None:
     """Reject settings that cannot work, before any time is spent."""
-    positive = ["batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval"]
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    for name in ["lr", "temperature"]:
-        if not getattr(cfg, name) > 0:
-            raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.block_size is not None and cfg.block_size < 2:
-        raise UserError(f"--block_size must be at least 2, got {cfg.block_size}")
-    if cfg.loss_chunk_size < 0:
-        raise UserError(f"--loss_chunk_size must be 0 (off) or a number of rows, got {cfg.loss_chunk_size}")
-    if cfg.num_negatives is not None and cfg.num_negatives < 1:
-        raise UserError(f"--num_negatives must be at least 1 (or unset for all), got {cfg.num_negatives}")
-    if not 0 <= cfg.dropout < 1:
-        raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    check_ranges(cfg, TRAIN_RANGES)
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
@@ -124,6 +122,7 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
         if resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
             raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
         check_same_tokenizer(meta, resumed, ckpt_path)
+        check_resume_settings(cfg, resumed, ckpt_path)
         return continued_model(resumed, ckpt_path, cfg), resumed, None
     if cfg.init_from:
         base = load_checkpoint(cfg.init_from)
@@ -145,6 +144,24 @@ def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
     if cfg.block_size is not None and cfg.block_size > context:
         raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
     return checkpoint_model(ckpt, path, dropout=cfg.dropout)
+
+
+def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
+    """--resume trains the checkpoint's model: another --preset is refused. A larger --max_iters extends
+    the run; under the cosine schedule that stretches the decay, which is said once."""
+    before, step = resumed.get("train_config", {}), resumed["step"]
+    if before.get("preset", cfg.preset) != cfg.preset:
+        raise UserError(f"--preset={cfg.preset} but {path} holds a {before['preset']} model; resume with "
+                        f"--preset={before['preset']} (another shape needs another --out_dir)")
+    if cfg.max_iters < step:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {step} of {path}; pass a larger "
+                        "--max_iters to extend the run")
+    old = before.get("max_iters", cfg.max_iters)
+    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
+        was = lr_at(step, dataclasses.replace(cfg, max_iters=old))
+        print(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now "
+              f"decays over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})",
+              file=sys.stderr)
 
 
 def check_same_tokenizer(meta: dict, ckpt: dict, where: str | Path) -> None:
@@ -210,6 +227,7 @@ class Run:
     tokens_per_iter: int
     flops_per_token: float
     step: int = 0
+    loss: float | None = None  # the last training loss read back (every log interval)
     first_val: dict | None = None
     val: dict | None = None
     earlier_tokens: int = 0  # tokens and FLOPs of the checkpoints this run started from, so budgets
@@ -247,6 +265,7 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     vocab_size = model.config.vocab_size
     tokens_per_micro = cfg.batch_size * block_size
     columns = scored_columns(cfg.loss, vocab_size, tokens_per_micro, cfg.num_negatives)
+    warn_if_every_negative(cfg, tokens_per_micro)
     run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
               optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
@@ -262,6 +281,45 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     if resumed:
         restore_state(run, resumed)
     return run, resumed
+
+
+def warn_if_every_negative(cfg: TrainConfig, candidates: int) -> None:
+    """k negatives out of at most k candidates are all of them: say so rather than fall back silently."""
+    if cfg.num_negatives is not None and cfg.loss != "ce" and cfg.num_negatives >= candidates:
+        print(f"warning: --num_negatives={cfg.num_negatives} is not below the {candidates} candidates of a "
+              "micro-batch (batch_size x block_size): every candidate is scored, as without it",
+              file=sys.stderr)
+
+
+@contextlib.contextmanager
+def claim_out_dir(run: Run, resumed: dict | None):
+    """out_dir for this run alone, for the run's life (a second run on it is refused); temp files of
+    killed runs removed; a fresh log for a new run, and on resume the log up to the checkpoint's step."""
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_lock(run.out_dir, "training run"):
+        remove_stale_temps(run.out_dir)
+        if resumed:
+            trim_log(run.out_dir, resumed["step"])
+        else:
+            (run.out_dir / LOG_NAME).unlink(missing_ok=True)
+        yield
+
+
+def trim_log(out_dir: Path, step: int) -> None:
+    """Keep the log records up to `step`: a crashed run logged steps past its last checkpoint, which the
+    resumed run logs again, so the log reads as one uninterrupted run."""
+    path = out_dir / LOG_NAME
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the crash
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +361,8 @@ def validate(run: Run) -> dict[str, float]:
     cfg = run.cfg
     val = evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
                    cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
-    print(f"step {run.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in val.items()), file=sys.stderr)
+    shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
+    print(f"step {run.step}: {shown}", file=sys.stderr)
     append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
     if not math.isfinite(val["val_ce"]):
         raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
@@ -317,6 +376,7 @@ def checkpoint(run: Run) -> None:
     save_checkpoint(run.ckpt_path, {
         "model": run.model.state_dict(), "model_config": dataclasses.asdict(run.model.config),
         "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "step": run.step,
+        "loss": run.loss,
         "train_config": dataclasses.asdict(run.cfg), "data_meta": run.meta, "val": run.val,
         "first_val": run.first_val, "tokens_seen": run.tokens, "flops": run.tokens * run.flops_per_token,
         "base_tokens": run.earlier_tokens, "base_flops": run.earlier_flops,
@@ -325,7 +385,7 @@ def checkpoint(run: Run) -> None:
 
 
 def append_log(out_dir: Path, record: dict) -> None:
-    with open(out_dir / "log.jsonl", "a") as f:
+    with open(out_dir / LOG_NAME, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
@@ -378,14 +438,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
           f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
           f"{run.device.type} {str(run.dtype).removeprefix('torch.')} | {run.tokens_per_iter:,} tokens/iter",
           file=sys.stderr)
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    if not resumed:  # a fresh run starts a fresh log
-        (run.out_dir / "log.jsonl").unlink(missing_ok=True)
     start_step, last_loss = run.step, float("nan")
     t_start = t_log = time.time()
     step_at_log = start_step
     model.train()
-    with StopFlag() as stop:
+    with claim_out_dir(run, resumed), StopFlag() as stop:
         while run.step < cfg.max_iters and not stop.requested:
             if run.step % cfg.eval_interval == 0 and not (resumed and run.step == start_step):
                 eval_start = time.time()
@@ -397,7 +454,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss_sum = train_step(run)
 
             if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters or stop.requested:
-                last_loss = loss_sum.item()  # the only host sync per log interval
+                last_loss = run.loss = loss_sum.item()  # the only host sync per log interval
                 if not math.isfinite(last_loss):
                     raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving (the last "
                                     f"good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")

@@ -1,0 +1,410 @@
+"""Faults found by fault injection (issue 10): non-finite saves, two runs on one folder, a full disk, a
+crash before --resume, bad numbers, and eval.py against train.py's own log."""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+import common
+import compare
+import data
+import eval as evaluation
+import finetune
+import generate
+import train
+from common import UserError
+from train import TrainConfig
+
+pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+
+
+def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
+    settings = dict(dataset=str(data_dir), preset="tiny", block_size=32, batch_size=4, max_iters=4,
+                    warmup_iters=1, eval_interval=2, eval_batches=2, log_interval=1, out_dir=str(out_dir),
+                    device="cpu", seed=0)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def resumed(cfg: TrainConfig, **overrides) -> TrainConfig:
+    return dataclasses.replace(cfg, resume=True, **overrides)
+
+
+def read_log(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+# ---------------------------------------------------------------------- 1. never save non-finite weights
+
+
+def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(tiny_data_dir, tmp_path)
+    train.train(cfg)
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    # The issue's reproduction: `--resume --lr=inf`, Ctrl-C during the first step. That step's loss is
+    # finite (computed before the update) but the update makes every weight non-finite.
+    real_lr, real_step = train.lr_at, train.train_step
+    monkeypatch.setattr(train, "lr_at", lambda step, c: math.inf if step >= 4 else real_lr(step, c))
+
+    def step_then_interrupt(run):
+        loss = real_step(run)
+        signal.raise_signal(signal.SIGINT)
+        return loss
+
+    monkeypatch.setattr(train, "train_step", step_then_interrupt)
+    with pytest.raises(UserError, match=r"not saving .*ckpt.pt: weight \S+ is not finite at step 5; the last "
+                                        r"good checkpoint is .*ckpt.pt \(step 4\)"):
+        train.train(resumed(cfg, max_iters=8))
+    assert (tmp_path / "ckpt.pt").read_bytes() == good
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / ".lock").exists()
+
+
+def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
+    weights = {"w": torch.ones(2)}
+    for bad, message in [({"loss": math.nan}, "the training loss is nan"),
+                         ({"val": {"val_ce": math.inf}}, "val_ce is inf"),
+                         ({"model": {"w": torch.tensor([1.0, math.nan])}}, "weight w is not finite")]:
+        with pytest.raises(UserError, match=message):
+            common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
+        assert not list(tmp_path.iterdir())
+    common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loss"] == 1.5
+
+
+# ------------------------------------------------------------------------------ 2. one run per folder
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=1)
+    with common.hold_lock(tmp_path, "training run"):  # the first run, holding out_dir
+        with pytest.raises(UserError) as e:
+            train.train(cfg)
+    message = str(e.value)
+    assert "in use by another training run" in message
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in message
+    assert re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", message) and "\n" not in message
+    assert not (tmp_path / "log.jsonl").exists() and not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
+    # What a killed run leaves: the lock file with its details, and a lock the kernel already dropped.
+    f = open(tmp_path / common.LOCK_NAME, "w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write("pid 1 on elsewhere, started long ago\n")
+    f.close()
+    with common.hold_lock(tmp_path) as lock:
+        assert f"pid {os.getpid()}" in lock.read_text()
+    assert not lock.exists()
+
+
+def test_two_preparations_of_one_dataset_folder(tmp_path):
+    with common.hold_lock(tmp_path / "data" / "shakespeare", "data.py preparing it"):
+        with pytest.raises(UserError, match="in use by another data.py preparing it"):
+            data.prepare(data.PrepareConfig(max_docs=1, data_root=str(tmp_path / "data")))
+    out = tmp_path / "data" / "books"
+    # Two local folders both called `books` map to data/books: the second must not replace the first.
+    for name in ("a", "b"):
+        (tmp_path / name / "books").mkdir(parents=True)
+        (tmp_path / name / "books" / "x.txt").write_text(f"{name} " * 50)
+    cfg = data.PrepareConfig(dataset=str(tmp_path / "a" / "books"), data_root=str(tmp_path / "data"))
+    data.prepare(cfg)
+    first = (out / "train.bin").read_bytes()
+    with pytest.raises(UserError, match=f"already holds a dataset prepared from {tmp_path / 'a' / 'books'}"):
+        data.prepare(dataclasses.replace(cfg, dataset=str(tmp_path / "b" / "books")))
+    assert (out / "train.bin").read_bytes() == first
+    data.prepare(dataclasses.replace(cfg, val_fraction=0.2))  # the same source again: replaced, as asked
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+# ------------------------------------------------------------------------------ 3. disk full
+
+
+class FullDisk:
+    """A file that takes `room` more bytes (or characters), then fails as a full disk does."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            self.file.write(b[:self.room])  # a partial file, as on a real disk
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.file.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
+    """Every temp file common.atomic_file writes after the first `opens` gets `room` bytes of disk."""
+    count = {"n": 0}
+
+    def opener(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if not str(path).endswith(".tmp"):
+            return f
+        count["n"] += 1
+        return f if count["n"] <= opens else FullDisk(f, room)
+
+    monkeypatch.setattr(common, "open", opener, raising=False)
+
+
+def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    fill_disk_after(monkeypatch, opens=1)  # the save at step 2 succeeds; at step 4 the disk is full
+    flags = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32", "--batch_size=4",
+             "--max_iters=4", "--eval_interval=2", "--eval_batches=2", f"--out_dir={tmp_path}",
+             "--device=cpu"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(train.main)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2
+    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt \(the partial file was "
+                        r"removed\); the last good checkpoint is \S+ckpt.pt \(step 2\)\. Free some space, "
+                        r"then continue with --resume", err), err
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
+    fill_disk_after(monkeypatch, opens=0, room=5000)
+    with pytest.raises(UserError, match=r"^no space left on device while saving \S+\.bin; the partial file "
+                                        r"was removed and no \S+ was written$"):
+        data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=2, data_root=str(tmp_path / "d")))
+    assert not (tmp_path / "d").exists()
+
+
+# ------------------------------------------------------------------------------ 4. resume after a crash
+
+
+def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train.train(tiny_config(tiny_data_dir, straight, max_iters=6, eval_interval=3))
+
+    crashed = tmp_path / "crashed"
+    real_log = train.append_log
+
+    def crash_at_step_5(out_dir, record):  # the last checkpoint is at step 3
+        real_log(out_dir, record)
+        if record["step"] == 5 and "loss" in record:
+            with open(Path(out_dir) / "log.jsonl", "a") as f:
+                f.write('{"step": 6, "lo')  # a record cut short by kill -9
+            raise RuntimeError("killed")
+
+    monkeypatch.setattr(train, "append_log", crash_at_step_5)
+    cfg = tiny_config(tiny_data_dir, crashed, max_iters=6, eval_interval=3)
+    with pytest.raises(RuntimeError, match="killed"):
+        train.train(cfg)
+    monkeypatch.setattr(train, "append_log", real_log)
+    dead = crashed / "ckpt.pt.999999999.tmp"  # a save interrupted by kill -9 (no such process)
+    live = crashed / f"results.json.{os.getpid()}.tmp"  # another program's save in progress
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"in progress")
+
+    train.train(resumed(cfg))
+    assert without_timing(read_log(crashed)) == without_timing(read_log(straight))
+    assert not dead.exists() and live.exists()
+
+
+# ---------------------------------------------------------------------- 5, 6. bad numbers, one line each
+
+
+def fake_checkpoint(path: Path) -> str:
+    torch.save({"model": {}, "model_config": {}, "train_config": {"batch_size": 8, "preset": "tiny"}}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("train", ["--beta1=2"], "--beta1 must be in [0, 1), got 2.0"),
+    ("train", ["--beta2=1"], "--beta2 must be in [0, 1), got 1.0"),
+    ("train", ["--eps=-1"], "--eps must be positive, got -1.0"),
+    ("train", ["--min_lr=-1"], "--min_lr must be in [0, --lr=0.001], got -1.0"),
+    ("train", ["--min_lr=0.01"], "--min_lr must be in [0, --lr=0.001], got 0.01"),
+    ("train", ["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),
+    ("train", ["--lr=inf"], "--lr must be a finite number, got inf"),
+    ("train", ["--grad_clip=nan"], "--grad_clip must be a finite number, got nan"),
+    ("train", ["--warmup_iters=-1"], "--warmup_iters must be at least 0, got -1"),
+    ("finetune", ["--ckpt=CKPT", "--batch_size=0"], "--batch_size must be at least 1, got 0"),
+    ("finetune", ["--ckpt=CKPT", "--budget_fraction=2"], "--budget_fraction must be in (0, 1], got 2.0"),
+    ("eval", ["--batch_size=0"], "--batch_size must be at least 1, got 0"),
+    ("eval", ["--json=OUT"], "is a directory; pass a file path"),
+    ("generate", ["--prompt=Hi", "--temperature=nan"], "--temperature must be a finite number, got nan"),
+    ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 text (byte 3)"),
+    ("bench", ["--repeats=0"], "--repeats must be at least 1, got 0"),
+    ("bench", ["--tokens=256,0"], "--tokens must be at least 1, got 0"),
+    ("bench", ["--json=OUT"], "is a directory"),
+    ("compare", ["--ce_iters=0"], "--ce_iters must be at least 1, got 0"),
+    ("data", ["--val_fraction=nan"], "--val_fraction must be a finite number, got nan"),
+    ("data", ["--num_proc=0"], "--num_proc must be at least 1, got 0"),
+])
+def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    subs = {"CKPT": fake_checkpoint(tmp_path / "base.pt"), "OUT": str(tmp_path),
+            "LATIN1": str(tmp_path / "latin1.txt")}
+    flags = [re.sub("CKPT|OUT|LATIN1", lambda m: subs[m[0]], f) for f in flags]
+    out = tmp_path / "out"
+    common_flags = {"train": [f"--out_dir={out}"], "finetune": [f"--out_dir={out}"],
+                    "compare": [f"--out_dir={out}"], "eval": [f"--ckpt={subs['CKPT']}"],
+                    "generate": [f"--ckpt={subs['CKPT']}"], "bench": [],
+                    "data": [f"--data_root={out}"]}[script]
+    mains = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main, "data": data.main,
+             "generate": generate.main, "bench": bench.main, "compare": compare.main}
+    main = mains[script]
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(UserError) as e:
+        main(common_flags + flags)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert sorted(tmp_path.iterdir()) == before  # no output folder, no temp file
+
+
+def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    real_save, real_log = torch.save, train.append_log
+
+    def first_ctrl_c_at_step_2(out_dir, record):
+        real_log(out_dir, record)
+        if record["step"] == 2 and "loss" in record:
+            signal.raise_signal(signal.SIGINT)
+
+    def save_with_second_ctrl_c(obj, f):
+        signal.raise_signal(signal.SIGINT)  # arrives mid-save
+        real_save(obj, f)
+
+    monkeypatch.setattr(train, "append_log", first_ctrl_c_at_step_2)
+    monkeypatch.setattr(torch, "save", save_with_second_ctrl_c)
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=10)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda argv: train.train(cfg))
+    assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2  # the save completed
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------ 7. resume with other settings
+
+
+def test_resume_refuses_another_preset_and_explains_a_longer_schedule(tiny_data_dir, tmp_path, capsys):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2)
+    train.train(cfg)
+    with pytest.raises(UserError, match="--preset=pythia-70m but .*ckpt.pt holds a tiny model; resume with "
+                                        "--preset=tiny"):
+        train.train(resumed(cfg, preset="pythia-70m", max_iters=4))
+    capsys.readouterr()
+    summary = train.train(resumed(cfg, max_iters=4))
+    assert summary["step"] == 4
+    assert ("note: --max_iters changed from 2 to 4 on resume: the cosine schedule now decays over 4 steps "
+            "(lr at step 2: 7.75e-04, was 1.00e-04)") in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- 8, 10. data: skipped rows, hints
+
+
+def test_rows_without_text_are_counted_and_reported(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = [{"text": "one two three " * 20}, {"title": "no text"}, {"text": ""}, {"text": "four five " * 20}]
+    (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d")))
+    assert meta["documents"] == 2 and meta["skipped_rows"] == 2
+    assert "skipped 2 rows of" in capsys.readouterr().err
+
+
+def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some words to train on " * 40)
+    root = str(tmp_path / "d")
+    with pytest.raises(UserError) as e:
+        data.ensure_dataset(str(corpus), root)
+    command = re.search(r"run: python data.py (.*)$", str(e.value))[1]
+    data.main(command.split(" "))  # exactly what the hint says
+    assert data.load_meta(data.ensure_dataset(str(corpus), root))["documents"] == 1
+    # A folder with shards but no meta.json (an interrupted preparation) holds nothing data.py can read.
+    broken = tmp_path / "d" / "broken"
+    broken.mkdir()
+    (broken / "train.bin").write_bytes(b"\0\0")
+    with pytest.raises(UserError, match="holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus"):
+        data.ensure_dataset(str(broken), root)
+    with pytest.raises(UserError) as e:
+        data.load_meta(broken)
+    assert "..." not in str(e.value) and f"--data_root={tmp_path / 'd'}" in str(e.value)
+
+
+# ---------------------------------------------------------------------- 9. weights that don't fit the config
+
+
+def test_mismatched_weights_name_the_first_tensor(tmp_path):
+    from model import build_model
+
+    model = build_model("tiny", 64, d_model=32, n_layer=1, n_head=2, block_size=16)
+    config = dataclasses.asdict(model.config)
+    wider = {"model": model.state_dict(), "model_config": {**config, "d_model": 64}}
+    with pytest.raises(UserError, match=r"ckpt.pt does not match this model code: tensor wte.weight has "
+                                        r"shape \[64, 32\] in the checkpoint but \[64, 64\] in the model"):
+        common.checkpoint_model(wider, "ckpt.pt")
+    deeper = {"model": model.state_dict(), "model_config": {**config, "n_layer": 2}}
+    with pytest.raises(UserError, match=r"tensor blocks.1.\S+ \(and \d+ more\) missing from the checkpoint"):
+        common.checkpoint_model(deeper, "ckpt.pt")
+
+
+# ------------------------------------------------------------------------------ 11. bench
+
+
+def test_bench_quick_fills_only_unset_flags():
+    cfg = common.parse_flags(bench.BenchConfig, ["--quick", "--repeats=5", "--vocab=1024"], quick=bench.QUICK)
+    assert (cfg.repeats, cfg.vocab, cfg.preset, cfg.tokens) == (5, [1024], "tiny", [512])
+    assert common.parse_flags(bench.BenchConfig, ["--repeats=5"], quick=bench.QUICK).preset == "pythia-70m"
+
+
+def test_too_many_negatives_are_reported_once(capsys):
+    cfg = bench.BenchConfig(variants=["ce", "cwt-k256", "cwt-k64"], tokens=[128, 1024])
+    bench.warn_if_every_negative(cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cwt-k256 at 128 tokens" in err and "k64" not in err
+    train.warn_if_every_negative(TrainConfig(num_negatives=300), candidates=256)
+    train.warn_if_every_negative(TrainConfig(num_negatives=255), candidates=256)
+    assert capsys.readouterr().err.count("--num_negatives=300 is not below the 256 candidates") == 1
+
+
+def test_a_capped_perplexity_prints_short():
+    assert common.format_metric(math.exp(700)) == "1.014e+304"
+    assert common.format_metric(12.345678) == "12.3457"
+
+
+# ---------------------------------------------------------------------- 12, 13. eval.py matches train.py
+
+
+def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, batch_size=4, eval_batches=3)
+    train.train(cfg)
+    logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
+    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
+                              "--device=cpu"])
+    assert result["batch_size"] == 4 and result["dtype"] == "float32"
+    for key in ("val_ce", "val_cwt", "val_acc"):
+        assert result[key] == pytest.approx(logged[key], rel=1e-6), key
+    assert evaluation.EvalConfig().dtype == "float32"
