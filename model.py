@@ -73,7 +73,7 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
         if not config.causal:
-            raise ValueError("an encoder (bidirectional attention) has no KV cache; only causal models generate")
+            raise ValueError("an encoder (bidirectional attention) has no KV cache; only decoders generate")
         head_dim = config.d_model // config.n_head
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
