@@ -72,6 +72,9 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
         raise UserError(f"--budget_fraction must be in (0, 1], got {cfg.budget_fraction}")
     if cfg.tokens is not None and cfg.tokens < 1:
         raise UserError(f"--tokens must be positive, got {cfg.tokens}")
+    if not base["model_config"].get("causal", True):
+        raise UserError(f"{cfg.ckpt} is a masked-LM encoder; finetune.py gives decoders an LM head: "
+                        "fine-tune encoders on a task with glue.py")
     base_cfg, defaults = base.get("train_config", {}), TrainConfig()
     filled = {k: base_cfg.get(k, getattr(defaults, k)) for k in INHERITED if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **filled)

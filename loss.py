@@ -139,3 +139,12 @@ def training_loss(
     if loss == "nce":
         return cwt_loss(h, output_weight[targets], **contrastive)
     raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
+
+
+def masked_rows(h: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked LM's scored rows: hidden states (M, d) and targets (M,) of the positions whose target is
+    not `ignore_index`. Losses over these alone are the paper's MLM objectives: for `cwt`, the negatives
+    of a masked position are the original tokens of the other masked positions of the micro-batch."""
+    keep = targets != ignore_index
+    return h[keep], targets[keep]
