@@ -1,6 +1,5 @@
 """Masked-LM pre-training: BERT masking, bidirectional attention, losses over masked positions, resume."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +58,8 @@ def test_attention_is_bidirectional_only_for_an_encoder(causal):
     changed[0, -1] = (x[0, -1] + 1) % 64  # a later token
     with torch.no_grad():
         before, after = model.hidden(x), model.hidden(changed)
-    assert torch.allclose(before[:, :-1], after[:, :-1]) == causal  # earlier positions move only for an encoder
+    # earlier positions move only for an encoder
+    assert torch.allclose(before[:, :-1], after[:, :-1]) == causal
 
 
 def test_encoder_padding_mask_matches_unpadded_input():
@@ -100,7 +100,8 @@ def test_mlm_loss_matches_float64_reference_over_masked_positions(loss):
 
 @pytest.fixture
 def small_encoder_preset(monkeypatch):
-    monkeypatch.setitem(model_module.PRESETS, "bert-tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=32))
+    small = dict(n_layer=2, n_head=2, d_model=64, block_size=32)
+    monkeypatch.setitem(model_module.PRESETS, "bert-tiny", small)
 
 
 def mlm_config(data_dir, out_dir, **overrides) -> TrainConfig:
@@ -115,12 +116,12 @@ def test_mlm_training_resumes_exactly_and_records_the_mask(tiny_data_dir, tmp_pa
     assert set(straight["val"]) == {"val_ce", "val_ppl", "val_cwt", "val_acc"}
     train.train(mlm_config(tiny_data_dir, tmp_path / "b", max_iters=3))
     train.train(mlm_config(tiny_data_dir, tmp_path / "b", resume=True))
-    losses = lambda d: {r["step"]: r["loss"] for r in map(json.loads, (d / "log.jsonl").read_text().splitlines())
-                        if "loss" in r}
+    records = lambda d: map(json.loads, (d / "log.jsonl").read_text().splitlines())
+    losses = lambda d: {r["step"]: r["loss"] for r in records(d) if "loss" in r}
     assert losses(tmp_path / "b") == losses(tmp_path / "a")  # masks and batches depend on (seed, step) only
     ckpt = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
     assert ckpt["mask_spec"] == {"mask_token": 50257, "vocab_size": 50257, "special_tokens": (50256,)}
     assert ckpt["model_config"]["causal"] is False and ckpt["model_config"]["vocab_size"] == 50304
     with pytest.raises(UserError, match="encoder"):  # a decoder objective on an encoder: one line
-        train.train(TrainConfig(**{**mlm_config(tiny_data_dir, tmp_path / "c").__dict__, "objective": "causal",
-                                   "init_from": str(Path(tmp_path / "a" / "ckpt.pt"))}))
+        train.train(mlm_config(tiny_data_dir, tmp_path / "c", objective="causal",
+                               init_from=str(tmp_path / "a" / "ckpt.pt")))
