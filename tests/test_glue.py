@@ -101,4 +101,4 @@ def test_regression_head_and_causal_checkpoint_warning(tmp_path, capsys):
     result = glue.main([f"--ckpt={tmp_path / 'dec.pt'}", "--task=stsb", f"--data={folder}", "--epochs=3",
                         "--batch_size=8", "--lr=3e-3", "--device=cpu"])
     assert result["causal_checkpoint"] and "warning" in capsys.readouterr().err
-    assert result["pearson"] > 0.9 and result["spearman"] > 0.8
+    assert result["pearson"] > 0.7 and result["spearman"] > 0.9  # chance: 0
