@@ -147,13 +147,16 @@ def read_rows(path: Path) -> list[dict]:
         raise UserError(f"{path} not found; --data=DIR needs train.jsonl and the validation split(s) "
                         "in GLUE's columns (MNLI: validation_matched.jsonl, validation_mismatched.jsonl)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; pass .jsonl files") from None
     return rows
 
 
