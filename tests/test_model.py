@@ -74,7 +74,12 @@ def test_presets_have_the_papers_shapes():
     expected = 6 * (12 * 512 * 512 + 2 * 512) + 512
     assert pythia.num_params(embeddings=False) == expected
     assert pythia.num_params() == expected + 50304 * 512
-    assert set(PRESETS) == {"tiny", "pythia-70m", "gpt2-124m"}
+    assert set(PRESETS) == {"tiny", "pythia-70m", "gpt2-124m", "bert-tiny", "bert-small", "bert-base"}
+    base = build_model("bert-base", 50304).config  # the paper's encoder: BERT-base's shape
+    assert (base.n_layer, base.d_model, base.n_head, base.mlp_ratio * base.d_model, base.block_size) == \
+        (12, 768, 12, 3072, 512)
+    small = PRESETS["bert-small"]
+    assert (small["n_layer"], small["d_model"], small["n_head"]) == (4, 512, 8)
     with pytest.raises(ValueError, match="unknown preset"):
         build_model("gpt5", 100)
 
