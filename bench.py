@@ -4,12 +4,15 @@
     python bench.py --quick             # a small grid, under a minute on CPU
     python bench.py --mode=step --preset=pythia-70m --vocab=50304 --step_tokens=512 --repeats=9
     python bench.py --json=results/bench.json --plot=results/bench.png
+    python bench.py --mode=mlm          # masked-LM steps only (BERT masking, 15% of positions scored)
     python bench.py --mode=data         # tokenisation (1 and 2 processes) and batch throughput
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
 the objective alone (forward + backward from fixed hidden states (N, d) and the embedding E (V, d));
-`step` rows time a whole training step of the preset (hidden states, loss, backward, clipping, AdamW).
+`step` rows time a whole training step of the preset (hidden states, loss, backward, clipping, AdamW);
+`mlm` rows the same step of the preset as a masked-LM encoder (bidirectional attention, BERT masking),
+whose losses score the 15% masked positions only: CWT's candidates are then those positions alone.
 Memory: the extra memory one step needs once warmed up (inputs, weights and optimizer state excluded).
 On CUDA, the peak allocated minus what was allocated before the step. On CPU, each configuration runs in a
 fresh subprocess that, for each variant, takes one warm-up step, resets its peak resident set (VmHWM, via
@@ -34,7 +37,7 @@ import torch
 import data
 from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
                     import_pyplot, parse_flags, peak_flops, pick_device, pick_dtype, run_main, save_results)
-from loss import scored_columns, training_loss
+from loss import masked_rows, scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated before it",
@@ -44,7 +47,7 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step", "data"] = "both"
+    mode: Literal["both", "loss", "step", "mlm", "data"] = "both"  # both: loss, step and mlm rows
     preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
@@ -104,7 +107,7 @@ def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
 def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
     """Build the inputs for one configuration; returns ({variant: step_fn}, {variant: flops}, extra).
 
-    spec: kind ("loss" | "step"), preset, vocab, tokens, block_size, variants, seed.
+    spec: kind ("loss" | "step" | "mlm"), preset, vocab, tokens, block_size, variants, seed.
     """
     gen = torch.Generator().manual_seed(spec["seed"])
     vocab, tokens, variants = spec["vocab"], spec["tokens"], spec["variants"]
@@ -131,24 +134,30 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
     if tokens % block:
         raise UserError(f"step tokens {tokens} must be a multiple of --block_size={block}")
     torch.manual_seed(spec["seed"])
-    model = build_model(spec["preset"], vocab, block_size=block).to(device)
+    mlm = spec["kind"] == "mlm"
+    model = build_model(spec["preset"], vocab, block_size=block, causal=not mlm).to(device)
     optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
     seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
     x, y = seq[:, :-1], seq[:, 1:]
+    if mlm:  # BERT masking as train.py does it; the last id stands in for [MASK]
+        x, y = data.mask_tokens(x, spec["seed"], 0, data.MaskSpec(vocab - 1, vocab - 1, ()))
 
     def make(variant):
         kw = parse_variant(variant)
 
         def step():
             with autocast_context(device, dtype):
-                loss = training_loss(model.hidden(x), y, model.wte.weight, model.output_weight,
+                h, targets = masked_rows(model.hidden(x), y) if mlm else (model.hidden(x), y)
+                loss = training_loss(h, targets, model.wte.weight, model.output_weight,
                                      generator=loss_rng, **kw)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return step
-    flops = {v: tokens * model.flops_per_token(block, columns(v, vocab, y.reshape(-1))) for v in variants}
+    scored = y[y != data.NOT_MASKED] if mlm else y.reshape(-1)  # the positions the loss scores
+    flops = {v: tokens * model.flops_per_token(block, 0) + 6 * model.config.d_model * scored.numel()
+             * columns(v, vocab, scored) for v in variants}
     return {v: make(v) for v in variants}, flops, {"d_model": model.config.d_model, "block_size": block,
                                                    "batch_size": tokens // block}
 
@@ -272,6 +281,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         grid += [("loss", v, n, cfg.variants) for v in cfg.vocab for n in cfg.tokens]
     if cfg.mode in ("both", "step"):
         grid += [("step", v, n, cfg.step_variants) for v in cfg.vocab for n in cfg.step_tokens]
+    if cfg.mode in ("both", "mlm"):
+        grid += [("mlm", v, n, cfg.step_variants) for v in cfg.vocab for n in cfg.step_tokens]
     rows, skipped = [], []
     for kind, vocab, tokens, variants in grid:
         if tokens * vocab > cfg.max_logits:
@@ -337,9 +348,12 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines + [""] + notes)
 
 
+TITLES = {"loss": "loss layer (fwd+bwd)", "step": "full training step", "mlm": "masked-LM training step"}
+
+
 def plot_bench(result: dict, path: str) -> None:
     plt = import_pyplot()
-    kinds = [k for k in ("loss", "step") if any(r["kind"] == k for r in result["rows"])]
+    kinds = [k for k in ("loss", "step", "mlm") if any(r["kind"] == k for r in result["rows"])]
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         rows = [r for r in result["rows"] if r["kind"] == kind]
@@ -347,7 +361,7 @@ def plot_bench(result: dict, path: str) -> None:
             pts = sorted((r["vocab"], 1e3 * r["time_s"]) for r in rows if (r["variant"], r["tokens"]) == key)
             ax.plot(*zip(*pts), marker="o", label=f"{key[0]}, {key[1]} tokens")
         ax.set(xscale="log", yscale="log", xlabel="vocabulary size V", ylabel="ms per step",
-               title=f"{'loss layer (fwd+bwd)' if kind == 'loss' else 'full training step'}, {rows[0]['preset']}")
+               title=f"{TITLES[kind]}, {rows[0]['preset']}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(result["meta"]["device_name"], fontsize=9)

@@ -571,6 +571,62 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int,
 
 
 # ----------------------------------------------------------------------------------------------
+# BERT masking for masked-language-model training (train.py --objective=mlm)
+
+MASK_RATE = 0.15  # BERT's: of the positions of every sequence, these many are predicted
+NOT_MASKED = -100  # target of a position that is not predicted (F.cross_entropy's ignore_index)
+_MASK_STREAM = 7  # keeps the masking draws apart from BatchSampler's, which use the same (seed, index)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What masking needs to know of the tokenizer; stored in MLM checkpoints as `mask_spec`."""
+    mask_token: int  # the [MASK] id: GPT-2 has none, so the first unused id of the padded embedding
+    vocab_size: int  # the tokenizer's ids are below this; random replacements are drawn among them
+    special_tokens: tuple[int, ...]  # never chosen for prediction nor drawn as a replacement (end-of-text)
+
+
+def mask_spec(meta: dict) -> MaskSpec:
+    """The masking of a prepared dataset's tokenizer: [MASK] = the first id past its vocabulary."""
+    return MaskSpec(mask_token=meta["vocab_size"], vocab_size=meta["vocab_size"],
+                    special_tokens=(meta["eot_token"],))
+
+
+def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
+                rate: float = MASK_RATE) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's corruption of a batch (B, T) -> (inputs, targets), a pure function of (seed, index).
+
+    In every row, round(rate x its ordinary tokens) positions (at least one) are chosen uniformly among
+    the non-special ones, as in BERT's create_pretraining_data (a fixed count, not a coin per token).
+    A chosen position's input becomes [MASK] with probability 0.8, a random ordinary token with 0.1, and
+    stays itself with 0.1; its target is the original token. Every other target is NOT_MASKED.
+    The random draws come from numpy on the CPU, so the masks are the same on every device.
+    """
+    rng = np.random.default_rng([seed, index, _MASK_STREAM])
+    shape, device = tuple(tokens.shape), tokens.device
+    keys = torch.from_numpy(rng.random(shape)).to(device)
+    action = torch.from_numpy(rng.random(shape)).to(device)
+    replacement = torch.from_numpy(_ordinary_ids(rng.integers(0, spec.vocab_size - len(spec.special_tokens),
+                                                              shape), spec.special_tokens)).to(device)
+    special = torch.isin(tokens, torch.tensor(spec.special_tokens, dtype=tokens.dtype, device=device))
+    ordinary = (~special).sum(dim=1)
+    count = torch.minimum((rate * ordinary).round().clamp(min=1), ordinary)
+    rank = keys.masked_fill(special, 2.0).argsort(dim=1).argsort(dim=1)  # specials rank last
+    chosen = rank < count[:, None]
+    inputs = torch.where(chosen & (action < 0.8), spec.mask_token, tokens)
+    inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), replacement, inputs)
+    return inputs, torch.where(chosen, tokens, NOT_MASKED)
+
+
+def _ordinary_ids(draws: np.ndarray, special_tokens: tuple[int, ...]) -> np.ndarray:
+    """Map draws in [0, vocab - #specials) onto the ordinary ids in order, stepping over the specials."""
+    ids = draws.astype(np.int64)
+    for s in sorted(special_tokens):
+        ids += ids >= s
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 
 

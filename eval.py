@@ -40,8 +40,8 @@ from tqdm import tqdm
 from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
                     checkpoint_model, first_line, format_metric, load_checkpoint, parse_flags, pick_device,
                     pick_dtype, run_main, write_json)
-from data import ensure_dataset, load_tokenizer, open_split, sequential_batches
-from loss import contrastive_accuracy, cwt_loss
+from data import MaskSpec, ensure_dataset, load_tokenizer, mask_tokens, open_split, sequential_batches
+from loss import contrastive_accuracy, cwt_loss, masked_rows
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -100,6 +100,41 @@ def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.devi
     if contrastive:
         metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
     return metrics
+
+
+VAL_MASK_SEED = 0  # validation masks: the same for every run, whatever its --seed
+
+
+@torch.no_grad()
+def evaluate_mlm(model, tokens, batch_size: int, block_size: int, device: torch.device, spec: MaskSpec,
+                 dtype: torch.dtype = torch.float32, max_batches: int | None = None,
+                 temperature: float = 1.0) -> dict[str, float]:
+    """Masked-LM validation on `evaluate`'s windows, masked as in training but with fixed masks (batch i
+    gets mask_tokens(VAL_MASK_SEED, i)), so every checkpoint and objective is scored on the same positions.
+
+    `val_ce`: cross-entropy of the original tokens at the masked positions through `model.logits` (the tied
+    E, or nce's own table), comparable across objectives. `val_cwt`, `val_acc`: the contrastive loss over
+    the masked positions of each batch and its in-batch top-1 accuracy, against the same table.
+    """
+    was_training = model.training
+    model.eval()
+    total_ce, total_masked, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
+    for i, (x, _) in enumerate(sequential_batches(tokens, batch_size, block_size, device, max_batches)):
+        inputs, targets = mask_tokens(x, VAL_MASK_SEED, i, spec)
+        with autocast_context(device, dtype):
+            h, y = masked_rows(model.hidden(inputs), targets)
+            total_ce += F.cross_entropy(model.logits(h).float(), y, reduction="sum").item()
+            e = model.output_weight[y]
+            cwt_sum += cwt_loss(h, e, temperature).item()
+            acc_sum += contrastive_accuracy(h, e, y).item()
+        total_masked += y.numel()
+        n_batches += 1
+    model.train(was_training)
+    if n_batches == 0:
+        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
+    val_ce = total_ce / total_masked
+    return {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0)), "val_cwt": cwt_sum / n_batches,
+            "val_acc": acc_sum / n_batches}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,15 +281,21 @@ def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype:
             "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
 
 
-def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype: torch.dtype) -> dict:
+def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype: torch.dtype,
+            spec: dict | None = None) -> dict:
     if "dataset" not in train_cfg:
         raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); --task=val needs a train.py checkpoint")
     data_dir = ensure_dataset(train_cfg["dataset"], train_cfg.get("data_root", "data"))
     tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
     start = time.time()
-    metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
-                       contrastive=train_cfg.get("loss", "ce") != "ce", temperature=train_cfg.get("temperature", 1.0))
+    if train_cfg.get("objective") == "mlm":  # masked-token CE (and CWT) on fixed masks
+        metrics = evaluate_mlm(model, tokens, cfg.batch_size, block_size, device, MaskSpec(**spec), dtype,
+                               cfg.max_batches, train_cfg.get("temperature", 1.0))
+    else:
+        metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
+                           contrastive=train_cfg.get("loss", "ce") != "ce",
+                           temperature=train_cfg.get("temperature", 1.0))
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
@@ -283,9 +324,11 @@ def main(argv: list[str]) -> dict:
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     cfg = with_batch_size(cfg, ckpt)
     if cfg.task == "lambada":
+        if not model.config.causal:
+            raise UserError(f"{cfg.ckpt} is a masked-LM encoder: LAMBADA needs a causal model; use glue.py")
         result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:
-        result = run_val(cfg, model, ckpt.get("train_config") or {}, device, dtype)
+        result = run_val(cfg, model, ckpt.get("train_config") or {}, device, dtype, ckpt.get("mask_spec"))
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
               "batch_size": cfg.batch_size}
     if cfg.json:

@@ -77,6 +77,9 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     """Fill the settings left unset (None) from the pre-training run's config, then check them."""
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
+    if not base["model_config"].get("causal", True):
+        raise UserError(f"{cfg.ckpt} is a masked-LM encoder; finetune.py gives decoders an LM head: "
+                        "fine-tune encoders on a task with glue.py")
     base_cfg, defaults = base.get("train_config", {}), TrainConfig()
     filled = {k: base_cfg.get(k, getattr(defaults, k)) for k in INHERITED if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **filled)

@@ -181,6 +181,9 @@ def main(argv: list[str]) -> None:
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
+    if not model.config.causal:
+        raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate "
+                        "text; fine-tune it with glue.py, or train a decoder (--objective=causal)")
     tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
     if tokenizer.n_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} "

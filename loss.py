@@ -296,3 +296,12 @@ def _at_labels(s, labels, c0):
 def _add_at_labels(s, labels, c0, value):
     slot, inside = _label_slots(labels, c0, s.size(1))
     s.scatter_add_(1, slot, (inside.to(s.dtype) * value)[:, None])
+
+
+def masked_rows(h: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked LM's scored rows: hidden states (M, d) and targets (M,) of the positions whose target is
+    not `ignore_index`. Losses over these alone are the paper's MLM objectives: for `cwt`, the negatives
+    of a masked position are the original tokens of the other masked positions of the micro-batch."""
+    keep = targets != ignore_index
+    return h[keep], targets[keep]

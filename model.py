@@ -4,7 +4,8 @@ GPT-NeoX (Pythia) by default: pre-norm blocks with LayerNorm (with bias), a para
 (x + attn(ln1(x)) + mlp(ln2(x))), rotary position embeddings on the first quarter of each head's
 channels, causal attention through `F.scaled_dot_product_attention` (flash attention on CUDA), an exact
 GELU MLP and biases on every linear layer. GPTConfig has GPT-NeoX's few switches (as nanoGPT has `bias`
-for GPT-2): RMSNorm, a sequential residual, full or partial rotary, tanh GELU, no biases.
+for GPT-2): RMSNorm, a sequential residual, full or partial rotary, tanh GELU, no biases; and
+`causal=False` makes the same model a bidirectional masked-LM encoder.
 
 The model has no vocabulary head by default. `hidden(idx)` gives the final-normalised states that the
 training losses consume. `forward(idx)` gives next-token logits: through the separate LM head when the
@@ -40,6 +41,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     gelu: Literal["exact", "tanh"] = "exact"
     lm_head: bool = False  # a separate, untied output matrix (V x d) instead of scoring with E
+    causal: bool = True  # False: bidirectional attention, a masked-LM encoder (train.py --objective=mlm)
 
     def __post_init__(self):
         if self.mlp_hidden is None:
@@ -51,14 +53,19 @@ class GPTConfig:
         return int(self.d_model // self.n_head * self.rotary_pct)
 
 
-# Shapes only: every preset uses the GPT-NeoX defaults above, so every checkpoint exports to transformers.
-# The vocabulary comes from the tokenizer. `pythia-70m` is the paper's decoder, `pythia-160m` the next size.
-PresetName = Literal["tiny", "pythia-70m", "pythia-160m", "gpt2-124m"]
+# Shapes only: every preset uses the GPT-NeoX defaults above, so every decoder exports to transformers.
+# The vocabulary comes from the tokenizer, the attention from train.py's --objective. `pythia-70m` is the
+# paper's decoder, `pythia-160m` the next size; `bert-base` its encoder and `bert-small` its ablation
+# encoder (BERT's shapes, with this model's blocks); `bert-tiny` fits a CPU.
+PresetName = Literal["tiny", "pythia-70m", "pythia-160m", "gpt2-124m", "bert-tiny", "bert-small", "bert-base"]
 PRESETS: dict[PresetName, dict] = {
     "tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=256),
     "pythia-70m": dict(n_layer=6, n_head=8, d_model=512, block_size=2048),
     "pythia-160m": dict(n_layer=12, n_head=12, d_model=768, block_size=2048),
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, block_size=1024),
+    "bert-tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=128),
+    "bert-small": dict(n_layer=4, n_head=8, d_model=512, block_size=512),
+    "bert-base": dict(n_layer=12, n_head=12, d_model=768, block_size=512),  # MLP 4 x 768 = 3072
 }
 
 
@@ -87,6 +94,8 @@ class KVCache:
     """Keys and values of past positions, so generating one token costs one position, not the prefix."""
 
     def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
+        if not config.causal:
+            raise ValueError("an encoder (bidirectional attention) has no KV cache; only decoders generate")
         head_dim = config.d_model // config.n_head
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -113,16 +122,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+        self.causal = config.causal
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0,
+                key_mask: torch.Tensor | None = None):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None or cache.pos == 0:
             if cache is not None:
                 cache.append(layer, k, v)
+            # key_mask: the positions that may be attended to (not padding). Right-padding never reaches
+            # a real position under causal attention, so only an encoder needs it.
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+                q, k, v, attn_mask=None if self.causal else key_mask, is_causal=self.causal,
+                dropout_p=self.dropout if self.training else 0.0
             )
         else:
             start = cache.pos
@@ -160,8 +174,8 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.parallel = config.parallel_residual
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
-        attn = self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer))
+    def forward(self, x, cos, sin, cache=None, layer=0, key_mask=None):
+        attn = self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer, key_mask))
         if self.parallel:  # both branches read the same x (GPT-NeoX, GPT-J)
             return x + attn + self.dropout(self.mlp(self.norm2(x)))
         x = x + attn
@@ -199,16 +213,19 @@ class GPT(nn.Module):
         """The (V, d) matrix next-token logits are scored against: the LM head, else the tied E."""
         return self.lm_head.weight if self.lm_head is not None else self.wte.weight
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normalised hidden states (B, T, d) for token ids idx (B, T)."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+               pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normalised hidden states (B, T, d) for token ids idx (B, T). `pad_mask` (B, T), True at
+        real tokens, keeps an encoder's attention off the padding of a batch of unequal lengths."""
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.drop(self.wte(idx))
+        key_mask = pad_mask[:, None, None, :] if pad_mask is not None else None  # over heads and queries
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, layer)
+            x = block(x, cos, sin, cache, layer, key_mask)
         if cache is not None:
             cache.pos += T
         return self.norm(x)

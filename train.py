@@ -3,6 +3,7 @@
     python train.py                                   # tiny model, built-in Shakespeare, CWT, CPU ok
     python train.py --loss=ce                         # the usual vocabulary head (tied weights)
     python train.py --preset=pythia-70m --dataset=roneneldan/TinyStories --compile
+    python train.py --objective=mlm --preset=bert-tiny               # a headless masked-LM encoder
 
 Settings are the fields of `TrainConfig`, overridden by `--key=value` flags or `--config=FILE.json|toml`.
 finetune.py and compare.py run this same loop (`train(cfg)`).
@@ -26,9 +27,10 @@ import torch
 from common import (DeviceName, DtypeName, UserError, atomic_write_text, autocast_context, check_ranges,
                     checkpoint_model, format_duration, format_metric, hold_lock, load_checkpoint, parse_flags,
                     peak_flops, pick_device, pick_dtype, remove_stale_temps, run_main, save_checkpoint)
-from data import BatchSampler, ensure_dataset, load_meta, open_split
-from eval import evaluate
-from loss import LossName, scored_columns, training_loss
+from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
+                  open_split)
+from eval import evaluate, evaluate_mlm
+from loss import LossName, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
 
@@ -42,6 +44,7 @@ class TrainConfig:
     block_size: int | None = None  # context length; default: the preset's (tiny: 256)
     dropout: float = 0.0
     # objective
+    objective: Literal["causal", "mlm"] = "causal"  # mlm: BERT masking, bidirectional attention
     loss: LossName = "cwt"
     temperature: float = 1.0
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
@@ -132,9 +135,10 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
             model.add_lm_head()
         return model, None, base
     block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
+    mlm = cfg.objective == "mlm"  # an encoder, with room for the [MASK] id past the tokenizer's ids
     # `nce` needs its own output table (no weight tying)
-    model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"]), block_size=block, dropout=cfg.dropout,
-                        lm_head=cfg.loss == "nce" or cfg.untied_head)
+    model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
+                        dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head, causal=not mlm)
     return model, None, None
 
 
@@ -143,6 +147,7 @@ def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
     context = ckpt["model_config"].get("block_size", 0)
     if cfg.block_size is not None and cfg.block_size > context:
         raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
+    check_same_objective(ckpt, path, cfg)
     return checkpoint_model(ckpt, path, dropout=cfg.dropout)
 
 
@@ -162,6 +167,16 @@ def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
         print(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now "
               f"decays over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})",
               file=sys.stderr)
+
+
+def check_same_objective(ckpt: dict, path: str | Path, cfg: TrainConfig) -> None:
+    """An encoder sees the tokens it would predict causally, and a decoder has never seen a [MASK]."""
+    encoder = not ckpt["model_config"].get("causal", True)
+    if encoder != (cfg.objective == "mlm"):
+        kind = "a masked-LM encoder" if encoder else "a causal decoder"
+        hint = "continue it with --objective=mlm, or fine-tune it with glue.py" if encoder else \
+            "--objective=mlm starts fresh or from an encoder"
+        raise UserError(f"{path} is {kind} but this run's --objective is {cfg.objective}; {hint}")
 
 
 def check_same_tokenizer(meta: dict, ckpt: dict, where: str | Path) -> None:
@@ -233,6 +248,7 @@ class Run:
     earlier_tokens: int = 0  # tokens and FLOPs of the checkpoints this run started from, so budgets
     earlier_flops: float = 0.0  # and compute add up across stages (pre-training, fine-tune)
     negatives_rng: torch.Generator = dataclasses.field(default_factory=torch.Generator)
+    mask_spec: MaskSpec | None = None  # --objective=mlm: the [MASK] id and the tokens never masked
 
     @property
     def ckpt_path(self) -> Path:
@@ -264,7 +280,7 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     block_size = cfg.block_size or model.config.block_size
     vocab_size = model.config.vocab_size
     tokens_per_micro = cfg.batch_size * block_size
-    columns = scored_columns(cfg.loss, vocab_size, tokens_per_micro, cfg.num_negatives)
+    columns = scored_columns_per_token(cfg, vocab_size, tokens_per_micro)
     warn_if_every_negative(cfg, tokens_per_micro)
     run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
               optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
@@ -275,6 +291,7 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
               block_size=block_size, loss_fn=torch.compile(compute_loss) if cfg.compile else compute_loss,
               tokens_per_iter=tokens_per_micro * cfg.grad_accum,
               flops_per_token=model.flops_per_token(block_size, columns))
+    run.mask_spec = mask_spec(meta) if cfg.objective == "mlm" else None
     if base:
         run.earlier_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
         run.earlier_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
@@ -326,10 +343,32 @@ def trim_log(out_dir: Path, step: int) -> None:
 # Steps, validation, checkpoints, logs
 
 
+def scored_columns_per_token(cfg: TrainConfig, vocab_size: int, tokens_per_micro: int) -> float:
+    """Output vectors scored per input token, for the FLOP count: an MLM scores only its masked positions
+    (MASK_RATE of them), and CWT's candidates are then those positions alone."""
+    if cfg.objective == "causal":
+        return scored_columns(cfg.loss, vocab_size, tokens_per_micro, cfg.num_negatives)
+    masked = round(MASK_RATE * tokens_per_micro)
+    return MASK_RATE * scored_columns(cfg.loss, vocab_size, masked, cfg.num_negatives)
+
+
+def training_batch(run: Run, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch `index`: (inputs, next tokens), or for an MLM (masked inputs, targets at the masked
+    positions); both a pure function of (seed, index), so a resumed run sees the same batches and masks."""
+    x, y = run.sampler.get(index)
+    if run.cfg.objective == "mlm":
+        return mask_tokens(x, run.cfg.seed, index, run.mask_spec)
+    return x, y
+
+
 def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
                  negatives_rng: torch.Generator) -> torch.Tensor:
-    """The training objective of one micro-batch, from the model's final hidden states."""
-    return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
+    """The training objective of one micro-batch, from the model's final hidden states (for an MLM, those
+    of the masked positions only: no MLM transform head, the model is headless)."""
+    h = model.hidden(x)
+    if cfg.objective == "mlm":
+        h, y = masked_rows(h, y)
+    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
                          cfg.negatives, cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None)
 
 
@@ -340,7 +379,7 @@ def train_step(run: Run) -> torch.Tensor:
         group["lr"] = lr_at(step, cfg)
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
-        x, y = run.sampler.get(step * cfg.grad_accum + micro)  # batch i is a function of (seed, i) only
+        x, y = training_batch(run, step * cfg.grad_accum + micro)  # batch i is a function of (seed, i) only
         run.negatives_rng.manual_seed(cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
         with autocast_context(run.device, run.dtype):
             loss = run.loss_fn(run.model, x, y, cfg, run.negatives_rng) / cfg.grad_accum
@@ -356,11 +395,19 @@ def train_step(run: Run) -> torch.Tensor:
     return loss_sum
 
 
+def validation_metrics(run: Run) -> dict[str, float]:
+    """Next-token metrics of a decoder, masked-token metrics (on fixed masks) of an encoder."""
+    cfg = run.cfg
+    if cfg.objective == "mlm":
+        return evaluate_mlm(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device,
+                            run.mask_spec, run.dtype, cfg.eval_batches, cfg.temperature)
+    return evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
+                    cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
+
+
 def validate(run: Run) -> dict[str, float]:
     """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
-    cfg = run.cfg
-    val = evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
-                   cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
+    val = validation_metrics(run)
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
     print(f"step {run.step}: {shown}", file=sys.stderr)
     append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
@@ -380,6 +427,7 @@ def checkpoint(run: Run) -> None:
         "train_config": dataclasses.asdict(run.cfg), "data_meta": run.meta, "val": run.val,
         "first_val": run.first_val, "tokens_seen": run.tokens, "flops": run.tokens * run.flops_per_token,
         "base_tokens": run.earlier_tokens, "base_flops": run.earlier_flops,
+        "mask_spec": dataclasses.asdict(run.mask_spec) if run.mask_spec else None,
         "rng": {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None}})
 

@@ -29,7 +29,8 @@ def test_quick_grid_rows_are_consistent(tmp_path):
     result = bench.run_bench(cfg)
     rows = result["rows"]
     assert [(r["kind"], r["variant"]) for r in rows] == [("loss", "ce"), ("loss", "cwt"), ("loss", "cwt-unique"),
-                                                         ("loss", "cwt-k16"), ("step", "ce"), ("step", "cwt")]
+                                                         ("loss", "cwt-k16"), ("step", "ce"), ("step", "cwt"),
+                                                         ("mlm", "ce"), ("mlm", "cwt")]
     for r in rows:
         assert len(r["times_s"]) == 2 and r["time_s"] == statistics.median(r["times_s"]) > 0
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["time_s"])
@@ -49,6 +50,10 @@ def test_quick_grid_rows_are_consistent(tmp_path):
     per_token = lambda cols: 6 * body + 12 * 4 * d * 32 + 6 * d * cols  # noqa: E731
     assert flops["step", "ce"] == 64 * per_token(2048)
     assert flops["step", "cwt"] == 64 * per_token(64)
+    # MLM step: the same body; only the masked positions (round(0.15 x 32) = 5 of each 32-token row) are
+    # scored, against V for CE and against those 2 x 5 masked positions for CWT
+    assert flops["mlm", "ce"] == 64 * per_token(0) + 6 * d * 10 * 2048
+    assert flops["mlm", "cwt"] == 64 * per_token(0) + 6 * d * 10 * 10
     table = bench.markdown_table(result)
     assert table.count("\n| loss |") == 4 and "time ×CE" in table
     bench.save_results(result, str(tmp_path / "b.json"), "", bench.plot_bench)

@@ -77,7 +77,12 @@ def test_presets_have_the_papers_shapes():
     assert pythia.num_params(embeddings=False) == 18_915_328
     c = build_model("pythia-160m", 50304).config
     assert (c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_hidden, c.rotary_dims) == (768, 12, 12, 2048, 3072, 16)
-    assert set(PRESETS) == {"tiny", "pythia-70m", "pythia-160m", "gpt2-124m"}
+    assert {"tiny", "pythia-70m", "pythia-160m", "gpt2-124m"} <= set(PRESETS)
+    assert set(PRESETS) >= {"bert-tiny", "bert-small", "bert-base"}
+    base = build_model("bert-base", 50304).config  # the paper's encoder: BERT-base's shape
+    assert (base.n_layer, base.d_model, base.n_head, base.mlp_hidden, base.block_size) == (12, 768, 12, 3072, 512)
+    small = PRESETS["bert-small"]
+    assert (small["n_layer"], small["d_model"], small["n_head"]) == (4, 512, 8)
     with pytest.raises(ValueError, match="unknown preset"):
         build_model("gpt5", 100)
 

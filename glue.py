@@ -1,0 +1,388 @@
+"""Fine-tune an encoder checkpoint on a GLUE task and score its validation split with GLUE's metric.
+
+    python glue.py --ckpt=out-mlm/ckpt.pt --task=sst2                  # data from the hub (nyu-mll/glue)
+    python glue.py --ckpt=out-mlm/ckpt.pt --task=rte --epochs=10 --lr=1e-4 --json=results/rte.json
+    python glue.py --ckpt=out-mlm/ckpt.pt --task=mnli --data=glue/mnli  # offline, see --data
+
+Input: a sentence, or a pair joined by the end-of-text token (GPT-2 has no [SEP]; end-of-text is the
+boundary the encoder saw between documents and is never masked), cut to --max_length tokens (the longer
+side of a pair loses its last tokens first, BERT's "longest_first").
+Head: dropout and a linear layer on the mean of the final hidden states over the real tokens. Not a
+[CLS] vector: pre-training has no [CLS] token and no sentence-level objective, so no single position is
+trained to summarise the input, while every position's state is shaped by the (contrastive or CE) token
+objective and, with bidirectional attention, has seen the whole input.
+Training: AdamW (the model's own `configure_optimizer`: decay on matrices only), gradient clipping 1.0,
+warmup over the first --warmup_fraction of the steps, then linear decay to zero, --epochs epochs;
+cross-entropy, or mean squared error on one output for STS-B. The validation split is scored after
+every epoch; the last epoch's scores are the result (no selection on the validation set).
+Metrics (GLUE's): CoLA Matthews correlation; SST-2, QNLI, RTE, WNLI accuracy; MRPC, QQP F1 (of the
+positive class) and accuracy; STS-B Pearson and Spearman; MNLI matched and mismatched accuracy. The
+task `score` is their mean, as on the GLUE leaderboard. Fractions in --json, percentages on screen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, load_checkpoint,
+                    parse_flags, pick_device, pick_dtype, run_main, write_json)
+from data import _load_dataset, load_tokenizer
+from model import GPT
+
+GLUE_HUB = "nyu-mll/glue"
+
+
+@dataclass(frozen=True)
+class Task:
+    text: tuple[str, ...]  # the text column(s): one sentence or a pair
+    num_labels: int  # 1: a regression (STS-B)
+    metrics: tuple[str, ...]
+    validation: tuple[str, ...] = ("validation",)  # the split(s) scored
+
+
+TaskName = Literal["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"]
+TASKS: dict[str, Task] = {
+    "cola": Task(("sentence",), 2, ("matthews",)),
+    "sst2": Task(("sentence",), 2, ("accuracy",)),
+    "mrpc": Task(("sentence1", "sentence2"), 2, ("f1", "accuracy")),
+    "qqp": Task(("question1", "question2"), 2, ("f1", "accuracy")),
+    "stsb": Task(("sentence1", "sentence2"), 1, ("pearson", "spearman")),
+    "mnli": Task(("premise", "hypothesis"), 3, ("accuracy",),
+                 ("validation_matched", "validation_mismatched")),
+    "qnli": Task(("question", "sentence"), 2, ("accuracy",)),
+    "rte": Task(("sentence1", "sentence2"), 2, ("accuracy",)),
+    "wnli": Task(("sentence1", "sentence2"), 2, ("accuracy",)),
+}
+
+
+@dataclass
+class GlueConfig:
+    ckpt: str = "out/ckpt.pt"  # an encoder checkpoint (train.py --objective=mlm)
+    task: TaskName = "sst2"
+    data: str | None = None  # a folder with train.jsonl and validation.jsonl (GLUE's columns); default: hub
+    epochs: int = 3
+    batch_size: int = 32
+    lr: float = 5e-5
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.01
+    dropout: float = 0.1  # in the encoder and before the head, as BERT fine-tunes
+    max_length: int = 128  # tokens per example (at most the checkpoint's context)
+    max_train_examples: int | None = None  # only the first N training examples (quick runs; not comparable)
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
+    seed: int = 0
+    json: str | None = None  # also write the results to this file
+
+
+# ----------------------------------------------------------------------------------------------
+# GLUE's metrics (plain numpy, so each can be checked by hand)
+
+
+def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
+    return float(np.mean(pred == gold))
+
+
+def f1(pred: np.ndarray, gold: np.ndarray) -> float:
+    """F1 of the positive class (label 1), as GLUE scores MRPC and QQP."""
+    tp = np.sum((pred == 1) & (gold == 1))
+    fp, fn = np.sum((pred == 1) & (gold != 1)), np.sum((pred != 1) & (gold == 1))
+    return float(2 * tp / (2 * tp + fp + fn)) if tp else 0.0
+
+
+def matthews(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Matthews correlation of binary labels; 0 when a row or column of the confusion matrix is empty."""
+    tp, tn = np.sum((pred == 1) & (gold == 1)), np.sum((pred == 0) & (gold == 0))
+    fp, fn = np.sum((pred == 1) & (gold == 0)), np.sum((pred == 0) & (gold == 1))
+    denominator = math.sqrt(float((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn)))
+    return float((tp * tn - fp * fn) / denominator) if denominator else 0.0
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = x - np.mean(x), y - np.mean(y)
+    denominator = math.sqrt(float(np.sum(x * x) * np.sum(y * y)))
+    return float(np.sum(x * y) / denominator) if denominator else 0.0
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, tied values sharing the mean of their ranks."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(1, len(x) + 1)
+    _, group, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return np.bincount(group, weights=ranks)[group] / counts[group]
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    return pearson(average_ranks(x), average_ranks(y))
+
+
+METRICS = {"accuracy": accuracy, "f1": f1, "matthews": matthews, "pearson": pearson, "spearman": spearman}
+
+
+def task_metrics(task: Task, split: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, float]:
+    """{metric: value} of one validation split; MNLI's are suffixed _matched / _mismatched."""
+    suffix = split.removeprefix("validation")
+    return {name + suffix: METRICS[name](pred, gold) for name in task.metrics}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: rows with GLUE's columns -> token ids
+
+
+def read_rows(path: Path) -> list[dict]:
+    """One JSON object per line."""
+    if not path.is_file():
+        raise UserError(f"{path} not found; --data=DIR needs train.jsonl and the validation split(s) "
+                        "in GLUE's columns (MNLI: validation_matched.jsonl, validation_mismatched.jsonl)")
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; pass .jsonl files") from None
+    return rows
+
+
+def load_split(cfg: GlueConfig, split: str) -> list[dict]:
+    if cfg.data:
+        return read_rows(Path(cfg.data) / f"{split}.jsonl")
+    rows = _load_dataset(f"{GLUE_HUB} {cfg.task} {split}", "offline? pass --data=DIR with .jsonl files",
+                         GLUE_HUB, cfg.task, split=split)
+    return rows.to_list()
+
+
+def check_rows(rows: list[dict], task: Task, where: str) -> np.ndarray:
+    """The labels of rows that hold the task's columns; a one-line error for anything else."""
+    if not rows:
+        raise UserError(f"{where} holds no examples")
+    columns = (*task.text, "label")
+    for number, row in enumerate(rows, 1):
+        missing = [c for c in columns if not isinstance(row, dict) or c not in row]
+        if missing:
+            present = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise UserError(f"{where} example {number} lacks {', '.join(missing)} (has: {present}); "
+                            f"this task needs {', '.join(columns)}")
+        if not all(isinstance(row[c], str) for c in task.text):
+            raise UserError(f"{where} example {number}: {' and '.join(task.text)} must be text")
+        label = row["label"]
+        valid = isinstance(label, (int, float)) if task.num_labels == 1 else label in range(task.num_labels)
+        if not valid or isinstance(label, bool):
+            expected = "a number" if task.num_labels == 1 else f"0..{task.num_labels - 1}"
+            raise UserError(f"{where} example {number} has label {label!r}, not {expected} "
+                            "(GLUE's test splits carry no labels: score the validation split)")
+    return np.array([row["label"] for row in rows], dtype=np.float64 if task.num_labels == 1 else np.int64)
+
+
+def truncate_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """BERT's longest_first: take the last token off the longer side (the second on a tie) until both fit."""
+    la, lb = len(a), len(b)
+    while la + lb > budget:
+        if la > lb:
+            la -= 1
+        else:
+            lb -= 1
+    return a[:la], b[:lb]
+
+
+def encode_rows(rows: list[dict], task: Task, tokenizer, separator: int, max_length: int) -> list[list[int]]:
+    """Token ids of each example: `a`, or `a <separator> b`, at most max_length long (never empty)."""
+    parts = [tokenizer.encode_ordinary_batch([row[c] for row in rows]) for c in task.text]
+    if len(parts) == 1:
+        examples = [ids[:max_length] for ids in parts[0]]
+    else:
+        pairs = (truncate_pair(a, b, max_length - 1) for a, b in zip(*parts))
+        examples = [a + [separator] + b for a, b in pairs]
+    return [ids or [separator] for ids in examples]
+
+
+def padded_batch(examples: list[list[int]], rows: np.ndarray, pad: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of some examples, right-padded to the longest; mask is True at real tokens."""
+    lengths = torch.tensor([len(examples[i]) for i in rows])
+    ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
+    for r, i in enumerate(rows):
+        ids[r, :len(examples[i])] = torch.tensor(examples[i])
+    mask = torch.arange(ids.size(1))[None, :] < lengths[:, None]
+    return ids.to(device), mask.to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: the encoder plus a small head on its mean-pooled states
+
+
+def add_classifier(model: GPT, num_labels: int, dropout: float) -> None:
+    """Dropout and a linear layer on the pooled states, registered on the encoder so that its optimizer
+    (`configure_optimizer`), `.to()` and `.train()` cover them. BERT's initialisation: N(0, 0.02), bias 0."""
+    head = nn.Linear(model.config.d_model, num_labels)
+    nn.init.normal_(head.weight, std=0.02)
+    nn.init.zeros_(head.bias)
+    model.classifier = nn.Sequential(nn.Dropout(dropout), head)
+
+
+def classify(model: GPT, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores (B, num_labels), in fp32, from the mean of the final hidden states over the real tokens."""
+    h = model.hidden(ids, pad_mask=mask)
+    weights = mask.unsqueeze(-1).to(h.dtype)
+    pooled = (h * weights).sum(dim=1) / weights.sum(dim=1)
+    return model.classifier(pooled).float()
+
+
+def task_loss(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if scores.size(1) == 1:  # regression
+        return F.mse_loss(scores.squeeze(1), labels.float())
+    return F.cross_entropy(scores, labels)
+
+
+def linear_schedule(step: int, warmup: int, total: int) -> float:
+    """Learning-rate multiplier: linear warmup to 1 over `warmup` steps, then linear decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+@torch.no_grad()
+def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, device: torch.device,
+            dtype: torch.dtype) -> np.ndarray:
+    """Predicted labels (or regression values) of every example, in order."""
+    model.eval()
+    order = np.argsort([len(e) for e in examples], kind="stable")  # similar lengths together: less padding
+    out = np.empty(len(examples))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        ids, mask = padded_batch(examples, rows, pad, device)
+        with autocast_context(device, dtype):
+            scores = classify(model, ids, mask)
+        out[rows] = (scores.squeeze(1) if scores.size(1) == 1 else scores.argmax(dim=1)).cpu().numpy()
+    model.train()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning
+
+
+def check_config(cfg: GlueConfig) -> None:
+    for name in ("epochs", "batch_size", "max_length", "max_train_examples"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if not cfg.lr > 0:
+        raise UserError(f"--lr must be positive, got {cfg.lr}")
+    if not 0 <= cfg.warmup_fraction < 1 or not 0 <= cfg.dropout < 1:
+        raise UserError("--warmup_fraction and --dropout must be in [0, 1)")
+
+
+def load_encoder(cfg: GlueConfig, ckpt: dict, task: Task, device: torch.device) -> GPT:
+    """The checkpoint's model with a fresh head; a causal one is fine-tuned as it is, with a warning."""
+    model = checkpoint_model(ckpt, cfg.ckpt, dropout=cfg.dropout)
+    if model.config.causal:
+        print(f"warning: {cfg.ckpt} is a causal decoder, not an encoder: fine-tuning it with causal "
+              "attention (pre-train with train.py --objective=mlm for the paper's encoders)", file=sys.stderr)
+    torch.manual_seed(cfg.seed)
+    add_classifier(model, task.num_labels, cfg.dropout)
+    return model.to(device)
+
+
+def evaluate_splits(model: GPT, task: Task, validation: dict, cfg: GlueConfig, pad: int,
+                    device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    metrics = {}
+    for split, (examples, gold) in validation.items():
+        pred = predict(model, examples, cfg.batch_size, pad, device, dtype)
+        metrics.update(task_metrics(task, split, pred, gold))
+    return {**metrics, "score": float(np.mean(list(metrics.values())))}
+
+
+def fine_tune(cfg: GlueConfig) -> dict:
+    """Fine-tune cfg.ckpt on cfg.task; returns the validation metrics after each epoch and at the end."""
+    check_config(cfg)
+    task = TASKS[cfg.task]
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    ckpt = load_checkpoint(cfg.ckpt)
+    meta = ckpt.get("data_meta") or {}
+    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+    separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
+    max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
+    where = cfg.data or f"hf:{GLUE_HUB}/{cfg.task}"
+    train_rows = load_split(cfg, "train")[:cfg.max_train_examples]
+    train_labels = check_rows(train_rows, task, f"{where} train")
+    train_examples = encode_rows(train_rows, task, tokenizer, separator, max_length)
+    validation = {}
+    for split in task.validation:
+        rows = load_split(cfg, split)
+        validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length),
+                             check_rows(rows, task, f"{where} {split}"))
+    model = load_encoder(cfg, ckpt, task, device)
+    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    steps_per_epoch = math.ceil(len(train_examples) / cfg.batch_size)
+    total = cfg.epochs * steps_per_epoch
+    warmup = round(cfg.warmup_fraction * total)
+    history, step, start = [], 0, time.time()
+    bar = tqdm(total=total, desc=f"glue {cfg.task}", unit="step", file=sys.stderr)
+    model.train()
+    for epoch in range(1, cfg.epochs + 1):
+        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(train_examples))
+        loss_sum = 0.0
+        for b in range(steps_per_epoch):
+            rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+            loss_sum += train_batch(model, optimizer, train_examples, train_labels, rows, separator, device,
+                                    dtype, cfg.lr * linear_schedule(step, warmup, total))
+            step += 1
+            bar.update()
+            bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
+        metrics = evaluate_splits(model, task, validation, cfg, separator, device, dtype)
+        history.append({"epoch": epoch, "train_loss": loss_sum / steps_per_epoch, **metrics})
+        bar.write(f"epoch {epoch}: train loss {loss_sum / steps_per_epoch:.4f} | "
+                  + " | ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items()), file=sys.stderr)
+    bar.close()
+    return {"task": cfg.task, "checkpoint": cfg.ckpt, "data": where, **history[-1],
+            "metric_names": task.metrics, "history": history, "train_examples": len(train_examples),
+            "validation_examples": {s: len(v[0]) for s, v in validation.items()}, "pooling": "mean",
+            "causal_checkpoint": model.config.causal, "seconds": time.time() - start,
+            "config": dataclasses.asdict(cfg)}
+
+
+def train_batch(model: GPT, optimizer: torch.optim.Optimizer, examples: list[list[int]], labels: np.ndarray,
+                rows: np.ndarray, pad: int, device: torch.device, dtype: torch.dtype, lr: float) -> float:
+    """One AdamW step on some examples; returns their loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    ids, mask = padded_batch(examples, rows, pad, device)
+    with autocast_context(device, dtype):
+        loss = task_loss(classify(model, ids, mask), torch.from_numpy(labels[rows]).to(device))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def main(argv: list[str]) -> dict:
+    cfg = parse_flags(GlueConfig, argv)
+    result = fine_tune(cfg)
+    shown = [k for k in result if k.split("_")[0] in METRICS or k == "score"]
+    print(f"{cfg.task}: " + " | ".join(f"{k} {100 * result[k]:.2f}" for k in shown))
+    if cfg.json:
+        write_json(cfg.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,104 @@
+"""glue.py: GLUE's metrics against hand-computed values, input encoding, errors, and an end-to-end run."""
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import glue
+import model as model_module
+import train
+from common import UserError, save_checkpoint
+from glue import TASKS, accuracy, f1, matthews, pearson, spearman
+from model import GPT, GPTConfig
+from train import TrainConfig
+
+
+def test_metrics_against_hand_computed_values():
+    pred, gold = np.array([1, 1, 0, 0, 1]), np.array([1, 0, 0, 1, 1])
+    assert accuracy(pred, gold) == pytest.approx(3 / 5)
+    assert f1(pred, gold) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))  # tp 2, fp 1, fn 1
+    # tp 2, tn 1, fp 1, fn 1
+    assert matthews(pred, gold) == pytest.approx((2 * 1 - 1 * 1) / np.sqrt(3 * 3 * 2 * 2))
+    assert matthews(np.ones(4), np.array([1, 0, 1, 0])) == 0.0  # constant predictions: 0, as sklearn
+    # x deviations (-1.5 -0.5 0.5 1.5), y deviations (-3.25 -1.25 0.75 3.75): 11.5 / sqrt(5 * 26.75)
+    x, y = np.array([1., 2, 3, 4]), np.array([2., 4, 6, 9])
+    assert pearson(x, y) == pytest.approx(11.5 / np.sqrt(5 * 26.75))
+    # ties share their mean rank: x ranks (1, 2.5, 2.5, 4), y ranks (1, 3, 2, 4) -> 4.5 / sqrt(4.5 * 5)
+    x, y = np.array([1., 2, 2, 3]), np.array([1., 3, 2, 4])
+    assert spearman(x, y) == pytest.approx(4.5 / np.sqrt(4.5 * 5))
+    mismatched = glue.task_metrics(TASKS["mnli"], "validation_mismatched", pred, gold)
+    assert mismatched == {"accuracy_mismatched": 0.6}
+    assert set(glue.task_metrics(TASKS["qqp"], "validation", pred, gold)) == {"f1", "accuracy"}
+
+
+def test_pairs_are_joined_by_the_separator_and_truncated_longest_first():
+    assert glue.truncate_pair([1, 2, 3, 4, 5], [6, 7, 8], 6) == ([1, 2, 3], [6, 7, 8])
+    assert glue.truncate_pair([1, 2], [3, 4], 3) == ([1, 2], [3])  # a tie cuts the second
+    tok = glue.load_tokenizer("gpt2")
+    rows = [{"sentence1": "Hello world", "sentence2": "Good night", "label": 1}]
+    [ids] = glue.encode_rows(rows, TASKS["rte"], tok, tok.eot_token, 128)
+    assert ids == tok.encode_ordinary("Hello world") + [tok.eot_token] + tok.encode_ordinary("Good night")
+    assert glue.encode_rows([{"sentence": "", "label": 0}], TASKS["sst2"], tok, 9, 8) == [[9]]  # never empty
+
+
+def test_bad_rows_are_one_line_errors():
+    with pytest.raises(UserError, match="lacks sentence2"):
+        glue.check_rows([{"sentence1": "a", "label": 0}], TASKS["mrpc"], "x")
+    with pytest.raises(UserError, match="no labels"):
+        glue.check_rows([{"sentence": "a", "label": -1}], TASKS["cola"], "x")
+    labels = glue.check_rows([{"sentence1": "a", "sentence2": "b", "label": 3.2}], TASKS["stsb"], "x")
+    assert labels.dtype == float
+    with pytest.raises(UserError, match="choose one of"):
+        glue.parse_flags(glue.GlueConfig, ["--task=squad"])
+
+
+def keyword_task(folder, n_train=160, n_val=80):
+    """SST-2-like rows: filler words plus one positive or negative keyword, which decides the label."""
+    rng = random.Random(0)
+    filler = "the a of and to in is was it for on with as his that by at from".split()
+    folder.mkdir()
+    for split, n in (("train", n_train), ("validation", n_val)):
+        rows = []
+        for _ in range(n):
+            label = rng.randint(0, 1)
+            words = rng.sample(filler, 5) + [rng.choice(["great", "lovely"] if label else ["awful", "dull"])]
+            rng.shuffle(words)
+            rows.append({"sentence": " ".join(words), "label": label})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_mlm_pretraining_then_glue_well_above_chance(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    small = dict(n_layer=2, n_head=2, d_model=64, block_size=32)
+    monkeypatch.setitem(model_module.PRESETS, "bert-tiny", small)
+    train.train(TrainConfig(dataset=str(tiny_data_dir), objective="mlm", preset="bert-tiny", batch_size=8,
+                            max_iters=20, warmup_iters=2, eval_interval=20, eval_batches=1,
+                            out_dir=str(tmp_path / "mlm"), device="cpu", seed=0))
+    data = keyword_task(tmp_path / "sst2")
+    result = glue.main([f"--ckpt={tmp_path / 'mlm' / 'ckpt.pt'}", "--task=sst2", f"--data={data}",
+                        "--epochs=2", "--batch_size=16", "--lr=2e-3", f"--json={tmp_path / 'r.json'}",
+                        "--device=cpu"])
+    assert result["accuracy"] > 0.85 and result["score"] == result["accuracy"]  # chance is 0.5
+    assert json.loads((tmp_path / "r.json").read_text())["accuracy"] == result["accuracy"]
+    assert not result["causal_checkpoint"] and "warning" not in capsys.readouterr().err
+
+
+def test_regression_head_and_causal_checkpoint_warning(tmp_path, capsys):
+    torch.manual_seed(0)
+    decoder = GPT(GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, d_model=32))
+    save_checkpoint(tmp_path / "dec.pt", {"model": decoder.state_dict(), "data_meta": {"tokenizer": "gpt2"},
+                                          "model_config": dataclasses.asdict(decoder.config)})
+    folder = tmp_path / "stsb"
+    folder.mkdir()
+    rng = random.Random(1)
+    for split, n in (("train", 64), ("validation", 32)):
+        rows = [{"sentence1": "a b c", "sentence2": w, "label": {"yes": 5.0, "maybe": 2.0, "no": 0.0}[w]}
+                for w in (rng.choice(["yes", "maybe", "no"]) for _ in range(n))]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = glue.main([f"--ckpt={tmp_path / 'dec.pt'}", "--task=stsb", f"--data={folder}", "--epochs=8",
+                        "--batch_size=8", "--lr=3e-3", "--device=cpu"])
+    assert result["causal_checkpoint"] and "warning" in capsys.readouterr().err
+    assert result["pearson"] > 0.7 and result["spearman"] > 0.9  # chance: 0
