@@ -324,8 +324,7 @@ def data_parallel(model: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> to
     module = ForwardWith(model, fn)
     if not torch.distributed.is_initialized():
         return module
-    # the model's buffers (rotary tables) are constants: nothing to broadcast at each forward
-    return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True)
 
 
 def gradient_sync(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:

@@ -379,7 +379,7 @@ class StopFlag:
         if self.requested:  # a second Ctrl-C: stop right away
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this step", file=sys.stderr)
+        note(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this step")
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
