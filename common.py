@@ -254,7 +254,10 @@ def init_distributed(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.distributed.init_process_group("nccl", device_id=device)
+        else:
+            torch.distributed.init_process_group("gloo")
     return device
 
 
@@ -295,14 +298,20 @@ def any_rank(flag: bool) -> bool:
     return count_ranks(flag) > 0
 
 
+def barrier() -> None:
+    """Wait until every rank gets here."""
+    if world_size() > 1:
+        torch.distributed.barrier()
+
+
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """Rank 0 runs the block before the other ranks do (it prepares a dataset they then read)."""
-    if world_size() > 1 and not is_main_process():
-        torch.distributed.barrier()
+    if not is_main_process():
+        barrier()
     yield
-    if world_size() > 1 and is_main_process():
-        torch.distributed.barrier()
+    if is_main_process():
+        barrier()
 
 
 class ForwardWith(torch.nn.Module):

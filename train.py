@@ -17,15 +17,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, autocast_context, checkpoint_model,
-                    count_ranks, data_parallel, format_duration, gradient_sync, init_distributed, is_main_process,
-                    load_checkpoint, main_process_first, parse_flags, peak_flops, pick_device, pick_dtype, rank,
-                    run_main, save_checkpoint, world_size)
+from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, autocast_context, barrier,
+                    checkpoint_model, count_ranks, data_parallel, format_duration, gradient_sync,
+                    init_distributed, is_main_process, load_checkpoint, main_process_first, parse_flags,
+                    peak_flops, pick_device, pick_dtype, rank, run_main, save_checkpoint, world_size)
 from data import BatchSampler, ensure_dataset, load_meta, open_split
 from eval import evaluate
 from loss import LossName, scored_columns, training_loss
@@ -432,6 +432,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if not stop.stopping:
             validate(run)
         checkpoint(run)
+        barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     elapsed = time.time() - t_start
     if stop.stopping:
         note(f"stopped at step {run.step}; checkpoint saved to {run.ckpt_path}; continue with --resume")
