@@ -367,7 +367,7 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
     model = build_model(cfg.preset, vocab, block_size=block).to(device)
     optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
     seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
-    objective = data_parallel(model, parallel_step_loss) if parallel else ForwardWith(model, parallel_step_loss)
+    objective = (data_parallel if parallel else ForwardWith)(model, parallel_step_loss)
     kw, loss_rng = parse_variant(variant), torch.Generator()
 
     def step():
@@ -398,11 +398,13 @@ def bench_ddp(cfg: BenchConfig) -> str:
         together[rank()] = median_step_time(cfg, variant, device, dtype, parallel=True)
         per_rank = tokens / all_reduce_sum(together).cpu()
         solo = tokens / alone if alone else float("nan")
-        lines.append(f"| {variant} | {n} | {solo:,.0f} | {', '.join(f'{t:,.0f}' for t in per_rank.tolist())} | "
-                     f"{per_rank.sum().item():,.0f} | {per_rank.mean().item() / solo:.3f} |")
+        each = ", ".join(f"{t:,.0f}" for t in per_rank.tolist())
+        lines.append(f"| {variant} | {n} | {solo:,.0f} | {each} | {per_rank.sum().item():,.0f} | "
+                     f"{per_rank.mean().item() / solo:.3f} |")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    return "\n".join(lines + ["", f"{name} per rank, {str(dtype).removeprefix('torch.')}, preset {cfg.preset}, "
-                                  f"V={cfg.vocab[0]}, {tokens} tokens per rank per step; median of {cfg.repeats}."])
+    note = (f"{name} per rank, {str(dtype).removeprefix('torch.')}, preset {cfg.preset}, V={cfg.vocab[0]}, "
+            f"{tokens} tokens per rank per step; median of {cfg.repeats}.")
+    return "\n".join(lines + ["", note])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,7 +475,7 @@ def check_fused_adamw(device: torch.device, shape: CheckShape) -> str:
         with torch.no_grad():
             for p, b in zip(model.parameters(), before):
                 p.copy_(b)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused, foreach=not fused)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
         optimizer.step()
         after[fused] = [p.detach().clone() for p in model.parameters()]
     diff = max((a - b).abs().max().item() for a, b in zip(after[True], after[False]))
@@ -495,7 +497,7 @@ def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.
         outputs[backend] = h.float()
     diff = (outputs[SDPBackend.FLASH_ATTENTION] - outputs[SDPBackend.MATH]).abs().max().item()
     require(diff < 0.1, f"flash and math attention differ by {diff}")
-    return f"flash kernel forward+backward; max abs(flash - math) {diff:.1e} ({str(dtype).removeprefix('torch.')})"
+    return f"flash kernel, forward and backward; max abs(flash - math) {diff:.1e} in {dtype}"
 
 
 def check_compile(device: torch.device, shape: CheckShape, dtype: torch.dtype) -> str:
@@ -599,7 +601,7 @@ def checks_report(rows: list[tuple[str, bool, str, float]], title: str) -> str:
 def gpu_check() -> tuple[str, bool]:
     """Run every check on the first GPU; returns the report and whether all passed."""
     if not torch.cuda.is_available():
-        raise UserError("--gpu_check needs a CUDA GPU, and none is visible here (torch.cuda.is_available() is False)")
+        raise UserError("--gpu_check needs a CUDA GPU, and torch.cuda.is_available() is False here")
     device = torch.device("cuda", 0)
     title = (f"GPU check: {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch "
              f"{torch.__version__}, CUDA {torch.version.cuda}")

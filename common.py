@@ -80,7 +80,8 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
             if len(members) == 1:
                 raise
         choices = [c for m in members for c in (("true", "false") if m is bool else typing.get_args(m))]
-        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, choices))}") from None
+        choices_text = ", ".join(map(str, choices))
+        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {choices_text}") from None
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -290,7 +291,8 @@ def count_ranks(flag: bool) -> int:
     """On how many ranks `flag` is true: every rank gets the same answer."""
     if world_size() == 1:
         return int(flag)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else "cpu"
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces tensors on the GPU only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     return int(all_reduce_sum(torch.tensor([int(flag)], device=device)).item())
 
 

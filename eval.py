@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (DeviceName, DtypeName, UserError, all_reduce_sum, autocast_context, checkpoint_model,
-                    first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, rank, run_main, world_size,
-                    write_json)
+                    first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, rank, run_main,
+                    world_size, write_json)
 from data import ensure_dataset, load_tokenizer, open_split, sequential_batches
 from loss import contrastive_accuracy, cwt_loss
 
@@ -92,7 +92,8 @@ def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.devi
         total_tokens += y.numel()
         n_batches += 1
     model.train(was_training)
-    sums = torch.tensor([total_ce, total_tokens, cwt_sum, acc_sum, n_batches], dtype=torch.float64, device=device)
+    sums = torch.tensor([total_ce, total_tokens, cwt_sum, acc_sum, n_batches], dtype=torch.float64,
+                        device=device)
     total_ce, total_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
     if n_batches == 0:
         raise UserError("the validation split is shorter than one block; use a smaller --block_size")

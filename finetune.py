@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common import DeviceName, DtypeName, UserError, load_checkpoint, parse_flags, run_main
+from common import (DeviceName, DtypeName, UserError, init_distributed, load_checkpoint, parse_flags,
+                    pick_device, run_main, world_size)
 from loss import LossName
 from model import PresetName
 from train import TrainConfig, train
@@ -96,7 +97,8 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
     pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
     block = cfg.block_size or base["model_config"]["block_size"]
-    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum
+    init_distributed(pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
+    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     lr = cfg.lr if cfg.lr is not None else FINETUNE_LR[cfg.preset]
     min_lr = cfg.min_lr if cfg.min_lr is not None else lr / 10

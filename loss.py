@@ -64,7 +64,8 @@ def cwt_loss(
 
 
 def candidate_loss(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                   num_negatives: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                   num_negatives: int | None = None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Mean cross-entropy of each row of `h` (N, d) over its scores against `candidates` (M, d); row i's
     positive is candidate labels[i]. With num_negatives=k, against its positive and k shared random ones."""
     if num_negatives is not None and num_negatives < candidates.size(0):
@@ -199,7 +200,8 @@ def training_loss(
     if loss == "cwt":
         return contrastive_loss(h, input_embedding[targets], **contrastive)
     if loss == "ce+cwt":
-        return ce_loss(h, output_weight, targets) + contrastive_loss(h, input_embedding[targets], **contrastive)
+        return ce_loss(h, output_weight, targets) + contrastive_loss(h, input_embedding[targets],
+                                                                     **contrastive)
     if loss == "nce":
         return contrastive_loss(h, output_weight[targets], **contrastive)
     raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")

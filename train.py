@@ -46,7 +46,8 @@ class TrainConfig:
     temperature: float = 1.0
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
     num_negatives: int | None = None  # score against a random subset of k candidates (not in paper)
-    negatives_scope: Literal["local", "global"] = "local"  # global: every rank's micro-batch (torchrun; not in paper)
+    # candidates: this rank's micro-batch (paper), or every rank's (global, under torchrun; not in paper)
+    negatives_scope: Literal["local", "global"] = "local"
     # optimisation
     batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
     grad_accum: int = 1  # micro-batches per rank per step (a step takes world_size x grad_accum of them)
@@ -399,7 +400,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     ranks = f" x {world_size()} ranks" if world_size() > 1 else ""
     note(f"model {cfg.preset}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
          f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
-         f"{run.device.type}{ranks} {str(run.dtype).removeprefix('torch.')} | {run.tokens_per_iter:,} tokens/iter")
+         f"{run.device.type}{ranks} {str(run.dtype).removeprefix('torch.')} | "
+         f"{run.tokens_per_iter:,} tokens/iter")
     run.out_dir.mkdir(parents=True, exist_ok=True)
     if not resumed and is_main_process():  # a fresh run starts a fresh log
         (run.out_dir / "log.jsonl").unlink(missing_ok=True)
