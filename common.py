@@ -60,6 +60,11 @@ def repeatable(**kwargs: Any) -> Any:
     return dataclasses.field(default_factory=list, metadata={"repeatable": True}, **kwargs)
 
 
+def _choices(kinds: tuple | list) -> list[str]:
+    """The values a union of bool and Literals accepts (`bool | Literal["auto"]`: true, false, auto)."""
+    return [str(c) for k in kinds for c in (("true", "false") if k is bool else typing.get_args(k))]
+
+
 def _coerce(key: str, raw: Any, kind: Any) -> Any:
     """Convert a flag or config value to the dataclass field's type, or explain what is expected."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -79,9 +84,8 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         except UserError:
             if len(members) == 1:
                 raise
-        choices = [c for m in members for c in (("true", "false") if m is bool else typing.get_args(m))]
-        choices_text = ", ".join(map(str, choices))
-        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {choices_text}") from None
+        choices = ", ".join(_choices(members))
+        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {choices}") from None
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -136,6 +140,8 @@ def flags_help(cls: type, defaults: dict[str, Any] | None = None) -> str:
         if optional:
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # bool | Literal["auto"]
+            choices = _choices(typing.get_args(kind))
         shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind))
         shown += " (or none)" if optional else " (repeat the flag)" if f.metadata.get("repeatable") else ""
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
