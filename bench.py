@@ -6,6 +6,8 @@
     python bench.py --json=results/bench.json --plot=results/bench.png
     python bench.py --mode=mlm          # masked-LM steps only (BERT masking, 15% of positions scored)
     python bench.py --mode=data         # tokenisation (1 and 2 processes) and batch throughput
+    torchrun --standalone --nproc_per_node=8 bench.py --mode=ddp   # tokens/s per rank, scaling efficiency
+    python bench.py --gpu_check         # a few minutes: everything CUDA-specific works, in one report
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
@@ -22,21 +24,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 import data
-from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
-                    import_pyplot, parse_flags, peak_flops, pick_device, pick_dtype, run_main, save_results)
+from common import (DeviceName, DtypeName, ForwardWith, UserError, all_reduce_sum, autocast_context, barrier,
+                    check_output_path, check_ranges, data_parallel, first_line, import_pyplot, init_distributed,
+                    is_main_process, parse_flags, peak_flops, pick_device, pick_dtype, rank, run_main,
+                    save_results, world_size)
 from loss import masked_rows, scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
@@ -47,7 +53,7 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step", "mlm", "data"] = "both"  # both: loss, step and mlm rows
+    mode: Literal["both", "loss", "step", "mlm", "data", "ddp"] = "both"  # both: loss, step and mlm rows
     preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
@@ -65,6 +71,7 @@ class BenchConfig:
     json: str = ""
     plot: str = ""
     quick: bool = False  # a small grid: fills the settings not given on the command line
+    gpu_check: bool = False  # run the GPU check instead (see gpu_check)
 
 
 BENCH_RANGES = {"vocab": "[2, inf)", "tokens": "[1, inf)", "step_tokens": "[1, inf)",
@@ -372,6 +379,268 @@ def plot_bench(result: dict, path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Several ranks (torchrun): tokens/s per rank and scaling efficiency
+
+
+def parallel_step_loss(model, x: torch.Tensor, y: torch.Tensor, kw: dict, generator) -> torch.Tensor:
+    return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, generator=generator, **kw)
+
+
+def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype: torch.dtype,
+                     parallel: bool) -> float:
+    """Median seconds of a full training step of the preset (step_tokens[0] tokens, vocab[0]); with
+    `parallel`, through DistributedDataParallel (gradients averaged over all ranks)."""
+    vocab, tokens = cfg.vocab[0], cfg.step_tokens[0]
+    block = min(cfg.block_size, tokens)
+    gen = torch.Generator().manual_seed(cfg.seed + rank())
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.preset, vocab, block_size=block).to(device)
+    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
+    seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
+    objective = (data_parallel if parallel else ForwardWith)(model, parallel_step_loss)
+    kw, loss_rng = parse_variant(variant), torch.Generator()
+
+    def step():
+        with autocast_context(device, dtype):
+            loss = objective(seq[:, :-1], seq[:, 1:], kw, loss_rng)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return statistics.median(time_interleaved({variant: step}, cfg.warmup, cfg.repeats, device)[variant])
+
+
+def bench_ddp(cfg: BenchConfig) -> str:
+    """Rank 0 times a training step alone (the others wait), then every rank times it under DDP. Scaling
+    efficiency = DDP tokens/s per rank / tokens/s of one rank alone (1.0: perfect linear scaling). On CPU
+    the ranks share the cores, so the figures only show that the path works."""
+    if cfg.quick:
+        cfg = dataclasses.replace(cfg, **QUICK)
+    device = init_distributed(pick_device(cfg.device))
+    dtype = pick_dtype(cfg.dtype, device)
+    tokens, n = cfg.step_tokens[0], world_size()
+    lines = [f"| variant | ranks | tokens/s one rank alone | tokens/s per rank, DDP | tokens/s, all ranks | "
+             f"scaling efficiency |", "|---|---|---|---|---|---|"]
+    for variant in cfg.step_variants:
+        alone = median_step_time(cfg, variant, device, dtype, parallel=False) if is_main_process() else 0.0
+        barrier()
+        together = torch.zeros(n, dtype=torch.float64, device=device)
+        together[rank()] = median_step_time(cfg, variant, device, dtype, parallel=True)
+        per_rank = tokens / all_reduce_sum(together).cpu()
+        solo = tokens / alone if alone else float("nan")
+        each = ", ".join(f"{t:,.0f}" for t in per_rank.tolist())
+        lines.append(f"| {variant} | {n} | {solo:,.0f} | {each} | {per_rank.sum().item():,.0f} | "
+                     f"{per_rank.mean().item() / solo:.3f} |")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    note = (f"{name} per rank, {str(dtype).removeprefix('torch.')}, preset {cfg.preset}, V={cfg.vocab[0]}, "
+            f"{tokens} tokens per rank per step; median of {cfg.repeats}.")
+    return "\n".join(lines + ["", note])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU check: `python bench.py --gpu_check` exercises every CUDA-only path in a few minutes
+
+
+@dataclass
+class CheckShape:
+    preset: str = "pythia-70m"
+    vocab: int = 50304
+    block: int = 512
+    batch: int = 8
+    steps: int = 12
+
+
+def require(condition: bool, failure: str) -> None:
+    """A check's verdict (unlike assert, kept under python -O)."""
+    if not condition:
+        raise RuntimeError(failure)
+
+
+def _check_model(shape: CheckShape, device: torch.device, **overrides):
+    torch.manual_seed(0)
+    model = build_model(shape.preset, shape.vocab, block_size=shape.block, **overrides).to(device)
+    gen = torch.Generator().manual_seed(0)
+    seq = zipf_tokens(shape.batch * (shape.block + 1), shape.vocab, gen).view(shape.batch, -1).to(device)
+    return model, seq[:, :-1], seq[:, 1:]
+
+
+def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, loss: str = "cwt") -> str:
+    """Train on one fixed batch under autocast (fp16: with a GradScaler) and fused AdamW: the loss must be
+    finite and fall. Returns the loss, tokens/s and MFU (where the GPU's peak is known)."""
+    model, x, y = _check_model(shape, device)
+    optimizer = model.configure_optimizer(1e-3, 0.1, (0.9, 0.95))
+    require(optimizer.defaults["fused"], "AdamW is not fused")
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    losses, start = [], 0.0
+    for step in range(shape.steps):
+        if step == 2:  # after warm-up
+            sync(device)
+            start = time.perf_counter()
+        with autocast_context(device, dtype):
+            value = training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, loss)
+        scaler.scale(value).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(value.item())
+    seconds = (time.perf_counter() - start) / (shape.steps - 2)
+    require(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"losses {losses}")
+    tok_s = x.numel() / seconds
+    columns = scored_columns(loss, shape.vocab, x.numel())
+    peak = peak_flops(device)
+    mfu = f", MFU {100 * tok_s * model.flops_per_token(shape.block, columns) / peak:.1f}%" if peak else ""
+    scale = f", loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
+    return f"{loss} loss {losses[0]:.3f} -> {losses[-1]:.3f}, {tok_s:,.0f} tok/s{mfu}{scale}"
+
+
+def check_fused_adamw(device: torch.device, shape: CheckShape) -> str:
+    """One fused AdamW step equals one for-each step on the same weights and gradients."""
+    model, x, y = _check_model(shape, device)
+    training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, "ce").backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    after = {}
+    for fused in (True, False):
+        with torch.no_grad():
+            for p, b in zip(model.parameters(), before):
+                p.copy_(b)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+        optimizer.step()
+        after[fused] = [p.detach().clone() for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(after[True], after[False]))
+    require(diff < 1e-6, f"fused and for-each AdamW differ by {diff:.2e}")
+    return f"fused = for-each step (max abs diff {diff:.1e})"
+
+
+def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.dtype) -> str:
+    """The model's causal attention runs on the flash kernel alone (forward and backward), and agrees with
+    the plain math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, x, _ = _check_model(shape, device)
+    outputs = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel([backend]), autocast_context(device, dtype):
+            h = model.hidden(x)
+            h.float().square().mean().backward()
+        outputs[backend] = h.float()
+    diff = (outputs[SDPBackend.FLASH_ATTENTION] - outputs[SDPBackend.MATH]).abs().max().item()
+    require(diff < 0.1, f"flash and math attention differ by {diff}")
+    return f"flash kernel, forward and backward; max abs(flash - math) {diff:.1e} in {dtype}"
+
+
+def check_compile(device: torch.device, shape: CheckShape, dtype: torch.dtype) -> str:
+    """torch.compile of the training objective: the same loss as eager, and its speed."""
+    model, x, y = _check_model(shape, device)
+
+    def objective(model, x, y):
+        return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, "cwt")
+    compiled = torch.compile(objective)
+    times = {}
+    for name, fn in (("eager", objective), ("compiled", compiled)):
+        def step(fn=fn):
+            with autocast_context(device, dtype):
+                fn(model, x, y).backward()
+        times[name] = statistics.median(time_interleaved({name: step}, 2, 5, device)[name])
+    with torch.no_grad(), autocast_context(device, dtype):
+        eager, fast = objective(model, x, y).item(), compiled(model, x, y).item()
+    require(abs(eager - fast) < 1e-2 * max(1.0, abs(eager)), f"compiled loss {fast} vs eager {eager}")
+    return f"loss {fast:.4f} (eager {eager:.4f}); step {1e3 * times['compiled']:.1f} ms vs eager " \
+           f"{1e3 * times['eager']:.1f} ms"
+
+
+def check_kv_cache(device: torch.device, shape: CheckShape, new_tokens: int = 48) -> str:
+    """Greedy generation with the KV cache gives the tokens that re-reading the whole prefix gives."""
+    from generate import generate
+
+    model, x, _ = _check_model(shape, device)
+    model.eval()
+    prompt = x[0, :16].tolist()
+    outputs, seconds = {}, {}
+    for use_cache in (True, False):
+        sync(device)
+        start = time.perf_counter()
+        outputs[use_cache] = list(generate(model, prompt, new_tokens, temperature=0, use_cache=use_cache))
+        sync(device)
+        seconds[use_cache] = time.perf_counter() - start
+    require(outputs[True] == outputs[False], "cached and uncached greedy generation differ")
+    return f"{new_tokens} greedy tokens identical; {new_tokens / seconds[True]:,.0f} tok/s with the cache, " \
+           f"{new_tokens / seconds[False]:,.0f} without"
+
+
+def check_script(args: list[str], expect: str, timeout: float = 240) -> str:
+    """A command (train.py, torchrun) that must succeed and print `expect`; returns its last matching line."""
+    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parent)
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    require(out.returncode == 0, f"exit {out.returncode}: {lines[-1] if lines else ''}")
+    hits = [line for line in lines if expect in line]
+    require(bool(hits), f"no {expect!r} in the output")
+    return hits[-1].strip()
+
+
+def gpu_checks(device: torch.device, shape: CheckShape, scratch: Path) -> dict[str, Callable[[], str]]:
+    here = Path(__file__).parent
+    train_flags = [f"--out_dir={scratch / 'train'}", f"--data_root={scratch / 'data'}", "--max_iters=30",
+                   "--eval_interval=30", "--eval_batches=2", "--log_interval=10", "--preset=pythia-70m",
+                   "--block_size=512", "--batch_size=8"]
+    checks = {
+        "bf16 autocast + fused AdamW + MFU": lambda: check_training(device, shape, torch.bfloat16),
+        "fp16 autocast + GradScaler": lambda: check_training(device, shape, torch.float16, "ce"),
+        "fused AdamW = for-each": lambda: check_fused_adamw(device, shape),
+        "flash attention (SDPA)": lambda: check_flash_attention(device, shape, torch.bfloat16),
+        "torch.compile": lambda: check_compile(device, shape, torch.bfloat16),
+        "KV-cache generation": lambda: check_kv_cache(device, shape),
+        "train.py --compile": lambda: check_script(
+            [sys.executable, str(here / "train.py"), "--compile", *train_flags], "MFU"),
+    }
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+        checks[f"DDP over NCCL, {gpus} GPUs, global negatives"] = lambda: check_script(
+            [*torchrun, str(here / "train.py"), *train_flags, f"--out_dir={scratch / 'ddp'}",
+             "--negatives_scope=global"], "MFU")
+        checks[f"DDP scaling, {gpus} GPUs"] = lambda: check_script(
+            [*torchrun, str(here / "bench.py"), "--mode=ddp", "--preset=pythia-70m", "--vocab=50304",
+             "--step_tokens=4096", "--block_size=512", "--step_variants=cwt", "--repeats=5"], "| cwt |")
+    return checks
+
+
+def run_checks(checks: dict[str, Callable[[], str]]) -> list[tuple[str, bool, str, float]]:
+    """(name, passed, detail or the failure's first line, seconds) for each check, all run whatever fails."""
+    rows = []
+    for name, check in checks.items():
+        start = time.perf_counter()
+        try:
+            passed, detail = True, check()
+        except Exception as e:  # a failed check is reported, and the others still run
+            passed, detail = False, f"{type(e).__name__}: {first_line(e)}"
+        rows.append((name, passed, detail, time.perf_counter() - start))
+        print(f"{'ok  ' if passed else 'FAIL'} {name} ({rows[-1][3]:.0f} s)", file=sys.stderr)
+    return rows
+
+
+def checks_report(rows: list[tuple[str, bool, str, float]], title: str) -> str:
+    lines = [title, "", "| check | result | detail | s |", "|---|---|---|---|"]
+    lines += [f"| {name} | {'ok' if passed else 'FAILED'} | {detail} | {seconds:.0f} |"
+              for name, passed, detail, seconds in rows]
+    failed = sum(not passed for _, passed, _, _ in rows)
+    return "\n".join(lines + ["", f"{len(rows) - failed} of {len(rows)} checks passed"])
+
+
+def gpu_check() -> tuple[str, bool]:
+    """Run every check on the first GPU; returns the report and whether all passed."""
+    if not torch.cuda.is_available():
+        raise UserError("--gpu_check needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    device = torch.device("cuda", 0)
+    title = (f"GPU check: {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch "
+             f"{torch.__version__}, CUDA {torch.version.cuda}")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        rows = run_checks(gpu_checks(device, CheckShape(), Path(scratch)))
+    return checks_report(rows, title), all(passed for _, passed, _, _ in rows)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str]) -> None:
@@ -379,12 +648,21 @@ def main(argv: list[str]) -> None:
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
     cfg = parse_flags(BenchConfig, argv, quick=QUICK)
+    if cfg.gpu_check:
+        report, ok = gpu_check()
+        print(report)
+        sys.exit(0 if ok else 1)
     check_ranges(cfg, BENCH_RANGES)
     for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
         if path:
             check_output_path(path, flag)
     if cfg.mode == "data":
         print(bench_data(cfg))
+        return
+    if cfg.mode == "ddp":
+        table = bench_ddp(cfg)
+        if is_main_process():
+            print(table)
         return
     if cfg.plot:
         import_pyplot()

@@ -46,8 +46,10 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     """Run a script's main(argv): user mistakes become one line on stderr and exit code 2."""
     try:
         main(sys.argv[1:])
+        close_distributed()  # only after success: a failed rank just exits, and torchrun stops the others
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = f" (rank {rank()})" if world_size() > 1 else ""
+        print(f"error{where}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -65,6 +67,11 @@ def repeatable(**kwargs: Any) -> Any:
     return dataclasses.field(default_factory=list, metadata={"repeatable": True}, **kwargs)
 
 
+def _choices(kinds: tuple | list) -> list[str]:
+    """The values a union of bool and Literals accepts (`bool | Literal["auto"]`: true, false, auto)."""
+    return [str(c) for k in kinds for c in (("true", "false") if k is bool else typing.get_args(k))]
+
+
 def _coerce(key: str, raw: Any, kind: Any) -> Any:
     """Convert a flag or config value to the dataclass field's type, or explain what is expected."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -72,10 +79,20 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         if raw not in args:
             raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
         return raw
-    if origin in (typing.Union, types.UnionType):  # X | None
-        if raw in (None, "", "none", "None"):
+    if origin in (typing.Union, types.UnionType):  # X | None, or bool | Literal["auto"]: the first that fits
+        if type(None) in args and raw in (None, "", "none", "None"):
             return None
-        return _coerce(key, raw, next(a for a in args if a is not type(None)))
+        members = [a for a in args if a is not type(None)]
+        for member in members[:-1]:
+            with contextlib.suppress(UserError):
+                return _coerce(key, raw, member)
+        try:
+            return _coerce(key, raw, members[-1])
+        except UserError:
+            if len(members) == 1:
+                raise
+        choices = ", ".join(_choices(members))
+        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {choices}") from None
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -130,6 +147,8 @@ def flags_help(cls: type, defaults: dict[str, Any] | None = None) -> str:
         if optional:
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # bool | Literal["auto"]
+            choices = _choices(typing.get_args(kind))
         shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind))
         shown += " (or none)" if optional else " (repeat the flag)" if f.metadata.get("repeatable") else ""
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
@@ -284,6 +303,115 @@ def format_metric(value: float, digits: int = 4) -> str:
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: data parallelism under torchrun. Without torchrun's environment variables every
+# function here is a no-op for one process (rank 0 of 1) and no process group is ever created.
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Join torchrun's process group (once per process: NCCL on CUDA, gloo on CPU); returns this rank's
+    device: its own GPU (cuda:LOCAL_RANK) on CUDA, the CPU otherwise."""
+    if not launched_by_torchrun():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        if device.type == "cuda":
+            torch.distributed.init_process_group("nccl", device_id=device)
+        else:
+            torch.distributed.init_process_group("gloo")
+    return device
+
+
+def close_distributed() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """Rank 0: the one process that prints progress and writes logs and checkpoints."""
+    return rank() == 0
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum over all ranks (in place; a no-op for one process)."""
+    if world_size() > 1:
+        torch.distributed.all_reduce(values)
+    return values
+
+
+def count_ranks(flag: bool) -> int:
+    """On how many ranks `flag` is true: every rank gets the same answer."""
+    if world_size() == 1:
+        return int(flag)
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces tensors on the GPU only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return int(all_reduce_sum(torch.tensor([int(flag)], device=device)).item())
+
+
+def any_rank(flag: bool) -> bool:
+    return count_ranks(flag) > 0
+
+
+def barrier() -> None:
+    """Wait until every rank gets here."""
+    if world_size() > 1:
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block before the other ranks do (it prepares a dataset they then read)."""
+    if not is_main_process():
+        barrier()
+    yield
+    if is_main_process():
+        barrier()
+
+
+class ForwardWith(torch.nn.Module):
+    """`fn(model, *args)` as the forward of a module that holds `model`. DistributedDataParallel syncs the
+    gradients of what runs through its wrapped module's forward, so it must wrap the whole objective
+    (hidden states, then the loss against the embeddings), not `model.forward` (which returns logits)."""
+
+    def __init__(self, model: torch.nn.Module, fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.fn(self.model, *args)
+
+
+def data_parallel(model: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> torch.nn.Module:
+    """`fn(model, *args)` as a module: under torchrun wrapped in DistributedDataParallel, which starts
+    every rank from rank 0's weights and averages the gradients over ranks during backward."""
+    module = ForwardWith(model, fn)
+    if not torch.distributed.is_initialized():
+        return module
+    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True)
+
+
+def gradient_sync(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """The context of a backward pass: `sync=False` skips DDP's gradient all-reduce (every micro-step
+    of gradient accumulation but the last one sums locally, then one all-reduce sums them all)."""
+    if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return module.no_sync()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import (DeviceName, DtypeName, check_output_path, check_ranges, checkpoint_model, format_metric,
-                    import_pyplot, load_checkpoint, parse_flags, pick_device, run_main, save_results)
+                    import_pyplot, init_distributed, is_main_process, load_checkpoint, parse_flags, pick_device,
+                    run_main, save_results)
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -76,7 +77,7 @@ def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> li
 
 def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict:
     """eval.py's LAMBADA scoring of one checkpoint, in this process."""
-    device = pick_device(cfg.device)
+    device = init_distributed(pick_device(cfg.device))  # under torchrun: this rank's GPU
     ckpt = load_checkpoint(ckpt_path)
     model = checkpoint_model(ckpt, ckpt_path).to(device).eval()
     tokenizer = load_tokenizer(ckpt["data_meta"].get("tokenizer", "gpt2"))
@@ -170,7 +171,9 @@ def main(argv: list[str]) -> None:
             check_output_path(path, flag)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
-    save_results(run_compare(cfg), cfg.json, cfg.plot, plot_compare)
+    result = run_compare(cfg)
+    if is_main_process():  # under torchrun every rank trains; one writes
+        save_results(result, cfg.json, cfg.plot, plot_compare)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common import DeviceName, DtypeName, UserError, check_ranges, load_checkpoint, parse_flags, run_main
+from common import (DeviceName, DtypeName, UserError, check_ranges, init_distributed, load_checkpoint,
+                    parse_flags, pick_device, run_main, world_size)
 from loss import LossName
 from model import PresetName
 from train import TRAIN_RANGES, TrainConfig, train
@@ -110,7 +111,8 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
     pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
     block = cfg.block_size or base["model_config"]["block_size"]
-    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum
+    init_distributed(pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
+    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     warmup = cfg.warmup_iters
     if warmup is None:

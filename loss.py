@@ -11,6 +11,7 @@ import functools
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -67,11 +68,19 @@ def cwt_loss(
         labels = torch.arange(h.size(0), device=h.device)
     else:
         raise ValueError(f"negatives must be 'all' or 'unique', got {negatives!r}")
-    if num_negatives is not None and num_negatives < e.size(0):
-        return _sampled_contrastive(h, e, labels, temperature, num_negatives, generator, chunk_size)
+    return candidate_loss(h, e, labels, temperature, num_negatives, generator, chunk_size)
+
+
+def candidate_loss(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                   num_negatives: int | None = None, generator: torch.Generator | None = None,
+                   chunk_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of each row of `h` (N, d) over its scores against `candidates` (M, d); row i's
+    positive is candidate labels[i]. With num_negatives=k, against its positive and k shared random ones."""
+    if num_negatives is not None and num_negatives < candidates.size(0):
+        return _sampled_contrastive(h, candidates, labels, temperature, num_negatives, generator, chunk_size)
     if chunk_size:
-        return chunked_cross_entropy(h, e, labels, temperature, chunk_size)
-    scores = at_least_fp32(h @ e.T) / temperature
+        return chunked_cross_entropy(h, candidates, labels, temperature, chunk_size)
+    scores = at_least_fp32(h @ candidates.T) / temperature
     return F.cross_entropy(scores, labels)
 
 
@@ -113,6 +122,59 @@ def contrastive_accuracy(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor
     return (targets[best] == targets).float().mean()
 
 
+# ----------------------------------------------------------------------------------------------
+# Negatives from every rank (--negatives_scope=global under torchrun; not in the paper)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All ranks' (N, ...) tensors concatenated in rank order; the gradient of each part goes back to
+    the rank it came from, summed over the ranks whose losses used it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        if dist.get_backend() == "nccl":  # reduce-scatter: each rank receives only its own part
+            own = grad.new_empty(grad.size(0) // dist.get_world_size(), *grad.shape[1:])
+            dist.reduce_scatter_tensor(own, grad)
+            return own
+        dist.all_reduce(grad)  # gloo has no reduce-scatter
+        return grad.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of `x`, in rank order, differentiable (x itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return x
+    if not x.requires_grad:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+    return _GatherRows.apply(x)
+
+
+def global_cwt_loss(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    negatives: Literal["all", "unique"] = "all", num_negatives: int | None = None,
+                    generator: torch.Generator | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """`cwt_loss` of this rank's rows (h, e, targets: N rows each, the same N on every rank) against the
+    candidates of all ranks' micro-batches: what one process computes over the concatenated batches.
+    Gradients reach the other ranks' embeddings through the gather."""
+    h, e, targets = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1)), targets.reshape(-1)
+    n, first = h.size(0), h.size(0) * (dist.get_rank() if dist.is_initialized() else 0)
+    candidates = gather_rows(e)
+    if negatives == "unique":  # deduplicated over every rank's targets
+        candidates, labels = unique_candidates(candidates, gather_rows(targets))
+        labels = labels[first:first + n]
+    else:
+        labels = torch.arange(first, first + n, device=h.device)
+    return candidate_loss(h, candidates, labels, temperature, num_negatives, generator, chunk_size)
+
+
 LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
 
 
@@ -135,6 +197,7 @@ def training_loss(
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    negatives_scope: Literal["local", "global"] = "local",
 ) -> torch.Tensor:
     """The pre-training objective selected by name, from hidden states (..., d) and targets (...).
 
@@ -143,19 +206,21 @@ def training_loss(
     - `ce+cwt`: the sum of both (paper's ablation).
     - `nce`: contrastive without weight tying: targets come from the separate output table.
     `chunk_size` (None or 0: off) computes every score matrix in row blocks, with the same result.
+    `negatives_scope="global"`: the contrastive candidates are those of every rank's micro-batch.
     """
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     contrastive = dict(temperature=temperature, targets=targets, negatives=negatives,
                        num_negatives=num_negatives, generator=generator, chunk_size=chunk_size)
+    contrastive_loss = global_cwt_loss if negatives_scope == "global" else cwt_loss
     if loss == "ce":
         return ce_loss(h, output_weight, targets, chunk_size)
     if loss == "cwt":
-        return cwt_loss(h, input_embedding[targets], **contrastive)
+        return contrastive_loss(h, input_embedding[targets], **contrastive)
     if loss == "ce+cwt":
         return (ce_loss(h, output_weight, targets, chunk_size)
-                + cwt_loss(h, input_embedding[targets], **contrastive))
+                + contrastive_loss(h, input_embedding[targets], **contrastive))
     if loss == "nce":
-        return cwt_loss(h, output_weight[targets], **contrastive)
+        return contrastive_loss(h, output_weight[targets], **contrastive)
     raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
 
 

@@ -19,14 +19,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from common import (DeviceName, DtypeName, UserError, atomic_write_text, autocast_context, check_ranges,
-                    checkpoint_model, format_duration, format_metric, hold_lock, load_checkpoint, parse_flags,
-                    peak_flops, pick_device, pick_dtype, remove_stale_temps, run_main, save_checkpoint)
+from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, atomic_write_text,
+                    autocast_context, barrier, check_ranges, checkpoint_model, count_ranks, data_parallel,
+                    format_duration, format_metric, gradient_sync, hold_lock, init_distributed, is_main_process,
+                    load_checkpoint, main_process_first, parse_flags, peak_flops, pick_device, pick_dtype, rank,
+                    remove_stale_temps, run_main, save_checkpoint, world_size)
 from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
                   open_split)
 from eval import evaluate, evaluate_mlm
@@ -50,9 +52,11 @@ class TrainConfig:
     negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
     num_negatives: int | None = None  # score against a random subset of k candidates (not in paper)
     loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns); 0 = off
+    # candidates: this rank's micro-batch (paper), or every rank's (global, under torchrun; not in paper)
+    negatives_scope: Literal["local", "global"] = "local"
     # optimisation
     batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per rank per step (a step takes world_size x grad_accum of them)
     max_iters: int = 600
     lr: float = 1e-3
     min_lr: float | None = None  # default: the preset's recipe (RECIPES)
@@ -68,7 +72,7 @@ class TrainConfig:
     eval_batches: int = 20
     log_interval: int = 10
     out_dir: str = "out"
-    resume: bool = False  # continue from out_dir/ckpt.pt
+    resume: bool | Literal["auto"] = False  # continue from out_dir/ckpt.pt; auto: if there is one, else start
     # system
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
@@ -105,6 +109,9 @@ TRAIN_RANGES = {
 def check_config(cfg: TrainConfig) -> None:
     """Reject settings that cannot work, before any time is spent."""
     check_ranges(cfg, TRAIN_RANGES)
+    if cfg.negatives_scope == "global" and cfg.objective == "mlm":
+        raise UserError("--negatives_scope=global gathers equal-sized micro-batches; an MLM's masked positions "
+                        "differ per rank: use the default --negatives_scope=local with --objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
@@ -117,7 +124,7 @@ def check_config(cfg: TrainConfig) -> None:
 
 def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, dict | None, dict | None]:
     """(model, the checkpoint being resumed or None, the checkpoint started from or None)."""
-    if cfg.resume:
+    if wants_resume(cfg, ckpt_path):
         if not ckpt_path.is_file():
             raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
                             "or start without --resume")
@@ -140,6 +147,15 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
     model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
                         dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head, causal=not mlm)
     return model, None, None
+
+
+def wants_resume(cfg: TrainConfig, ckpt_path: Path) -> bool:
+    """--resume, or --resume=auto with a checkpoint in out_dir. Every rank must see the same out_dir."""
+    found = ckpt_path.is_file()
+    if count_ranks(found) not in (0, world_size()):
+        raise UserError(f"rank {rank()} {'sees' if found else 'does not see'} {ckpt_path} but another rank "
+                        "does not: --out_dir must be on a filesystem every node shares")
+    return found if cfg.resume == "auto" else cfg.resume
 
 
 def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
@@ -238,8 +254,8 @@ class Run:
     meta: dict
     out_dir: Path
     block_size: int
-    loss_fn: Callable[..., torch.Tensor]  # compute_loss, compiled with --compile
-    tokens_per_iter: int
+    loss_fn: torch.nn.Module  # compute_loss(model, ...) (compiled with --compile); DDP under torchrun
+    tokens_per_iter: int  # over all ranks
     flops_per_token: float
     step: int = 0
     loss: float | None = None  # the last training loss read back (every log interval)
@@ -262,12 +278,13 @@ class Run:
 def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     """Device, data, model, optimizer; restored from out_dir's checkpoint with --resume. Returns the run
     and the resumed checkpoint (None for a new run)."""
-    device = pick_device(cfg.device)
+    device = init_distributed(pick_device(cfg.device))  # under torchrun: this rank's GPU
     dtype = pick_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-    data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
+    with main_process_first():  # one rank prepares the built-in dataset, the others wait for it
+        data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
     meta = load_meta(data_dir)
     out_dir = Path(cfg.out_dir)
     model, resumed, base = choose_model(cfg, meta, out_dir / CKPT_NAME)
@@ -280,16 +297,18 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     block_size = cfg.block_size or model.config.block_size
     vocab_size = model.config.vocab_size
     tokens_per_micro = cfg.batch_size * block_size
-    columns = scored_columns_per_token(cfg, vocab_size, tokens_per_micro)
-    warn_if_every_negative(cfg, tokens_per_micro)
+    candidates = tokens_per_micro * (world_size() if cfg.negatives_scope == "global" else 1)
+    columns = scored_columns_per_token(cfg, vocab_size, candidates)
+    warn_if_every_negative(cfg, candidates)
     run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
               optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
               sampler=BatchSampler(open_split(data_dir, "train", vocab_size), cfg.batch_size, block_size,
                                    cfg.seed, device),
               val_tokens=open_split(data_dir, "val", vocab_size), meta=meta, out_dir=out_dir,
-              block_size=block_size, loss_fn=torch.compile(compute_loss) if cfg.compile else compute_loss,
-              tokens_per_iter=tokens_per_micro * cfg.grad_accum,
+              block_size=block_size,
+              loss_fn=data_parallel(model, torch.compile(compute_loss) if cfg.compile else compute_loss),
+              tokens_per_iter=tokens_per_micro * cfg.grad_accum * world_size(),
               flops_per_token=model.flops_per_token(block_size, columns))
     run.mask_spec = mask_spec(meta) if cfg.objective == "mlm" else None
     if base:
@@ -311,7 +330,11 @@ def warn_if_every_negative(cfg: TrainConfig, candidates: int) -> None:
 @contextlib.contextmanager
 def claim_out_dir(run: Run, resumed: dict | None):
     """out_dir for this run alone, for the run's life (a second run on it is refused); temp files of
-    killed runs removed; a fresh log for a new run, and on resume the log up to the checkpoint's step."""
+    killed runs removed; a fresh log for a new run, and on resume the log up to the checkpoint's step.
+    Under torchrun, rank 0 alone writes in out_dir, so it alone claims it."""
+    if not is_main_process():
+        yield
+        return
     run.out_dir.mkdir(parents=True, exist_ok=True)
     with hold_lock(run.out_dir, "training run"):
         remove_stale_temps(run.out_dir)
@@ -368,8 +391,8 @@ def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
     h = model.hidden(x)
     if cfg.objective == "mlm":
         h, y = masked_rows(h, y)
-    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
-                         cfg.negatives, cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None)
+    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature, cfg.negatives,
+                         cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None, cfg.negatives_scope)
 
 
 def train_step(run: Run) -> torch.Tensor:
@@ -379,11 +402,14 @@ def train_step(run: Run) -> torch.Tensor:
         group["lr"] = lr_at(step, cfg)
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(cfg.grad_accum):
-        x, y = training_batch(run, step * cfg.grad_accum + micro)  # batch i is a function of (seed, i) only
-        run.negatives_rng.manual_seed(cfg.seed * 1_000_003 + step * cfg.grad_accum + micro)
-        with autocast_context(run.device, run.dtype):
-            loss = run.loss_fn(run.model, x, y, cfg, run.negatives_rng) / cfg.grad_accum
-        run.scaler.scale(loss).backward()
+        index = micro_batch_index(step, micro, cfg.grad_accum)
+        x, y = training_batch(run, index)  # batch i is a function of (seed, i) only
+        run.negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+        torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too: whichever rank draws batch i
+        with gradient_sync(run.loss_fn, sync=micro == cfg.grad_accum - 1):
+            with autocast_context(run.device, run.dtype):
+                loss = run.loss_fn(x, y, cfg, run.negatives_rng) / cfg.grad_accum
+            run.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
@@ -405,12 +431,20 @@ def validation_metrics(run: Run) -> dict[str, float]:
                     cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
 
 
+def micro_batch_index(step: int, micro: int, grad_accum: int) -> int:
+    """Which micro-batch of the data stream this rank trains on. A step takes world_size x grad_accum
+    consecutive ones, rank r the r-th run of grad_accum: 2 ranks x grad_accum 1 and 1 process x
+    grad_accum 2 see the same batches, so results and checkpoints do not depend on the split."""
+    return (step * world_size() + rank()) * grad_accum + micro
+
+
 def validate(run: Run) -> dict[str, float]:
     """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
     val = validation_metrics(run)
-    shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
-    print(f"step {run.step}: {shown}", file=sys.stderr)
-    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
+    if is_main_process():
+        shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
+        print(f"step {run.step}: {shown}", file=sys.stderr)
+        append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
     if not math.isfinite(val["val_ce"]):
         raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
                         f"(the last good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
@@ -419,7 +453,10 @@ def validate(run: Run) -> dict[str, float]:
 
 
 def checkpoint(run: Run) -> None:
-    """Save everything needed to continue exactly, and what it took to get here (tokens, FLOPs)."""
+    """Save everything needed to continue exactly, and what it took to get here (tokens, FLOPs).
+    Rank 0 alone writes: every rank holds the same weights and optimizer state."""
+    if not is_main_process():
+        return
     save_checkpoint(run.ckpt_path, {
         "model": run.model.state_dict(), "model_config": dataclasses.asdict(run.model.config),
         "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "step": run.step,
@@ -432,16 +469,25 @@ def checkpoint(run: Run) -> None:
                 "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None}})
 
 
+def note(message: str) -> None:
+    """A status line on stderr, from rank 0 only."""
+    if is_main_process():
+        print(message, file=sys.stderr)
+
+
 def append_log(out_dir: Path, record: dict) -> None:
     with open(out_dir / LOG_NAME, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def report_progress(run: Run, loss: float, seconds: float, steps: int, eta: float) -> None:
-    """The progress line (loss, lr, tokens/s over the last interval, ETA, MFU on GPUs) and its log record."""
+    """The progress line (loss, lr, tokens/s over the last interval, ETA, MFU on GPUs) and its log record
+    (rank 0's). Tokens/s counts all ranks; MFU is per GPU."""
+    if not is_main_process():
+        return
     tok_s = steps * run.tokens_per_iter / max(seconds, 1e-9)
     peak = peak_flops(run.device)
-    mfu = f" | MFU {100 * tok_s * run.flops_per_token / peak:.1f}%" if peak else ""
+    mfu = f" | MFU {100 * tok_s / world_size() * run.flops_per_token / peak:.1f}%" if peak else ""
     lr = lr_at(run.step - 1, run.cfg)
     print(f"step {run.step}/{run.cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
           f"ETA {format_duration(eta)}{mfu}", file=sys.stderr)
@@ -452,8 +498,15 @@ class StopFlag:
     """SIGINT/SIGTERM ask the loop to stop after the current step, save, and exit cleanly."""
 
     def __init__(self):
-        self.requested = False
+        self.requested = False  # by a signal to this process
+        self.stopping = False  # what all ranks agreed at the last `agree()`
         self._previous = {}
+
+    def agree(self) -> bool:
+        """Whether to stop, asked of every rank at the same point: any rank's signal stops them all at
+        the same step (each rank's own flag may flip at any moment)."""
+        self.stopping = any_rank(self.requested)
+        return self.stopping
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -464,7 +517,7 @@ class StopFlag:
         if self.requested:  # a second Ctrl-C: stop right away
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this step", file=sys.stderr)
+        note(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this step")
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -482,16 +535,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run, resumed = set_up(cfg)
     model = run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"model {cfg.preset}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
-          f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
-          f"{run.device.type} {str(run.dtype).removeprefix('torch.')} | {run.tokens_per_iter:,} tokens/iter",
-          file=sys.stderr)
+    ranks = f" x {world_size()} ranks" if world_size() > 1 else ""
+    note(f"model {cfg.preset}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
+         f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
+         f"{run.device.type}{ranks} {str(run.dtype).removeprefix('torch.')} | "
+         f"{run.tokens_per_iter:,} tokens/iter")
     start_step, last_loss = run.step, float("nan")
     t_start = t_log = time.time()
     step_at_log = start_step
     model.train()
     with claim_out_dir(run, resumed), StopFlag() as stop:
-        while run.step < cfg.max_iters and not stop.requested:
+        while run.step < cfg.max_iters and not stop.agree():
             if run.step % cfg.eval_interval == 0 and not (resumed and run.step == start_step):
                 eval_start = time.time()
                 validate(run)
@@ -501,8 +555,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
             loss_sum = train_step(run)
 
-            if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters or stop.requested:
-                last_loss = run.loss = loss_sum.item()  # the only host sync per log interval
+            if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters or stop.agree():
+                # the mean over ranks; in one process, the only host sync per log interval
+                last_loss = run.loss = all_reduce_sum(loss_sum).item() / world_size()
                 if not math.isfinite(last_loss):
                     raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving (the last "
                                     f"good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
@@ -512,18 +567,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 report_progress(run, last_loss, now - t_log, run.step - step_at_log, eta)
                 t_log, step_at_log = now, run.step
 
-        if not stop.requested:
+        if not stop.stopping:
             validate(run)
         checkpoint(run)
+        barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     elapsed = time.time() - t_start
-    if stop.requested:
-        print(f"stopped at step {run.step}; checkpoint saved to {run.ckpt_path}; continue with --resume",
-              file=sys.stderr)
+    if stop.stopping:
+        note(f"stopped at step {run.step}; checkpoint saved to {run.ckpt_path}; continue with --resume")
     else:
-        print(f"done: {run.step} steps in {format_duration(elapsed)}; checkpoint {run.ckpt_path}", file=sys.stderr)
+        note(f"done: {run.step} steps in {format_duration(elapsed)}; checkpoint {run.ckpt_path}")
     return {"step": run.step, "first_val": run.first_val, "val": run.val, "loss": last_loss,
             "ckpt": str(run.ckpt_path), "tokens": run.earlier_tokens + run.tokens,
-            "flops": run.earlier_flops + run.tokens * run.flops_per_token, "interrupted": stop.requested,
+            "flops": run.earlier_flops + run.tokens * run.flops_per_token, "interrupted": stop.stopping,
             "seconds": elapsed}
 
 

@@ -1,0 +1,233 @@
+"""Data parallelism on CPU (gloo, two processes): the same results however the batch is split over ranks,
+negatives gathered across ranks, checkpoints that move between world sizes, and a clean stop on SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import common
+import model
+import train
+from loss import cwt_loss, global_cwt_loss
+from train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_TINY = dict(n_layer=2, n_head=2, d_model=64, block_size=64)  # as conftest's small_tiny_preset
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(data_dir, out_dir, **overrides) -> TrainConfig:
+    """Ten steps whose learning rate depends on the step alone (constant after warmup), so a run can stop
+    early and be continued with another max_iters."""
+    settings = dict(dataset=str(data_dir), preset="tiny", block_size=16, batch_size=2, max_iters=10,
+                    warmup_iters=3, lr=3e-3, lr_schedule="constant", eval_interval=10, eval_batches=3,
+                    log_interval=1, out_dir=str(out_dir), device="cpu", seed=0)
+    return TrainConfig(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two ranks share the CPU cores with this process: one thread each runs faster than oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(out_dir) -> dict[str, torch.Tensor]:
+    return torch.load(Path(out_dir) / "ckpt.pt", weights_only=True)["model"]
+
+
+def max_weight_difference(a, b) -> float:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def read_log(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Two ranks started with torch.multiprocessing (one start-up for all the checks that need no torchrun)
+
+
+def negatives_inputs(n_per_rank: int = 12, d: int = 8, vocab: int = 9):
+    """h (2n, d), the embeddings e of the targets (2n, d) and the targets, with repeats within and across
+    ranks, as two ranks' halves would see them."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(vocab, d, generator=gen)
+    targets = torch.randint(0, vocab, (2 * n_per_rank,), generator=gen)
+    return torch.randn(2 * n_per_rank, d, generator=gen), table[targets], targets
+
+
+def _global_negatives_on_rank(out: Path) -> None:
+    rank, n = common.rank(), 12
+    h_all, e_all, t_all = negatives_inputs(n)
+    rows = slice(rank * n, (rank + 1) * n)
+    result = {}
+    for negatives in ("all", "unique"):
+        h, e = h_all[rows].clone().requires_grad_(), e_all[rows].clone().requires_grad_()
+        loss = global_cwt_loss(h, e, t_all[rows], temperature=0.5, negatives=negatives)
+        loss.backward()
+        result[negatives] = (loss.detach(), h.grad, e.grad)
+    torch.save(result, out / f"negatives{rank}.pt")
+
+
+def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    model.PRESETS["tiny"] = SMALL_TINY
+    common.init_distributed(torch.device("cpu"))
+    _global_negatives_on_rank(Path(out))
+    for job in jobs:
+        train.train(TrainConfig(**job))
+    common.close_distributed()
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tiny_data_dir, tmp_path_factory):
+    """Single-process references (grad_accum=2) and the same runs on 2 ranks (grad_accum=1)."""
+    root = tmp_path_factory.mktemp("ddp")
+    with pytest.MonkeyPatch.context() as mp_patch:
+        mp_patch.setitem(model.PRESETS, "tiny", SMALL_TINY)
+        for loss in ("ce", "cwt"):
+            train.train(run_config(tiny_data_dir, root / f"one-{loss}", loss=loss, grad_accum=2, dropout=0.1))
+        # a single-process checkpoint at step 5, continued below on two ranks
+        train.train(run_config(tiny_data_dir, root / "two-cwt-resumed", grad_accum=2, dropout=0.1, max_iters=5))
+    jobs = [vars(run_config(tiny_data_dir, root / f"two-{loss}", loss=loss, dropout=0.1)) for loss in ("ce", "cwt")]
+    jobs.append(vars(run_config(tiny_data_dir, root / "two-cwt-resumed", dropout=0.1, resume=True)))
+    jobs.append(vars(run_config(tiny_data_dir, root / "two-global", max_iters=3, negatives_scope="global",
+                                negatives="unique")))
+    mp.start_processes(_rank_main, args=(free_port(), str(root), jobs), nprocs=2, start_method="spawn")
+    return root
+
+
+@pytest.mark.parametrize("loss", ["ce", "cwt"])
+def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs, loss):
+    one, two = two_rank_runs / f"one-{loss}", two_rank_runs / f"two-{loss}"
+    assert torch.load(two / "ckpt.pt", weights_only=True)["step"] == 10
+    assert max_weight_difference(one, two) < 1e-5
+    losses = lambda d: [r["loss"] for r in read_log(d) if "loss" in r]  # noqa: E731
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)  # rank 0 logs the mean over ranks
+    # sharded validation (3 batches: rank 0 scores two, rank 1 one) equals one process's
+    first_val = lambda d: next(r for r in read_log(d) if "val_ce" in r)  # noqa: E731
+    assert first_val(two) == pytest.approx(first_val(one), rel=1e-12)
+
+
+def test_single_process_checkpoint_continues_on_two_ranks(two_rank_runs):
+    resumed = two_rank_runs / "two-cwt-resumed"
+    assert torch.load(resumed / "ckpt.pt", weights_only=True)["step"] == 10
+    assert max_weight_difference(two_rank_runs / "one-cwt", resumed) < 1e-5
+
+
+def test_global_negatives_equal_one_process_over_both_micro_batches(two_rank_runs):
+    h_all, e_all, t_all = negatives_inputs()
+    for negatives in ("all", "unique"):
+        h, e = h_all.clone().requires_grad_(), e_all.clone().requires_grad_()
+        expected = cwt_loss(h, e, 0.5, targets=t_all, negatives=negatives)
+        expected.backward()
+        ranks = [torch.load(two_rank_runs / f"negatives{r}.pt")[negatives] for r in (0, 1)]
+        # each rank's loss is the mean over its own rows; DDP then averages the gradients over ranks
+        assert (ranks[0][0] + ranks[1][0]) / 2 == pytest.approx(expected.item(), rel=1e-6)
+        torch.testing.assert_close(torch.cat([r[1] for r in ranks]) / 2, h.grad)
+        torch.testing.assert_close(torch.cat([r[2] for r in ranks]) / 2, e.grad)
+    # the gathered candidates are not the local ones: a rank alone gets another loss
+    local = cwt_loss(h_all[:12], e_all[:12], 0.5)
+    assert abs(local.item() - torch.load(two_rank_runs / "negatives0.pt")["all"][0].item()) > 1e-3
+
+
+def test_global_negatives_train(two_rank_runs):
+    log = read_log(two_rank_runs / "two-global")
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log if "loss" in r)
+
+
+# ----------------------------------------------------------------------------------------------
+# torchrun itself: SIGTERM, one checkpoint, and a resume in one process
+
+
+def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if log.is_file() and any(json.loads(line).get("step", 0) >= step and "loss" in json.loads(line)
+                                 for line in log.read_text().splitlines() if line.endswith("}")):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {log} after {timeout} s")
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data_dir, tmp_path):
+    out, logs = tmp_path / "run", tmp_path / "worker-logs"
+    cfg = run_config(tiny_data_dir, out, max_iters=10_000, eval_interval=10_000, eval_batches=1)
+    flags = [f"--{k}={v}" for k, v in vars(cfg).items() if k in ("dataset", "preset", "block_size", "batch_size",
+             "max_iters", "warmup_iters", "lr", "lr_schedule", "eval_interval", "eval_batches", "log_interval",
+             "out_dir", "device", "seed")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), *flags, "--resume=auto"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(out / "log.jsonl", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)  # no hang: both ranks agree on the stop step
+    finally:
+        proc.kill()
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    stopped = ckpt["step"]
+    assert 2 <= stopped < 10_000 and not list(out.glob("*.tmp"))  # one checkpoint, nothing half-written
+    stderr = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}
+    assert sorted(stderr) == ["0", "1"]
+    assert f"stopped at step {stopped}; checkpoint saved" in stderr["0"] and "Traceback" not in stderr["0"]
+    assert stderr["1"].strip() == ""  # rank 1 prints nothing, and stopped cleanly
+    logged = [r["step"] for r in read_log(out) if "loss" in r]
+    assert logged[-1] == stopped
+
+    # One process, twice the accumulation, --resume=auto: continues the 2-rank run exactly ...
+    more = stopped + 3
+    summary = train.train(run_config(tiny_data_dir, out, max_iters=more, eval_interval=10_000, eval_batches=1,
+                                     grad_accum=2, resume="auto"))
+    assert summary["step"] == more
+    assert [r["step"] for r in read_log(out) if "loss" in r] == list(range(1, more + 1))
+    # ... where a fresh one (--resume=auto, no checkpoint yet) takes the same steps in one go
+    straight = tmp_path / "straight"
+    train.train(run_config(tiny_data_dir, straight, max_iters=more, eval_interval=10_000, eval_batches=1,
+                           grad_accum=2, resume="auto"))
+    assert [r["step"] for r in read_log(straight) if "loss" in r] == list(range(1, more + 1))
+    assert max_weight_difference(out, straight) < 1e-5
+
+
+@pytest.mark.parametrize("flag, value", [("--resume", True), ("--resume=true", True), ("--resume=false", False),
+                                         ("--resume=auto", "auto")])
+def test_resume_flag_values(flag, value):
+    assert common.parse_flags(TrainConfig, [flag]).resume == value
+
+
+def test_resume_flag_rejects_other_values():
+    with pytest.raises(common.UserError, match="choose one of: true, false, auto"):
+        common.parse_flags(TrainConfig, ["--resume=maybe"])
+
+
+def test_without_torchrun_there_is_no_process_group(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert common.init_distributed(torch.device("cpu")) == torch.device("cpu")
+    assert not torch.distributed.is_initialized() and common.world_size() == 1 and common.is_main_process()
+    net = torch.nn.Linear(2, 2)
+    assert isinstance(common.data_parallel(net, lambda m, x: m(x).sum()), common.ForwardWith)
