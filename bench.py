@@ -40,15 +40,17 @@ import torch
 
 import data
 from common import (DeviceName, DtypeName, ForwardWith, UserError, all_reduce_sum, autocast_context, barrier,
-                    check_output_path, check_ranges, data_parallel, first_line, import_pyplot, init_distributed,
-                    is_main_process, parse_flags, peak_flops, pick_device, pick_dtype, rank, run_main,
-                    save_results, world_size)
+                    check_output_path, check_ranges, data_parallel, first_line, import_pyplot,
+                    init_distributed, is_main_process, parse_flags, peak_flops, pick_device, pick_dtype, rank,
+                    run_main, save_results, world_size)
 from loss import masked_rows, scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
-MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated before it",
-               "cpu": "in a fresh subprocess per configuration, after a warm-up step: peak RSS (VmHWM) during one more step minus "
-                      "the RSS before it (inputs, weights and optimizer state excluded)"}
+MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
+                       "before it",
+               "cpu": "in a fresh subprocess per configuration, after a warm-up step: peak RSS (VmHWM) "
+                      "during one more step minus the RSS before it (inputs, weights and optimizer state "
+                      "excluded)"}
 
 
 @dataclass
@@ -77,8 +79,8 @@ class BenchConfig:
 BENCH_RANGES = {"vocab": "[2, inf)", "tokens": "[1, inf)", "step_tokens": "[1, inf)",
                 "block_size": "[1, inf)", "max_logits": "[1, inf)", "warmup": "[0, inf)",
                 "repeats": "[1, inf)"}
-QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512], variants=["ce", "cwt", "cwt-unique", "cwt-k128"],
-             step_tokens=[512], repeats=3)
+QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512],
+             variants=["ce", "cwt", "cwt-unique", "cwt-k128"], step_tokens=[512], repeats=3)
 
 
 def parse_variant(name: str) -> dict:
@@ -260,14 +262,16 @@ def bench_data(cfg: BenchConfig) -> str:
     batch, block, steps = 8, 256, 500
     sampler = data.BatchSampler(tokens, batch, block, seed=0)
     for name, batches in (("random batches (BatchSampler)", (sampler.get(i) for i in range(steps))),
-                          ("sequential batches", data.sequential_batches(tokens, batch, block, max_batches=steps))):
+                          ("sequential batches",
+                           data.sequential_batches(tokens, batch, block, max_batches=steps))):
         start = time.perf_counter()
         count = sum(1 for _ in batches)
         seconds = time.perf_counter() - start
         rows.append((f"{name}, {batch}x{block} cpu", f"{count / seconds:,.0f} batches/s",
                      count * batch * block / seconds))
     lines = ["| benchmark | rate | tokens/s |", "|---|---|---|"]
-    return "\n".join(lines + [f"| {name} | {rate} | {tokens_per_s:,.0f} |" for name, rate, tokens_per_s in rows])
+    return "\n".join(lines + [f"| {name} | {rate} | {tokens_per_s:,.0f} |"
+                              for name, rate, tokens_per_s in rows])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,8 +313,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             f"{r['variant']} {1e3 * r['time_s']:.1f} ms" for r in rows[-len(variants):]), file=sys.stderr)
     meta = dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"CPU, {torch.get_num_threads()} threads", dtype=str(dtype).removeprefix("torch."),
-                torch=torch.__version__, repeats=cfg.repeats, warmup=cfg.warmup, memory=MEMORY_NOTE[device.type],
-                ratios=f"relative to the first variant ({(cfg.variants + cfg.step_variants)[0]}) of the same row",
+                torch=torch.__version__, repeats=cfg.repeats, warmup=cfg.warmup,
+                memory=MEMORY_NOTE[device.type],
+                ratios=f"relative to the first variant ({(cfg.variants + cfg.step_variants)[0]}) "
+                       "of the same row",
                 skipped=skipped, config=dataclasses.asdict(cfg))
     return {"meta": meta, "rows": rows}
 
@@ -329,9 +335,9 @@ def summarize(row: dict, base_times: list[float], base_memory: int | None, peak:
     The best time is the least disturbed by other work on a shared machine."""
     t, best = statistics.median(row["times_s"]), min(row["times_s"])
     mem = row["memory_bytes"]
-    return {**row, "time_s": t, "best_s": best, "tokens_per_s": row["tokens"] / t, "flops_per_s": row["flops"] / t,
-            "mfu": row["flops"] / t / peak if peak else None, "time_ratio": t / statistics.median(base_times),
-            "best_ratio": best / min(base_times),
+    return {**row, "time_s": t, "best_s": best, "tokens_per_s": row["tokens"] / t,
+            "flops_per_s": row["flops"] / t, "mfu": row["flops"] / t / peak if peak else None,
+            "time_ratio": t / statistics.median(base_times), "best_ratio": best / min(base_times),
             "memory_ratio": mem / base_memory if mem is not None and base_memory else None}
 
 
@@ -345,10 +351,13 @@ def markdown_table(result: dict) -> str:
         mem = "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / 2**20:,.1f}"
         mratio = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}"
         last = f"{100 * r['mfu']:.1f}%" if mfu and r["mfu"] is not None else f"{r['flops_per_s'] / 1e9:,.1f}"
-        lines.append(f"| {r['kind']} | {r['vocab']:,} | {r['tokens']:,} | {r['variant']} | {1e3 * r['time_s']:,.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['time_ratio']:.3f} | {1e3 * r['best_s']:,.1f} | {r['best_ratio']:.3f} | {mem} | {mratio} | {r['flops'] / 1e9:,.2f} | {last} |")
-    notes = [f"{meta['device_name']}, {meta['dtype']}, torch {meta['torch']}; median (and best) of {meta['repeats']} "
-             f"interleaved steps after {meta['warmup']} warm-up; shape {rows[0]['preset'] if rows else '-'}.",
+        lines.append(f"| {r['kind']} | {r['vocab']:,} | {r['tokens']:,} | {r['variant']} | "
+                     f"{1e3 * r['time_s']:,.1f} | {r['tokens_per_s']:,.0f} | {r['time_ratio']:.3f} | "
+                     f"{1e3 * r['best_s']:,.1f} | {r['best_ratio']:.3f} | {mem} | {mratio} | "
+                     f"{r['flops'] / 1e9:,.2f} | {last} |")
+    notes = [f"{meta['device_name']}, {meta['dtype']}, torch {meta['torch']}; median (and best) of "
+             f"{meta['repeats']} interleaved steps after {meta['warmup']} warm-up; shape "
+             f"{rows[0]['preset'] if rows else '-'}.",
              f"memory: {meta['memory']}.", f"ratios: {meta['ratios']}."]
     if meta["skipped"]:
         notes.append("skipped (tokens x V above --max_logits): " + ", ".join(meta["skipped"]))
@@ -431,7 +440,8 @@ def bench_ddp(cfg: BenchConfig) -> str:
         each = ", ".join(f"{t:,.0f}" for t in per_rank.tolist())
         lines.append(f"| {variant} | {n} | {solo:,.0f} | {each} | {per_rank.sum().item():,.0f} | "
                      f"{per_rank.mean().item() / solo:.3f} |")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads")
     note = (f"{name} per rank, {str(dtype).removeprefix('torch.')}, preset {cfg.preset}, V={cfg.vocab[0]}, "
             f"{tokens} tokens per rank per step; median of {cfg.repeats}.")
     return "\n".join(lines + ["", note])

@@ -125,7 +125,8 @@ def _read_config_file(path: str) -> dict[str, Any]:
     """Load a JSON or TOML config as plain data (never executed)."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file {path} not found; pass --config=PATH to an existing .json or .toml file")
+        raise UserError(f"config file {path} not found; "
+                        "pass --config=PATH to an existing .json or .toml file")
     if p.suffix not in (".json", ".toml"):
         raise UserError(f"config file {path} must end in .json or .toml")
     try:
@@ -151,7 +152,8 @@ def flags_help(cls: type, defaults: dict[str, Any] | None = None) -> str:
             choices = _choices(typing.get_args(kind))
         shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind))
         shown += " (or none)" if optional else " (repeat the flag)" if f.metadata.get("repeatable") else ""
-        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING
+                               else f.default_factory())
         lines.append(f"  --{f.name:<16} {shown:<28} default: {default!r}")
     return "\n".join(lines)
 
@@ -302,7 +304,8 @@ def format_metric(value: float, digits: int = 4) -> str:
 
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600
+            else f"{seconds // 60}m{seconds % 60:02d}s")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -633,9 +636,11 @@ def load_checkpoint(path: str | Path) -> dict:
         # mmap: tensors are read lazily, so looking at a big checkpoint's metadata is cheap
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a truncated or foreign file: say so without a traceback
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?") from None
+        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); "
+                        "is it a train.py checkpoint?") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise UserError(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py checkpoint")
+        raise UserError(f"{path} is not a headless-lm checkpoint (no model weights); "
+                        "pass a train.py checkpoint")
     return ckpt
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import (DeviceName, DtypeName, check_output_path, check_ranges, checkpoint_model, format_metric,
-                    import_pyplot, init_distributed, is_main_process, load_checkpoint, parse_flags, pick_device,
-                    run_main, save_results)
+                    import_pyplot, init_distributed, is_main_process, load_checkpoint, parse_flags,
+                    pick_device, run_main, save_results)
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -63,7 +63,8 @@ def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_toke
     """CWT pre-training steps n and fine-tune steps ceil(fraction * n) (same tokens per step) such that
     n * cwt + ft * ce <= ce_iters * ce FLOPs per token, with n as large as possible."""
     budget = ce_iters * ce_flops_per_token
-    cost = lambda n: n * cwt_flops_per_token + max(1, math.ceil(fraction * n)) * ce_flops_per_token  # noqa: E731
+    cost = lambda n: (n * cwt_flops_per_token  # noqa: E731
+                      + max(1, math.ceil(fraction * n)) * ce_flops_per_token)
     n = max(1, int(budget / (cwt_flops_per_token + fraction * ce_flops_per_token)) + 1)
     while n > 1 and cost(n) > budget:
         n -= 1
@@ -96,15 +97,16 @@ def run_compare(cfg: CompareConfig) -> dict:
     tokens_per_iter = cfg.batch_size * cfg.block_size
     per_token = {loss: shape.flops_per_token(cfg.block_size, scored_columns(loss, vocab, tokens_per_iter))
                  for loss in ("ce", "cwt")}
-    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, per_token["ce"], per_token["cwt"], cfg.finetune_fraction)
+    cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, per_token["ce"], per_token["cwt"],
+                                          cfg.finetune_fraction)
     budget = cfg.ce_iters * tokens_per_iter * per_token["ce"]
     print(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
-          f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} FLOPs/token)",
-          file=sys.stderr)
+          f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} "
+          "FLOPs/token)", file=sys.stderr)
     root = Path(cfg.out_dir)
     shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
-                  batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
-                  seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+                  batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device,
+                  dtype=cfg.dtype, seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
     runs = {}
     for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters)):
         shutil.rmtree(root / name, ignore_errors=True)
@@ -113,17 +115,19 @@ def run_compare(cfg: CompareConfig) -> dict:
                               eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **shared)
         runs[name] = train(run_cfg)
     shutil.rmtree(root / "cwt-ft", ignore_errors=True)
-    ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters, warmup_iters=max(1, min(10, ft_iters // 5)),
-                            eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **shared)
+    ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters,
+                            warmup_iters=max(1, min(10, ft_iters // 5)), eval_interval=max(1, ft_iters // 2),
+                            out_dir=str(root / "cwt-ft"), **shared)
     runs["cwt-ft"] = finetune(ft_cfg)
     curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
               "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
               "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", per_token["ce"], runs["cwt"]["flops"])}
-    lam = {name: lambada_scores(run["ckpt"], texts, cfg) if texts else {"note": "skipped: no --lambada=FILE.jsonl"}
+    lam = {name: (lambada_scores(run["ckpt"], texts, cfg) if texts
+                  else {"note": "skipped: no --lambada=FILE.jsonl"})
            for name, run in runs.items()}
     result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
-              "flops_per_token": per_token, "budget_flops": budget, "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters,
-                                                                         "cwt-ft": ft_iters},
+              "flops_per_token": per_token, "budget_flops": budget,
+              "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters, "cwt-ft": ft_iters},
               "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
                               "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
               "curves": curves}
@@ -132,14 +136,17 @@ def run_compare(cfg: CompareConfig) -> dict:
 
 
 def compare_table(result: dict) -> str:
-    labels = {"ce": "CE (tied head)", "cwt": "CWT, raw (scored with tied E)", "cwt-ft": "CWT + head fine-tune"}
-    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE | LAMBADA acc / ppl |",
+    labels = {"ce": "CE (tied head)", "cwt": "CWT, raw (scored with tied E)",
+              "cwt-ft": "CWT + head fine-tune"}
+    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE "
+             "| LAMBADA acc / ppl |",
              "|---|---|---|---|---|---|---|---|"]
     for name, run in result["runs"].items():
         lam = run["lambada"]
         lam = f"{100 * lam['acc']:.1f}% / {format_metric(lam['ppl'], 0)}" if "acc" in lam else "-"
         lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
-                     f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | {run['val_ce']:.4f} | {lam} |")
+                     f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | "
+                     f"{run['val_ce']:.4f} | {lam} |")
     notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
     lines += [f"\nLAMBADA: {note}" for note in sorted(notes)]
     return "\n".join(lines)

@@ -179,12 +179,14 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
         raise UserError(f"{path} is already a prepared dataset; pass it to train.py as --dataset={path}")
     files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_FORMATS) if path.is_dir() else [path]
     if not files:
-        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --dataset at a folder of them")
+        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; "
+                        "point --dataset at a folder of them")
     builders = {_LOCAL_FORMATS.get(p.suffix) for p in files}
     if None in builders:
         raise UserError(f"{path} is not a .txt, .jsonl or .parquet file; convert it or pass a folder")
     if len(builders) > 1:
-        raise UserError(f"{path} mixes file formats ({', '.join(sorted(builders))}); use one format per folder")
+        raise UserError(f"{path} mixes file formats ({', '.join(sorted(builders))}); "
+                        "use one format per folder")
     return builders.pop(), [str(p) for p in files]
 
 
@@ -440,7 +442,8 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     if (out / "meta.json").is_file():
         return out
     if dataset == "shakespeare":
-        print(f"preparing the built-in shakespeare dataset in {out} (one-off, a few seconds)", file=sys.stderr)
+        print(f"preparing the built-in shakespeare dataset in {out} (one-off, a few seconds)",
+              file=sys.stderr)
         prepare(PrepareConfig(data_root=data_root))
         return out
     raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); "
@@ -497,7 +500,8 @@ def check_split(path: Path, meta: dict, split: str, vocab_size: int | None = Non
     """Every integrity check of one shard: it exists, holds exactly meta's number of tokens, its sha256
     matches (shards up to 2 GiB), and, given the model's vocab_size, every token id fits it."""
     dtype, expected = np.dtype(meta["dtype"]), meta[f"{split}_tokens"]
-    redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    redo = ("prepare the dataset again: "
+            f"python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}")
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
         raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) "
                         f"but the model's vocab_size is {vocab_size}; match the model to the data")
@@ -635,7 +639,8 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     meta = prepare(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
-    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})")
+    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} "
+          f"({meta['tokenizer']}, {meta['dtype']})")
     print(f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens "
           f"| {time.perf_counter() - start:.1f} s")
 

@@ -189,14 +189,16 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
     for i, text in enumerate(texts):
         context, target = encode_example(tokenizer, text)
         if not 0 < len(target) <= window:
-            raise UserError(f"example {i}: its target is {len(target)} tokens; the model's window is {window}")
+            raise UserError(f"example {i}: its target is {len(target)} tokens; "
+                            f"the model's window is {window}")
         if max(context + target) >= vocab:
             raise UserError(f"example {i} has token ids beyond the model's vocabulary ({vocab}); "
                             "was the checkpoint trained with another tokenizer?")
         examples.append(((context + target)[-(window + 1):][:-1], target))
     if not examples:
         raise UserError("no LAMBADA examples to score")
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))  # longest first, like the harness
+    # longest first, like the harness
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))
     lls, greedy = [0.0] * len(examples), [False] * len(examples)
     was_training = model.training
     model.eval()
@@ -236,7 +238,8 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
 def read_jsonl(path: str) -> list[str]:
     """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format)."""
     if not Path(path).is_file():
-        raise UserError(f"--data={path} not found; pass a .jsonl file with one {{\"text\": ...}} object per line")
+        raise UserError(f"--data={path} not found; "
+                        f"pass a .jsonl file with one {{\"text\": ...}} object per line")
     texts = []
     with open(path, encoding="utf-8") as f:
         try:
@@ -248,7 +251,8 @@ def read_jsonl(path: str) -> list[str]:
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise UserError(f"{path} line {number} has no \"text\" field; expected {{\"text\": \"...\"}}")
+                    raise UserError(f"{path} line {number} has no \"text\" field; "
+                                    f"expected {{\"text\": \"...\"}}")
                 if not row["text"].strip():
                     raise UserError(f"{path} line {number} has an empty \"text\"")
                 texts.append(row["text"])
@@ -291,7 +295,8 @@ def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype:
 def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype: torch.dtype,
             spec: dict | None = None) -> dict:
     if "dataset" not in train_cfg:
-        raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); --task=val needs a train.py checkpoint")
+        raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); "
+                        "--task=val needs a train.py checkpoint")
     data_dir = ensure_dataset(train_cfg["dataset"], train_cfg.get("data_root", "data"))
     tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
@@ -307,8 +312,9 @@ def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
     print(f"{cfg.split} ({train_cfg['dataset']}): {shown} | {n / seconds:,.0f} tokens/s")
-    return {"task": "val", "split": cfg.split, "dataset": train_cfg["dataset"], "n": n, "ce": metrics["val_ce"],
-            "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
+    return {"task": "val", "split": cfg.split, "dataset": train_cfg["dataset"], "n": n,
+            "ce": metrics["val_ce"], "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds,
+            "seconds": seconds}
 
 
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
@@ -336,8 +342,8 @@ def main(argv: list[str]) -> dict:
         result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:
         result = run_val(cfg, model, ckpt.get("train_config") or {}, device, dtype, ckpt.get("mask_spec"))
-    result = {**result, "checkpoint": cfg.ckpt, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-              "batch_size": cfg.batch_size}
+    result = {**result, "checkpoint": cfg.ckpt, "device": device.type,
+              "dtype": str(dtype).removeprefix("torch."), "batch_size": cfg.batch_size}
     if cfg.json:
         write_json(cfg.json, result)
     return result

@@ -5,8 +5,8 @@
 The new head is an untied `Linear(d, V)` initialised as a copy of the input embeddings, so fine-tuning
 starts exactly from the raw model's tied scores. Cross-entropy, gradient clipping 1.0, the whole model
 trainable (`--freeze_body` trains the head alone), and the preset's learning-rate recipe
-(FINETUNE_RECIPES: the official config's for the Pythia shapes). This is train.py's loop with other defaults; every train.py
-flag works here too, and `--resume` continues an interrupted fine-tune.
+(FINETUNE_RECIPES: the official config's for the Pythia shapes). This is train.py's loop with other defaults;
+every train.py flag works here too, and `--resume` continues an interrupted fine-tune.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
 def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     """Fill the settings left unset (None) from the pre-training run's config, then check them."""
     if cfg.loss != "ce":
-        raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
+        raise UserError("finetune.py trains the LM head with cross-entropy; "
+                        f"--loss={cfg.loss} is for train.py")
     if not base["model_config"].get("causal", True):
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder; finetune.py gives decoders an LM head: "
                         "fine-tune encoders on a task with glue.py")
@@ -117,10 +118,12 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     warmup = cfg.warmup_iters
     if warmup is None:
         warmup = max(1, round(FINETUNE_RECIPES[cfg.preset]["warmup"] * steps))
-    run_cfg = dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt, add_lm_head=True)
-    print(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens "
-          f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} pre-training "
-          f"tokens)", file=sys.stderr)
+    run_cfg = dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt,
+                                  add_lm_head=True)
+    print(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = "
+          f"{steps * tokens_per_iter:,} tokens "
+          f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} "
+          f"pre-training tokens)", file=sys.stderr)
     summary = train(run_cfg)
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,

@@ -205,13 +205,15 @@ def main(argv: list[str]) -> None:
     with autocast_context(device, dtype):
         for i, s in runs:
             if len(runs) > 1:
-                print(f"---------- prompt {i + 1}/{len(encoded)}, sample {s + 1}/{cfg.num_samples} ----------")
+                print(f"---------- prompt {i + 1}/{len(encoded)}, "
+                      f"sample {s + 1}/{cfg.num_samples} ----------")
             tokens = generate(model, encoded[i], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                               tokenizer.eot_token, cfg.kv_cache, generator, tokenizer.n_vocab)
             n_tokens += stream_text(tokenizer, encoded[i], tokens)
     elapsed = time.perf_counter() - start
     print(f"{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s "
-          f"({'kv cache' if cfg.kv_cache else 'no cache'}, {device.type}, {str(dtype).removeprefix('torch.')})",
+          f"({'kv cache' if cfg.kv_cache else 'no cache'}, {device.type}, "
+          f"{str(dtype).removeprefix('torch.')})",
           file=sys.stderr)
 
 

@@ -50,7 +50,8 @@ class HFTokenizer:
         self.name = name
         self._special = tokenizer  # "<|endoftext|>" written in the text is the special token
         self._ordinary = Tokenizer.from_str(tokenizer.to_str())
-        self._ordinary.encode_special_tokens = True  # ... here it is plain text, as tiktoken's encode_ordinary
+        # ... here it is plain text, as tiktoken's encode_ordinary
+        self._ordinary.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.n_vocab = max(vocab.values()) + 1
         eot = next((vocab[t] for t in _EOT_NAMES if t in vocab), None)
@@ -116,7 +117,8 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
         raise refuse(f"head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads")
     return GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-        n_layer=hf["num_hidden_layers"], n_head=heads, d_model=d, mlp_hidden=hf.get("intermediate_size", 4 * d),
+        n_layer=hf["num_hidden_layers"], n_head=heads, d_model=d,
+        mlp_hidden=hf.get("intermediate_size", 4 * d),
         norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True,
         parallel_residual=hf.get("use_parallel_residual", True),
         rotary_pct=rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)),
@@ -155,8 +157,9 @@ def _per_head(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # model.py name -> GPT-NeoX name, per layer and for the whole model
-_LAYER_NAMES = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm", "attn.qkv": "attention.query_key_value",
-                "attn.proj": "attention.dense", "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
+_LAYER_NAMES = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
+                "attn.qkv": "attention.query_key_value", "attn.proj": "attention.dense",
+                "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
 
 
 def hf_name(name: str) -> str:

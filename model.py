@@ -142,7 +142,8 @@ class CausalSelfAttention(nn.Module):
             start = cache.pos
             k, v = cache.append(layer, k, v)
             # New query i sits at absolute position start + i and may see keys up to there.
-            mask = torch.arange(k.size(2), device=x.device) <= start + torch.arange(T, device=x.device)[:, None]
+            mask = (torch.arange(k.size(2), device=x.device)
+                    <= start + torch.arange(T, device=x.device)[:, None])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -264,7 +265,8 @@ class GPT(nn.Module):
         blocks, attention scores 12 * n_layer * d * T, and 6 * d * C for an output layer scored
         against C columns: C = V for cross-entropy, C = the number of candidate embeddings for CWT."""
         c = self.config
-        return 6 * self.num_params(embeddings=False) + 12 * c.n_layer * c.d_model * seq_len + 6 * c.d_model * scored_columns
+        return (6 * self.num_params(embeddings=False) + 12 * c.n_layer * c.d_model * seq_len
+                + 6 * c.d_model * scored_columns)
 
     def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
                             eps: float = 1e-8) -> torch.optim.AdamW:

@@ -26,9 +26,9 @@ import torch
 
 from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, atomic_write_text,
                     autocast_context, barrier, check_ranges, checkpoint_model, count_ranks, data_parallel,
-                    format_duration, format_metric, gradient_sync, hold_lock, init_distributed, is_main_process,
-                    load_checkpoint, main_process_first, parse_flags, peak_flops, pick_device, pick_dtype, rank,
-                    remove_stale_temps, run_main, save_checkpoint, world_size)
+                    format_duration, format_metric, gradient_sync, hold_lock, init_distributed,
+                    is_main_process, load_checkpoint, main_process_first, parse_flags, peak_flops,
+                    pick_device, pick_dtype, rank, remove_stale_temps, run_main, save_checkpoint, world_size)
 from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
                   open_split)
 from eval import evaluate, evaluate_mlm
@@ -82,7 +82,8 @@ class TrainConfig:
     init_from: str = ""  # start from this checkpoint's weights instead of a fresh model
     add_lm_head: bool = False  # give the model an untied LM head initialised from its embeddings
     freeze_body: bool = False  # train only the LM head
-    untied_head: bool = False  # ce: a separate output matrix, as Pythia's config (the paper's CE baselines tie it)
+    # ce: a separate output matrix, as Pythia's config (the paper's CE baselines tie it)
+    untied_head: bool = False
 
 
 # Learning-rate recipe by preset: warmup steps and final learning rate as fractions of max_iters and lr.
@@ -110,10 +111,12 @@ def check_config(cfg: TrainConfig) -> None:
     """Reject settings that cannot work, before any time is spent."""
     check_ranges(cfg, TRAIN_RANGES)
     if cfg.negatives_scope == "global" and cfg.objective == "mlm":
-        raise UserError("--negatives_scope=global gathers equal-sized micro-batches; an MLM's masked positions "
-                        "differ per rank: use the default --negatives_scope=local with --objective=mlm")
+        raise UserError("--negatives_scope=global gathers equal-sized micro-batches; an MLM's masked "
+                        "positions differ per rank: use the default --negatives_scope=local "
+                        "with --objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
-        raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
+        raise UserError("--untied_head gives cross-entropy its own output matrix; "
+                        f"--loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
         raise UserError("--freeze_body trains only the LM head; it needs --add_lm_head (or use finetune.py)")
 
@@ -126,11 +129,12 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
     """(model, the checkpoint being resumed or None, the checkpoint started from or None)."""
     if wants_resume(cfg, ckpt_path):
         if not ckpt_path.is_file():
-            raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
-                            "or start without --resume")
+            raise UserError(f"--resume: checkpoint {ckpt_path} not found; "
+                            "pass the interrupted run's --out_dir, or start without --resume")
         resumed = load_checkpoint(ckpt_path)
         if resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
-            raise UserError(f"{ckpt_path} was made by a different run (init_from differs); use another --out_dir")
+            raise UserError(f"{ckpt_path} was made by a different run (init_from differs); "
+                            "use another --out_dir")
         check_same_tokenizer(meta, resumed, ckpt_path)
         check_resume_settings(cfg, resumed, ckpt_path)
         return continued_model(resumed, ckpt_path, cfg), resumed, None
@@ -222,7 +226,8 @@ def restore_state(run: Run, resumed: dict) -> None:
 def with_recipe(cfg: TrainConfig) -> TrainConfig:
     """The config with its unset schedule settings (None) taken from the preset's recipe."""
     recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
-    warmup = cfg.warmup_iters if cfg.warmup_iters is not None else max(1, round(recipe["warmup"] * cfg.max_iters))
+    warmup = (cfg.warmup_iters if cfg.warmup_iters is not None
+              else max(1, round(recipe["warmup"] * cfg.max_iters)))
     min_lr = cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * cfg.lr
     return dataclasses.replace(cfg, warmup_iters=warmup, min_lr=min_lr)
 
@@ -289,7 +294,8 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     out_dir = Path(cfg.out_dir)
     model, resumed, base = choose_model(cfg, meta, out_dir / CKPT_NAME)
     if cfg.loss == "nce" and model.lm_head is None:
-        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
+        raise UserError("--loss=nce needs a separate output table; "
+                        "start it fresh, not from a tied checkpoint")
     if cfg.freeze_body:
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("lm_head.")
@@ -391,8 +397,9 @@ def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
     h = model.hidden(x)
     if cfg.objective == "mlm":
         h, y = masked_rows(h, y)
-    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature, cfg.negatives,
-                         cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None, cfg.negatives_scope)
+    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
+                         cfg.negatives, cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None,
+                         cfg.negatives_scope)
 
 
 def train_step(run: Run) -> torch.Tensor:
@@ -447,7 +454,8 @@ def validate(run: Run) -> dict[str, float]:
         append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
     if not math.isfinite(val["val_ce"]):
         raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
-                        f"(the last good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
+                        f"(the last good checkpoint is {run.ckpt_path} if any): "
+                        "lower --lr or raise --warmup_iters")
     run.val, run.first_val = val, run.first_val or val
     return val
 
@@ -491,7 +499,8 @@ def report_progress(run: Run, loss: float, seconds: float, steps: int, eta: floa
     lr = lr_at(run.step - 1, run.cfg)
     print(f"step {run.step}/{run.cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
           f"ETA {format_duration(eta)}{mfu}", file=sys.stderr)
-    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, "loss": loss, "lr": lr, "tokens_per_s": tok_s})
+    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, "loss": loss, "lr": lr,
+                             "tokens_per_s": tok_s})
 
 
 class StopFlag:
@@ -559,8 +568,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 # the mean over ranks; in one process, the only host sync per log interval
                 last_loss = run.loss = all_reduce_sum(loss_sum).item() / world_size()
                 if not math.isfinite(last_loss):
-                    raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving (the last "
-                                    f"good checkpoint is {run.ckpt_path} if any): lower --lr or raise --warmup_iters")
+                    raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving "
+                                    f"(the last good checkpoint is {run.ckpt_path} if any): "
+                                    "lower --lr or raise --warmup_iters")
                 now = time.time()
                 # ETA from the whole run's pace (evaluations included), steadier than the last interval's
                 eta = (now - t_start) / (run.step - start_step) * (cfg.max_iters - run.step)

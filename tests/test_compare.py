@@ -9,7 +9,8 @@ pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 
 def test_flop_budget_solver_gives_equal_budgets():
-    # CE 100 steps at 44 FLOPs/token; CWT at 6 plus 2% of its steps fine-tuned at CE's 44: 6n + 44 ceil(n/50) <= 4400
+    # CE 100 steps at 44 FLOPs/token; CWT at 6 plus 2% of its steps fine-tuned at CE's 44:
+    # 6n + 44 ceil(n/50) <= 4400
     n, ft = compare.solve_cwt_iters(100, 44.0, 6.0, 0.02)
     assert (n, ft) == (638, 13)
     assert 6 * 638 + 44 * 13 == 100 * 44  # exactly the budget here
@@ -17,12 +18,14 @@ def test_flop_budget_solver_gives_equal_budgets():
 
 
 def test_compare_end_to_end(tiny_data_dir, tmp_path):
-    cfg = compare.CompareConfig(dataset=str(tiny_data_dir), quick=True, out_dir=str(tmp_path / "cmp"), device="cpu")
+    cfg = compare.CompareConfig(dataset=str(tiny_data_dir), quick=True, out_dir=str(tmp_path / "cmp"),
+                                device="cpu")
     result = compare.run_compare(cfg)
     runs, budget = result["runs"], result["budget_flops"]
     assert runs["ce"]["flops"] == pytest.approx(budget)
     assert runs["cwt"]["flops"] < runs["cwt-ft"]["flops"] <= budget * (1 + 1e-9)
-    one_more = result["tokens_per_iter"] * (result["flops_per_token"]["cwt"] + result["flops_per_token"]["ce"])
+    one_more = result["tokens_per_iter"] * (result["flops_per_token"]["cwt"]
+                                            + result["flops_per_token"]["ce"])
     assert runs["cwt-ft"]["flops"] > budget - one_more  # CWT gets all the budget it can use
     assert all(run["val_ce"] > 0 for run in runs.values())
     for name, curve in result["curves"].items():

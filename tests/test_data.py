@@ -95,7 +95,8 @@ def test_dataset_dir_rule(tiny_data_dir):
     assert data.dataset_dir("shakespeare", "d") == Path("d/shakespeare")
     assert data.dataset_dir(str(tiny_data_dir), "d") == tiny_data_dir  # already prepared
     assert data.dataset_dir("roneneldan/TinyStories") == Path("data/tinystories")
-    assert data.dataset_dir("HuggingFaceFW/fineweb-edu", "d", "sample-10BT") == Path("d/fineweb-edu-sample-10bt")
+    assert (data.dataset_dir("HuggingFaceFW/fineweb-edu", "d", "sample-10BT")
+            == Path("d/fineweb-edu-sample-10bt"))
     assert data.dataset_dir("~/corpus/My Books.jsonl") == Path("data/my-books")
 
 
@@ -122,7 +123,8 @@ def test_local_files_round_trip(tmp_path, fmt):
         if fmt == "txt":
             (src / f"{i}.txt").write_text(text)
         elif fmt == "jsonl":
-            (src / f"{i}.jsonl").write_text(json.dumps({"body": text}) + "\n" + json.dumps({"body": None}) + "\n")
+            (src / f"{i}.jsonl").write_text(json.dumps({"body": text}) + "\n"
+                                            + json.dumps({"body": None}) + "\n")
         else:
             pq.write_table(pa.table({"body": [text], "n": [i]}), src / f"{i}.parquet")
     out = prepare_files(tmp_path, dataset=str(src), text_field="body", val_fraction=0.1)
@@ -202,7 +204,8 @@ def test_random_batches_shapes_and_determinism():
     sampler.get(9)  # call order does not matter: batch i depends on (seed, i) only
     again = BatchSampler(tokens, 4, 32, seed=7).get(3)
     assert torch.equal(again[0], x) and torch.equal(again[1], y)
-    assert not torch.equal(sampler.get(4)[0], x) and not torch.equal(BatchSampler(tokens, 4, 32, 8).get(3)[0], x)
+    assert (not torch.equal(sampler.get(4)[0], x)
+            and not torch.equal(BatchSampler(tokens, 4, 32, 8).get(3)[0], x))
 
 
 def test_sequential_batches_cover_the_split_in_order(tiny_data_dir):

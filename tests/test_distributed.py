@@ -110,8 +110,10 @@ def two_rank_runs(tiny_data_dir, tmp_path_factory):
         for loss in ("ce", "cwt"):
             train.train(run_config(tiny_data_dir, root / f"one-{loss}", loss=loss, grad_accum=2, dropout=0.1))
         # a single-process checkpoint at step 5, continued below on two ranks
-        train.train(run_config(tiny_data_dir, root / "two-cwt-resumed", grad_accum=2, dropout=0.1, max_iters=5))
-    jobs = [vars(run_config(tiny_data_dir, root / f"two-{loss}", loss=loss, dropout=0.1)) for loss in ("ce", "cwt")]
+        train.train(run_config(tiny_data_dir, root / "two-cwt-resumed", grad_accum=2, dropout=0.1,
+                               max_iters=5))
+    jobs = [vars(run_config(tiny_data_dir, root / f"two-{loss}", loss=loss, dropout=0.1))
+            for loss in ("ce", "cwt")]
     jobs.append(vars(run_config(tiny_data_dir, root / "two-cwt-resumed", dropout=0.1, resume=True)))
     jobs.append(vars(run_config(tiny_data_dir, root / "two-global", max_iters=3, negatives_scope="global",
                                 negatives="unique")))
@@ -177,12 +179,13 @@ def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float =
 def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data_dir, tmp_path):
     out, logs = tmp_path / "run", tmp_path / "worker-logs"
     cfg = run_config(tiny_data_dir, out, max_iters=10_000, eval_interval=10_000, eval_batches=1)
-    flags = [f"--{k}={v}" for k, v in vars(cfg).items() if k in ("dataset", "preset", "block_size", "batch_size",
-             "max_iters", "warmup_iters", "lr", "lr_schedule", "eval_interval", "eval_batches", "log_interval",
-             "out_dir", "device", "seed")]
+    flags = [f"--{k}={v}" for k, v in vars(cfg).items() if k in ("dataset", "preset", "block_size",
+             "batch_size", "max_iters", "warmup_iters", "lr", "lr_schedule", "eval_interval", "eval_batches",
+             "log_interval", "out_dir", "device", "seed")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             f"--log-dir={logs}", "--redirects=3", str(ROOT / "train.py"), *flags, "--resume=auto"],
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", f"--log-dir={logs}", "--redirects=3",
+                             str(ROOT / "train.py"), *flags, "--resume=auto"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(out / "log.jsonl", 2, proc)
@@ -214,8 +217,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data
     assert max_weight_difference(out, straight) < 1e-5
 
 
-@pytest.mark.parametrize("flag, value", [("--resume", True), ("--resume=true", True), ("--resume=false", False),
-                                         ("--resume=auto", "auto")])
+@pytest.mark.parametrize("flag, value", [("--resume", True), ("--resume=true", True),
+                                         ("--resume=false", False), ("--resume=auto", "auto")])
 def test_resume_flag_values(flag, value):
     assert common.parse_flags(TrainConfig, [flag]).resume == value
 

@@ -172,7 +172,8 @@ def test_any_model_returning_logits():
 
 def save_checkpoint(model, path, train_config=None):
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257}, "train_config": train_config or {}}, path)
+                "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257},
+                "train_config": train_config or {}}, path)
     return str(path)
 
 
@@ -184,7 +185,8 @@ GPT2_TEXTS = ["The cat sat on the mat", "She opened the door and said hello", "G
 
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_cli_lambada_json(tmp_path, lm_head):
-    model = tiny_model(vocab_size=50304, lm_head=lm_head, std=0.02, d_model=8, n_layer=1, n_head=1, block_size=32)
+    model = tiny_model(vocab_size=50304, lm_head=lm_head, std=0.02, d_model=8, n_layer=1, n_head=1,
+                       block_size=32)
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt")
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": t, "domain": None}) + "\n" for t in GPT2_TEXTS) + "\n")
@@ -207,7 +209,8 @@ def test_cli_val(tiny_data_dir, tmp_path):
     tokens = open_split(tiny_data_dir, "val", 50304)
     expected = evaluation.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
-    assert result["ppl"] == pytest.approx(expected["val_ppl"]) and result["ce"] == pytest.approx(expected["val_ce"])
+    assert (result["ppl"] == pytest.approx(expected["val_ppl"])
+            and result["ce"] == pytest.approx(expected["val_ce"]))
 
 
 def bad_inputs(tmp_path):

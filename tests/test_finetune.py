@@ -104,7 +104,8 @@ def test_resume_with_other_trainable_parameters_is_a_clear_error(cwt_checkpoint,
 ])
 def test_bad_input(flags, message, cwt_checkpoint, tmp_path):
     flags = [f.replace("CKPT", str(cwt_checkpoint)) for f in flags]
-    result = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *flags, f"--out_dir={tmp_path / 'o'}"],
+    result = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *flags,
+                             f"--out_dir={tmp_path / 'o'}"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

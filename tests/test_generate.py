@@ -111,7 +111,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 def test_sampling_respects_filters_seed_and_temperature_zero():
     logits = torch.tensor([0.0, 2.0, 1.0, 1.9, -3.0])
-    draws = {sample_token(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s)) for s in range(50)}
+    draws = {sample_token(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s))
+             for s in range(50)}
     assert draws == {1, 3}
     assert sample_token(logits, 0.0, top_k=3) == 1  # greedy
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
@@ -123,7 +124,8 @@ def test_generate_stops_at_end_of_text_and_stays_in_the_tokenizer_vocabulary(mod
     ids = prompt(5)
     first = next(generate(model, ids, 1, temperature=0))
     assert list(generate(model, ids, 10, temperature=0, eot_token=first)) == []
-    out = list(generate(model, ids, 30, temperature=1.5, vocab_size=10, generator=torch.Generator().manual_seed(0)))
+    out = list(generate(model, ids, 30, temperature=1.5, vocab_size=10,
+                        generator=torch.Generator().manual_seed(0)))
     assert len(out) == 30 and max(out) < 10
     with pytest.raises(ValueError):
         next(generate(model, [], 5))
@@ -159,7 +161,8 @@ def ckpt(tmp_path_factory):
     m = build_model("tiny", 50304, d_model=32, n_layer=1, n_head=2, block_size=64)
     path = tmp_path_factory.mktemp("gen") / "ckpt.pt"
     torch.save({"model": m.state_dict(), "model_config": dataclasses.asdict(m.config),
-                "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257}, "train_config": {"loss": "cwt"}}, path)
+                "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257},
+                "train_config": {"loss": "cwt"}}, path)
     return str(path)
 
 

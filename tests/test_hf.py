@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 # LAMBADA-like text: quotes, punctuation, runs of spaces, newlines, non-ASCII, and the special token.
 TEXTS = ["Hello world<|endoftext|>",
-         "\u201cI don't know,\u201d she said.  He   replied: 'we'll see\u2014tomorrow.'\n\nThe caf\u00e9's na\u00efve "
-         "owner<|endoftext|>counted 1234567 coins.",
+         "\u201cI don't know,\u201d she said.  He   replied: 'we'll see\u2014tomorrow.'\n\n"
+         "The caf\u00e9's na\u00efve owner<|endoftext|>counted 1234567 coins.",
          " leading space, trailing spaces   ", "tabs\tand\r\nwindows lines \U0001F642 \u65e5\u672c\u8a9e",
          "<|endoftext|><|endoftext|>twice"]
 

@@ -99,7 +99,8 @@ def make_loss_nan_from_call(monkeypatch, first_bad_call: int) -> None:
     (1, "loss became nan at step 2"),  # caught when logged
     (3, "validation loss became nan at step 2"),  # not logged yet: caught by validation, before saving
 ])
-def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monkeypatch, log_interval, message):
+def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monkeypatch, log_interval,
+                                                  message):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2, log_interval=log_interval)
     train.train(cfg)
     good = (tmp_path / "ckpt.pt").read_bytes()
