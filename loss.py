@@ -205,7 +205,7 @@ def training_loss(
     - `cwt`: Contrastive Weight Tying against the input embeddings of the targets.
     - `ce+cwt`: the sum of both (paper's ablation).
     - `nce`: contrastive without weight tying: targets come from the separate output table.
-    `chunk_size` (None or 0: off) computes every score matrix in row blocks, with the same result.
+    `chunk_size` (None or 0: off) computes every score matrix in blocks, with the same result.
     `negatives_scope="global"`: the contrastive candidates are those of every rank's micro-batch.
     """
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
@@ -235,8 +235,9 @@ def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: tor
     """Mean cross-entropy of softmax(h @ candidates.T / temperature) (N, M) against `labels` (N,), the
     index of each row's positive among the M candidates; gradients flow into `h` and `candidates`.
 
-    Same value and gradients as the plain path, but the scores are made `chunk_size` rows x at most
-    `TILE_COLUMNS` candidates at a time: extra memory O(chunk_size x min(M, TILE_COLUMNS)), not O(N x M).
+    Same value and gradients as the plain path, but the scores are made in blocks (shaped by `_tiles`)
+    of at most chunk_size x min(M, TILE_COLUMNS): extra memory O(chunk_size x min(M, TILE_COLUMNS)),
+    not O(N x M).
     CE: candidates = the (V, d) output weight, labels = targets. CWT: candidates = the target
     embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset.
     """
