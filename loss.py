@@ -205,7 +205,7 @@ def training_loss(
     - `cwt`: Contrastive Weight Tying against the input embeddings of the targets.
     - `ce+cwt`: the sum of both (paper's ablation).
     - `nce`: contrastive without weight tying: targets come from the separate output table.
-    `chunk_size` (None or 0: off) computes every score matrix in row blocks, with the same result.
+    `chunk_size` (None or 0: off) computes every score matrix in blocks, with the same result.
     `negatives_scope="global"`: the contrastive candidates are those of every rank's micro-batch.
     """
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
@@ -235,8 +235,9 @@ def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: tor
     """Mean cross-entropy of softmax(h @ candidates.T / temperature) (N, M) against `labels` (N,), the
     index of each row's positive among the M candidates; gradients flow into `h` and `candidates`.
 
-    Same value and gradients as the plain path, but the scores are made `chunk_size` rows x at most
-    `TILE_COLUMNS` candidates at a time: extra memory O(chunk_size x min(M, TILE_COLUMNS)), not O(N x M).
+    Same value and gradients as the plain path, but the scores are made in blocks (shaped by `_tiles`)
+    of at most chunk_size x min(M, TILE_COLUMNS): extra memory O(chunk_size x min(M, TILE_COLUMNS)),
+    not O(N x M).
     CE: candidates = the (V, d) output weight, labels = targets. CWT: candidates = the target
     embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset.
     """
@@ -280,21 +281,13 @@ class _ChunkedSoftmaxLoss(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         with torch.autocast(h.device.type, enabled=False):
             hc, cc = h.to(dtype), candidates.to(dtype)
-            lse = torch.empty(h.size(0), device=h.device, dtype=acc)
-            pos = torch.zeros(h.size(0), device=h.device, dtype=acc)
-            for r0 in range(0, h.size(0), chunk_size):
-                rows = slice(r0, r0 + chunk_size)
-                m = torch.full_like(lse[rows], float("-inf"))
-                total = torch.zeros_like(lse[rows])
-                for c0 in range(0, cc.size(0), TILE_COLUMNS):
-                    s = _tile(hc[rows], cc, c0, exclude, rows, temperature, acc)
-                    if labels is not None:
-                        pos[rows] += _at_labels(s, labels[rows], c0)
-                    m_new = torch.maximum(m, s.amax(dim=1))
-                    shift = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing yet
-                    total = total * torch.exp(m - shift) + s.sub_(shift[:, None]).exp_().sum(dim=1)
-                    m = m_new
-                lse[rows] = total.log() + torch.where(torch.isinf(m), 0.0, m)
+            lse = torch.full((h.size(0),), float("-inf"), device=h.device, dtype=acc)
+            pos = torch.zeros_like(lse)
+            for rows, cols in _tiles(h.size(0), cc.size(0), chunk_size):
+                s = _scores(hc[rows], cc[cols], cols.start, exclude, rows, temperature, acc)
+                if labels is not None:
+                    pos[rows] += _at_labels(s, labels[rows], cols.start)
+                lse[rows] = torch.logaddexp(lse[rows], _logsumexp_(s))  # streaming over column blocks
         ctx.save_for_backward(h, candidates, labels, exclude, lse)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return lse - pos
@@ -302,40 +295,71 @@ class _ChunkedSoftmaxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, candidates, labels, exclude, lse = ctx.saved_tensors
-        dtype, t = ctx.dtype, ctx.temperature
-        acc = lse.dtype
+        dtype, acc = ctx.dtype, lse.dtype
         safe_lse = torch.where(torch.isinf(lse), 0.0, lse)  # a row with every candidate excluded
+        # d loss / d (h @ candidates.T) = row_scale * (softmax - one-hot): the row scale goes on the
+        # (N, d) operands rather than on every tile (h's gradient is scaled once, at the end)
+        row_scale = (grad / ctx.temperature).to(acc)[:, None]
         grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
         grad_c = torch.zeros_like(candidates, dtype=acc) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
             hc, cc = h.to(dtype), candidates.to(dtype)
-            for r0 in range(0, h.size(0), ctx.chunk_size):
-                rows = slice(r0, r0 + ctx.chunk_size)
-                for c0 in range(0, cc.size(0), TILE_COLUMNS):
-                    s = _tile(hc[rows], cc, c0, exclude, rows, t, acc)
-                    p = s.sub_(safe_lse[rows, None]).exp_()  # softmax of this tile, in place
-                    if labels is not None:
-                        _add_at_labels(p, labels[rows], c0, -1.0)
-                    p = p.mul_((grad[rows] / t)[:, None]).to(dtype)  # d loss / d (h @ candidates.T)
-                    cols = slice(c0, c0 + TILE_COLUMNS)
-                    if grad_h is not None:
-                        _add_product(grad_h[rows], p, cc[cols])
-                    if grad_c is not None:
-                        _add_product(grad_c[cols], p.T, hc[rows])
-        grad_h = None if grad_h is None else grad_h.to(h.dtype)
+            scaled_h = (hc * row_scale).to(dtype) if grad_c is not None else None
+            for rows, cols in _tiles(h.size(0), cc.size(0), ctx.chunk_size):
+                p = _scores(hc[rows], cc[cols], cols.start, exclude, rows, ctx.temperature, acc,
+                            shift=safe_lse[rows]).exp_()  # softmax of this tile, in place
+                if labels is not None:
+                    _add_at_labels(p, labels[rows], cols.start, -1.0)
+                p = p.to(dtype)
+                if grad_h is not None:
+                    _add_product(grad_h[rows], p, cc[cols])
+                if grad_c is not None:
+                    _add_product(grad_c[cols], p.T, scaled_h[rows])
+        grad_h = None if grad_h is None else grad_h.mul_(row_scale).to(h.dtype)
         grad_c = None if grad_c is None else grad_c.to(candidates.dtype)
         return grad_h, grad_c, None, None, None, None, None
 
 
-def _tile(h_rows, candidates, c0, exclude, rows, temperature, acc):
-    """Scores of a row block against candidates[c0 : c0 + TILE_COLUMNS], upcast, excluded ones -inf."""
-    s = (h_rows @ candidates[c0:c0 + TILE_COLUMNS].T).to(acc)  # a fresh tensor either way: edit in place
-    if temperature != 1.0:  # x / 1 == x: skip a pass over the tile
-        s.div_(temperature)
+def _tiles(n: int, m: int, chunk_size: int):
+    """(rows, cols) slices of blocks covering the n x m scores, each of at most
+    chunk_size x min(m, TILE_COLUMNS) scores.
+
+    Where candidates outnumber rows (CE: V >> N) a block spans every row (as far as that budget allows) and
+    a slice of the columns: each slice of the large (m, d) candidate gradient is then made by one matmul over
+    all n rows, instead of being re-read and re-written once per row block (and by thin matmuls over
+    chunk_size rows); only the small (n, d) gradient of h is accumulated. Otherwise (CWT: m <= n), blocks
+    of chunk_size rows against up to TILE_COLUMNS candidates.
+    """
+    budget = chunk_size * min(m, TILE_COLUMNS)
+    height = min(n, budget) if m > n else chunk_size
+    width = min(m, TILE_COLUMNS, budget // height)
+    for c0 in range(0, m, width):
+        for r0 in range(0, n, height):
+            yield slice(r0, r0 + height), slice(c0, c0 + width)
+
+
+def _scores(h_rows, cand_cols, c0, exclude, rows, temperature, acc, shift=None):
+    """Scores of a row block against a block of candidates starting at c0, upcast, minus each row's
+    `shift` if given, excluded ones -inf."""
+    if shift is not None and h_rows.dtype == acc:  # the matmul scales and shifts: no pass over the tile
+        s = torch.addmm(-shift[:, None], h_rows, cand_cols.T, alpha=1 / temperature)
+    else:
+        s = (h_rows @ cand_cols.T).to(acc)  # a fresh tensor either way: edit in place
+        if temperature != 1.0:  # x / 1 == x: skip a pass over the tile
+            s.div_(temperature)
+        if shift is not None:  # after the upcast: a bf16 shift would round the logsumexp
+            s.sub_(shift[:, None])
     if exclude is not None:
         cols = torch.arange(c0, c0 + s.size(1), device=s.device)
         s.masked_fill_(exclude[rows, None] == cols[None, :], float("-inf"))
     return s
+
+
+def _logsumexp_(s):
+    """Per-row logsumexp of a tile, overwriting it (a row of -inf gives -inf)."""
+    m = s.amax(dim=1)
+    shift = torch.where(torch.isinf(m), 0.0, m)
+    return s.sub_(shift[:, None]).exp_().sum(dim=1).log_().add_(shift)
 
 
 def _add_product(out, a, b):

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from loss import ce_loss, contrastive_accuracy, cwt_loss, training_loss, unique_candidates
 
@@ -235,6 +236,43 @@ def test_chunked_core_gradcheck_with_labels_at_an_offset(narrow_tiles):
     assert torch.autograd.gradcheck(lambda a, b: chunked_cross_entropy(a, b, labels, 0.7, 4), (h, cand))
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_cross_entropy(h, cand, labels, chunk_size=0)
+
+
+def test_chunked_tiles_cover_every_score_once_within_the_budget():
+    from loss import TILE_COLUMNS, _tiles
+    # CE (V >> N): blocks span every row, so each slice of the candidates' gradient is one matmul
+    assert next(_tiles(2048, 50304, 256)) == (slice(0, 2048), slice(0, 4096))
+    # CWT (M = N): blocks of chunk_size rows against every candidate
+    assert next(_tiles(8192, 8192, 1024)) == (slice(0, 1024), slice(0, 8192))
+    for n, m, chunk in [(13, 40, 1), (13, 40, 5), (6, 11, 64), (13, 9, 5), (100, 40000, 2)]:
+        count = torch.zeros(n, m, dtype=torch.int32)
+        for rows, cols in _tiles(n, m, chunk):
+            assert count[rows, cols].numel() <= chunk * min(m, TILE_COLUMNS)
+            count[rows, cols] += 1
+        assert bool((count == 1).all()), (n, m, chunk)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])  # blocks of 1 row (budget 4 < 5 rows), all 5 rows
+@pytest.mark.parametrize("scale,temperature", [(1.0, 1.0), (100.0, 0.3)])
+def test_chunked_more_candidates_than_rows_equals_plain(narrow_tiles, chunk_size, scale, temperature):
+    # CE's shape (V > N), where blocks span the rows, with some candidates excluded per row
+    from loss import chunked_row_losses
+    g = torch.Generator().manual_seed(15)
+    h, cand = torch.randn(5, 4, generator=g) * scale, torch.randn(23, 4, generator=g) * scale
+    labels, exclude = torch.tensor([0, 22, 7, 7, 13]), torch.tensor([3, -1, 22, 8, -1])
+    weights = torch.rand(5, generator=g)  # unequal row gradients, as in the sampled-negatives path
+
+    def chunked(h, cand):
+        return (chunked_row_losses(h, cand, labels, temperature, chunk_size, exclude) * weights).sum()
+
+    def plain(h, cand):
+        s = (h @ cand.T / temperature).masked_fill(exclude[:, None] == torch.arange(23)[None, :], -math.inf)
+        return (F.cross_entropy(s, labels, reduction="none") * weights).sum()
+    want, want_grads = loss_and_grads(plain, h, cand)
+    got, got_grads = loss_and_grads(chunked, h, cand)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("objective", ["ce", "cwt"])
