@@ -27,7 +27,7 @@ from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from train import TrainConfig, train
+from train import TrainConfig, note, train
 
 
 @dataclass
@@ -100,9 +100,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     cwt_iters, ft_iters = solve_cwt_iters(cfg.ce_iters, per_token["ce"], per_token["cwt"],
                                           cfg.finetune_fraction)
     budget = cfg.ce_iters * tokens_per_iter * per_token["ce"]
-    print(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
-          f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} "
-          "FLOPs/token)", file=sys.stderr)
+    note(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
+         f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} FLOPs/token)")
     root = Path(cfg.out_dir)
     shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
                   batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device,
@@ -122,8 +121,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
               "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
               "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", per_token["ce"], runs["cwt"]["flops"])}
-    lam = {name: (lambada_scores(run["ckpt"], texts, cfg) if texts
-                  else {"note": "skipped: no --lambada=FILE.jsonl"})
+    lam = {name: (lambada_scores(run["ckpt"], texts, cfg) if texts and is_main_process()
+                  else {"note": "skipped: no --lambada=FILE.jsonl" if not texts else "scored on rank 0"})
            for name, run in runs.items()}
     result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
               "flops_per_token": per_token, "budget_flops": budget,
@@ -131,7 +130,8 @@ def run_compare(cfg: CompareConfig) -> dict:
               "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
                               "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
               "curves": curves}
-    print(compare_table(result))
+    if is_main_process():
+        print(compare_table(result))
     return result
 
 

@@ -70,14 +70,20 @@ LAMBADA_BATCH = 16
 
 
 @torch.no_grad()
+def contrastive_table(model, loss: str) -> torch.Tensor | None:
+    """The table a run's contrastive objective scores against: the input embeddings E for `cwt` and
+    `ce+cwt`, the separate output table for `nce`, none for `ce`."""
+    return {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
+
+
 def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             contrastive: bool = False, temperature: float = 1.0) -> dict[str, float]:
+             contrastive: torch.Tensor | None = None, temperature: float = 1.0) -> dict[str, float]:
     """Validation metrics on a deterministic sequential pass, comparable across training losses.
 
     `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
-    With `contrastive`, also the contrastive loss (paper definition, in-batch negatives) and its top-1
-    accuracy, against the same table as `val_ce` (for CWT that is the input embedding E).
+    Given a `contrastive` table (`contrastive_table`), also the contrastive loss (paper definition, in-batch
+    negatives) and its top-1 accuracy against it.
     Under torchrun every rank scores every world_size-th batch and the sums are added up over ranks:
     the same batches and figures as one process, in 1/world_size of the time.
     """
@@ -90,8 +96,8 @@ def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.devi
             h = model.hidden(x)
             logits = model.logits(h).float()
             total_ce += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            if contrastive:
-                e = model.output_weight[y]  # the tied E, or the nce ablation's own output table
+            if contrastive is not None:
+                e = contrastive[y]
                 cwt_sum += cwt_loss(h, e, temperature).item()
                 acc_sum += contrastive_accuracy(h, e, y).item()
         total_tokens += y.numel()
@@ -104,7 +110,7 @@ def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.devi
         raise UserError("the validation split is shorter than one block; use a smaller --block_size")
     val_ce = total_ce / total_tokens
     metrics = {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0))}
-    if contrastive:
+    if contrastive is not None:
         metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
     return metrics
 
@@ -115,13 +121,14 @@ VAL_MASK_SEED = 0  # validation masks: the same for every run, whatever its --se
 @torch.no_grad()
 def evaluate_mlm(model, tokens, batch_size: int, block_size: int, device: torch.device, spec: MaskSpec,
                  dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-                 temperature: float = 1.0) -> dict[str, float]:
+                 temperature: float = 1.0, contrastive: torch.Tensor | None = None) -> dict[str, float]:
     """Masked-LM validation on `evaluate`'s windows, masked as in training but with fixed masks (batch i
     gets mask_tokens(VAL_MASK_SEED, i)), so every checkpoint and objective is scored on the same positions.
 
     `val_ce`: cross-entropy of the original tokens at the masked positions through `model.logits` (the tied
     E, or nce's own table), comparable across objectives. `val_cwt`, `val_acc`: the contrastive loss over
-    the masked positions of each batch and its in-batch top-1 accuracy, against the same table.
+    the masked positions of each batch and its in-batch top-1 accuracy, against the `contrastive` table
+    (default: the same table as `val_ce`).
     """
     was_training = model.training
     model.eval()
@@ -131,7 +138,7 @@ def evaluate_mlm(model, tokens, batch_size: int, block_size: int, device: torch.
         with autocast_context(device, dtype):
             h, y = masked_rows(model.hidden(inputs), targets)
             total_ce += F.cross_entropy(model.logits(h).float(), y, reduction="sum").item()
-            e = model.output_weight[y]
+            e = (model.output_weight if contrastive is None else contrastive)[y]
             cwt_sum += cwt_loss(h, e, temperature).item()
             acc_sum += contrastive_accuracy(h, e, y).item()
         total_masked += y.numel()
@@ -303,10 +310,11 @@ def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype
     start = time.time()
     if train_cfg.get("objective") == "mlm":  # masked-token CE (and CWT) on fixed masks
         metrics = evaluate_mlm(model, tokens, cfg.batch_size, block_size, device, MaskSpec(**spec), dtype,
-                               cfg.max_batches, train_cfg.get("temperature", 1.0))
+                               cfg.max_batches, train_cfg.get("temperature", 1.0),
+                               contrastive_table(model, train_cfg.get("loss", "cwt")))
     else:
         metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
-                           contrastive=train_cfg.get("loss", "ce") != "ce",
+                           contrastive=contrastive_table(model, train_cfg.get("loss", "ce")),
                            temperature=train_cfg.get("temperature", 1.0))
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,7 +19,7 @@ from common import (DeviceName, DtypeName, UserError, check_ranges, init_distrib
                     parse_flags, pick_device, run_main, world_size)
 from loss import LossName
 from model import PresetName
-from train import TRAIN_RANGES, TrainConfig, train
+from train import TRAIN_RANGES, TrainConfig, note, train
 
 # Head fine-tune recipe by preset: learning rate, schedule, warmup (share of the steps), final lr (share
 # of lr). The Pythia shapes follow the official fine-tune config, which settles what the paper leaves
@@ -65,6 +64,12 @@ INHERITED = ("dataset", "data_root", "preset", "block_size", "batch_size", "grad
              "device", "dtype", "compile")
 
 
+def finetune_recipe(preset: str | None) -> dict:
+    """The preset's fine-tune recipe; a shape without one (a Hugging Face model of another size, a causal
+    bert-* shape) gets the official config's."""
+    return FINETUNE_RECIPES.get(preset, FINETUNE_RECIPES["pythia-70m"])
+
+
 def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float = 0.02,
                     tokens: int | None = None, max_iters: int | None = None) -> int:
     """Steps to run: explicit max_iters, else ceil(token budget / tokens per step), at least one."""
@@ -85,7 +90,7 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     base_cfg, defaults = base.get("train_config", {}), TrainConfig()
     filled = {k: base_cfg.get(k, getattr(defaults, k)) for k in INHERITED if getattr(cfg, k) is None}
     cfg = dataclasses.replace(cfg, **filled)
-    recipe = FINETUNE_RECIPES[cfg.preset]
+    recipe = finetune_recipe(cfg.preset)
     lr = cfg.lr if cfg.lr is not None else recipe["lr"]
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * lr)
@@ -117,21 +122,20 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     warmup = cfg.warmup_iters
     if warmup is None:
-        warmup = max(1, round(FINETUNE_RECIPES[cfg.preset]["warmup"] * steps))
+        warmup = max(1, round(finetune_recipe(cfg.preset)["warmup"] * steps))
     run_cfg = dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt,
                                   add_lm_head=True)
-    print(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = "
-          f"{steps * tokens_per_iter:,} tokens "
-          f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} "
-          f"pre-training tokens)", file=sys.stderr)
+    note(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens "
+         f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} "
+         "pre-training tokens)")
     summary = train(run_cfg)
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
                    compute_fraction=spent / pretrain_flops if pretrain_flops else float("nan"))
     before, after = summary["first_val"], summary["val"]
     if before and after:
-        print(f"validation CE: {before['val_ce']:.4f} before -> {after['val_ce']:.4f} after fine-tuning | "
-              f"compute: {100 * summary['compute_fraction']:.2f}% of pre-training", file=sys.stderr)
+        note(f"validation CE: {before['val_ce']:.4f} before -> {after['val_ce']:.4f} after fine-tuning | "
+             f"compute: {100 * summary['compute_fraction']:.2f}% of pre-training")
     return summary
 
 

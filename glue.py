@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, load_checkpoint,
-                    parse_flags, pick_device, pick_dtype, run_main, write_json)
+from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
+                    checkpoint_model, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main, write_json)
 from data import _load_dataset, load_tokenizer
 from model import GPT
 
@@ -278,15 +278,15 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
 # Fine-tuning
 
 
+GLUE_RANGES = {"epochs": "[1, inf)", "batch_size": "[1, inf)", "max_length": "[2, inf)",
+               "max_train_examples": "[1, inf)", "lr": "(0, inf)", "warmup_fraction": "[0, 1)",
+               "weight_decay": "[0, inf)", "dropout": "[0, 1)"}
+
+
 def check_config(cfg: GlueConfig) -> None:
-    for name in ("epochs", "batch_size", "max_length", "max_train_examples"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name} must be at least 1, got {value}")
-    if not cfg.lr > 0:
-        raise UserError(f"--lr must be positive, got {cfg.lr}")
-    if not 0 <= cfg.warmup_fraction < 1 or not 0 <= cfg.dropout < 1:
-        raise UserError("--warmup_fraction and --dropout must be in [0, 1)")
+    check_ranges(cfg, GLUE_RANGES)
+    if cfg.json:
+        check_output_path(cfg.json, "json")
 
 
 def load_encoder(cfg: GlueConfig, ckpt: dict, task: Task, device: torch.device) -> GPT:
@@ -331,6 +331,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
                              check_rows(rows, task, f"{where} {split}"))
     model = load_encoder(cfg, ckpt, task, device)
     optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     steps_per_epoch = math.ceil(len(train_examples) / cfg.batch_size)
     total = cfg.epochs * steps_per_epoch
     warmup = round(cfg.warmup_fraction * total)
@@ -343,7 +344,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
         for b in range(steps_per_epoch):
             rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
             loss_sum += train_batch(model, optimizer, train_examples, train_labels, rows, separator, device,
-                                    dtype, cfg.lr * linear_schedule(step, warmup, total))
+                                    dtype, cfg.lr * linear_schedule(step, warmup, total), scaler)
             step += 1
             bar.update()
             bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
@@ -360,16 +361,19 @@ def fine_tune(cfg: GlueConfig) -> dict:
 
 
 def train_batch(model: GPT, optimizer: torch.optim.Optimizer, examples: list[list[int]], labels: np.ndarray,
-                rows: np.ndarray, pad: int, device: torch.device, dtype: torch.dtype, lr: float) -> float:
-    """One AdamW step on some examples; returns their loss."""
+                rows: np.ndarray, pad: int, device: torch.device, dtype: torch.dtype, lr: float,
+                scaler: torch.amp.GradScaler) -> float:
+    """One AdamW step on some examples (fp16: with loss scaling); returns their loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     ids, mask = padded_batch(examples, rows, pad, device)
     with autocast_context(device, dtype):
         loss = task_loss(classify(model, ids, mask), torch.from_numpy(labels[rows]).to(device))
-    loss.backward()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
 

@@ -31,7 +31,7 @@ from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, 
                     pick_device, pick_dtype, rank, remove_stale_temps, run_main, save_checkpoint, world_size)
 from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
                   open_split)
-from eval import evaluate, evaluate_mlm
+from eval import contrastive_table, evaluate, evaluate_mlm
 from loss import LossName, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
@@ -42,7 +42,7 @@ class TrainConfig:
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
     data_root: str = "data"
     # model
-    preset: PresetName = "tiny"
+    preset: PresetName | None = None  # model shape; default: tiny, or the shape of the checkpoint started from
     block_size: int | None = None  # context length; default: the preset's (tiny: 256)
     dropout: float = 0.0
     # objective
@@ -125,8 +125,8 @@ def check_config(cfg: TrainConfig) -> None:
 # Where the weights come from: fresh, our own checkpoint (--resume), or another run's (--init_from)
 
 
-def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, dict | None, dict | None]:
-    """(model, the checkpoint being resumed or None, the checkpoint started from or None)."""
+def starting_checkpoints(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[dict | None, dict | None]:
+    """(the checkpoint being resumed, the checkpoint started from): at most one of them, none for a fresh run."""
     if wants_resume(cfg, ckpt_path):
         if not ckpt_path.is_file():
             raise UserError(f"--resume: checkpoint {ckpt_path} not found; "
@@ -136,21 +136,44 @@ def choose_model(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[GPT, di
             raise UserError(f"{ckpt_path} was made by a different run (init_from differs); "
                             "use another --out_dir")
         check_same_tokenizer(meta, resumed, ckpt_path)
-        check_resume_settings(cfg, resumed, ckpt_path)
-        return continued_model(resumed, ckpt_path, cfg), resumed, None
+        return resumed, None
     if cfg.init_from:
         base = load_checkpoint(cfg.init_from)
         check_same_tokenizer(meta, base, cfg.init_from)
-        model = continued_model(base, cfg.init_from, cfg)
-        if cfg.add_lm_head:
+        return None, base
+    return None, None
+
+
+def settle_config(cfg: TrainConfig, start: dict | None, path: str | Path, resuming: bool) -> TrainConfig:
+    """Fill the unset settings (None). The preset is the checkpoint's when the run starts from one (its
+    model is what trains, so another --preset is refused); a resumed run keeps its own schedule; the rest
+    comes from the preset's recipe."""
+    recorded = (start or {}).get("train_config", {})
+    preset = recorded.get("preset") if start else "tiny"
+    if start and cfg.preset is not None and preset is not None and cfg.preset != preset:
+        how = "resume" if resuming else "start from it"
+        raise UserError(f"--preset={cfg.preset} but {path} holds a {preset} model; {how} with --preset={preset} "
+                        "or without --preset (another shape needs another run)")
+    cfg = dataclasses.replace(cfg, preset=cfg.preset or preset)
+    if resuming:
+        cfg = dataclasses.replace(cfg, **{k: recorded.get(k) for k in ("warmup_iters", "min_lr")
+                                          if getattr(cfg, k) is None})
+    return with_recipe(cfg)
+
+
+def starting_model(cfg: TrainConfig, meta: dict, resumed: dict | None, base: dict | None) -> GPT:
+    """The checkpoint's model (with this run's dropout), or a fresh one of the preset's shape."""
+    if resumed or base:
+        path = Path(cfg.out_dir) / CKPT_NAME if resumed else cfg.init_from
+        model = continued_model(resumed or base, path, cfg)
+        if base and cfg.add_lm_head:
             model.add_lm_head()
-        return model, None, base
+        return model
     block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
     mlm = cfg.objective == "mlm"  # an encoder, with room for the [MASK] id past the tokenizer's ids
     # `nce` needs its own output table (no weight tying)
-    model = build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
-                        dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head, causal=not mlm)
-    return model, None, None
+    return build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
+                       dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head, causal=not mlm)
 
 
 def wants_resume(cfg: TrainConfig, ckpt_path: Path) -> bool:
@@ -172,12 +195,14 @@ def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
 
 
 def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
-    """--resume trains the checkpoint's model: another --preset is refused. A larger --max_iters extends
-    the run; under the cosine schedule that stretches the decay, which is said once."""
+    """--resume continues one experiment: another objective, loss, data or batch shape is refused (with
+    --resume=auto that is another experiment's out_dir). A larger --max_iters extends the run; under the
+    cosine schedule that stretches the decay, which is said once."""
     before, step = resumed.get("train_config", {}), resumed["step"]
-    if before.get("preset", cfg.preset) != cfg.preset:
-        raise UserError(f"--preset={cfg.preset} but {path} holds a {before['preset']} model; resume with "
-                        f"--preset={before['preset']} (another shape needs another --out_dir)")
+    for key in RESUME_SAME:
+        if key in before and before[key] != getattr(cfg, key):
+            raise UserError(f"--{key}={getattr(cfg, key)} but {path} was trained with --{key}={before[key]}; "
+                            f"resume with the same --{key}, or use another --out_dir for another experiment")
     if cfg.max_iters < step:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {step} of {path}; pass a larger "
                         "--max_iters to extend the run")
@@ -187,6 +212,11 @@ def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
         print(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now "
               f"decays over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})",
               file=sys.stderr)
+
+
+# What makes a run the same experiment: a resumed run may change anything else (e.g. --max_iters to extend
+# it, --grad_accum with the number of GPUs, --dtype, --eval_interval).
+RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope")
 
 
 def check_same_objective(ckpt: dict, path: str | Path, cfg: TrainConfig) -> None:
@@ -292,7 +322,12 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
         data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
     meta = load_meta(data_dir)
     out_dir = Path(cfg.out_dir)
-    model, resumed, base = choose_model(cfg, meta, out_dir / CKPT_NAME)
+    resumed, base = starting_checkpoints(cfg, meta, out_dir / CKPT_NAME)
+    cfg = settle_config(cfg, resumed or base, out_dir / CKPT_NAME if resumed else cfg.init_from,
+                        resuming=resumed is not None)
+    if resumed:
+        check_resume_settings(cfg, resumed, out_dir / CKPT_NAME)
+    model = starting_model(cfg, meta, resumed, base)
     if cfg.loss == "nce" and model.lm_head is None:
         raise UserError("--loss=nce needs a separate output table; "
                         "start it fresh, not from a tied checkpoint")
@@ -305,7 +340,7 @@ def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
     tokens_per_micro = cfg.batch_size * block_size
     candidates = tokens_per_micro * (world_size() if cfg.negatives_scope == "global" else 1)
     columns = scored_columns_per_token(cfg, vocab_size, candidates)
-    warn_if_every_negative(cfg, candidates)
+    warn_if_every_negative(cfg, round(MASK_RATE * candidates) if cfg.objective == "mlm" else candidates)
     run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
               optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
               scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
@@ -433,9 +468,11 @@ def validation_metrics(run: Run) -> dict[str, float]:
     cfg = run.cfg
     if cfg.objective == "mlm":
         return evaluate_mlm(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device,
-                            run.mask_spec, run.dtype, cfg.eval_batches, cfg.temperature)
+                            run.mask_spec, run.dtype, cfg.eval_batches, cfg.temperature,
+                            contrastive_table(run.model, cfg.loss))
     return evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
-                    cfg.eval_batches, contrastive=cfg.loss != "ce", temperature=cfg.temperature)
+                    cfg.eval_batches, contrastive=contrastive_table(run.model, cfg.loss),
+                    temperature=cfg.temperature)
 
 
 def micro_batch_index(step: int, micro: int, grad_accum: int) -> int:
@@ -448,14 +485,14 @@ def micro_batch_index(step: int, micro: int, grad_accum: int) -> int:
 def validate(run: Run) -> dict[str, float]:
     """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
     val = validation_metrics(run)
-    if is_main_process():
-        shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
-        print(f"step {run.step}: {shown}", file=sys.stderr)
-        append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
-    if not math.isfinite(val["val_ce"]):
+    shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
+    if not math.isfinite(val["val_ce"]):  # before the log: a NaN never reaches log.jsonl
         raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
                         f"(the last good checkpoint is {run.ckpt_path} if any): "
                         "lower --lr or raise --warmup_iters")
+    note(f"step {run.step}: {shown}")
+    if is_main_process():
+        append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
     run.val, run.first_val = val, run.first_val or val
     return val
 
@@ -540,12 +577,13 @@ class StopFlag:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training as configured; returns a summary (first/last validation metrics, tokens, FLOPs)."""
     check_config(cfg)
-    cfg = with_recipe(cfg)
     run, resumed = set_up(cfg)
+    cfg = run.cfg  # with the settings the checkpoint or the preset's recipe filled in
     model = run.model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ranks = f" x {world_size()} ranks" if world_size() > 1 else ""
-    note(f"model {cfg.preset}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
+    shape = cfg.preset or f"of {cfg.init_from}"
+    note(f"model {shape}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
          f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
          f"{run.device.type}{ranks} {str(run.dtype).removeprefix('torch.')} | "
          f"{run.tokens_per_iter:,} tokens/iter")
@@ -577,9 +615,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 report_progress(run, last_loss, now - t_log, run.step - step_at_log, eta)
                 t_log, step_at_log = now, run.step
 
-        if not stop.stopping:
-            validate(run)
-        checkpoint(run)
+        if run.step > start_step or not resumed:  # a resumed run that had already ended adds nothing
+            if not stop.stopping:
+                validate(run)
+            checkpoint(run)
         barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     elapsed = time.time() - t_start
     if stop.stopping:

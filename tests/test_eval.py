@@ -249,3 +249,11 @@ def test_bad_inputs_one_line_on_the_command_line(tmp_path):
         assert proc.returncode == 2, stderr
         assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr
         assert "Traceback" not in stderr and stdout == ""
+
+
+def test_contrastive_metrics_score_against_the_objectives_own_table():
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, lm_head=True))
+    assert evaluation.contrastive_table(model, "ce") is None
+    assert evaluation.contrastive_table(model, "cwt") is model.wte.weight
+    assert evaluation.contrastive_table(model, "ce+cwt") is model.wte.weight  # CWT's term, not the CE head
+    assert evaluation.contrastive_table(model, "nce") is model.lm_head.weight

@@ -139,13 +139,22 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,
                                           out_dir=str(tmp_path / "cont")))["first_val"]
     tokens = evaluation.open_split(tiny_data_dir, "val")
-    expected = evaluation.evaluate(ours, tokens, 4, 32, torch.device("cpu"), max_batches=1, contrastive=True)
+    expected = evaluation.evaluate(ours, tokens, 4, 32, torch.device("cpu"), max_batches=1,
+                                   contrastive=ours.wte.weight)
     assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
+    continued = torch.load(tmp_path / "cont" / "ckpt.pt", weights_only=True)["train_config"]
+    assert continued["preset"] == "tiny"  # the source model's shape, and so its recipe
+    with pytest.raises(UserError, match="holds a tiny model; start from it with --preset=tiny"):
+        train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", preset="pythia-70m", max_iters=1,
+                                      out_dir=str(tmp_path / "other")))
     tuned = finetune(FinetuneConfig(**settings, ckpt=f"hf:{out}", max_iters=1, out_dir=str(tmp_path / "ft")))
     assert tuned["step"] == 1 and load_model(str(tmp_path / "ft" / "ckpt.pt")).lm_head is not None
 
 
 def test_architectures_without_a_transformers_class_are_refused(tmp_path):
+    encoder = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False)
+    with pytest.raises(UserError, match="masked-LM encoder .* has no exact transformers"):
+        hf.hf_config(encoder, 0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, norm="rmsnorm"))
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),

@@ -24,6 +24,7 @@ import data
 import eval as evaluation
 import finetune
 import generate
+import glue
 import train
 from common import UserError
 from train import TrainConfig
@@ -258,6 +259,9 @@ def fake_checkpoint(path: Path) -> str:
     ("bench", ["--tokens=256,0"], "--tokens must be at least 1, got 0"),
     ("bench", ["--json=OUT"], "is a directory"),
     ("compare", ["--ce_iters=0"], "--ce_iters must be at least 1, got 0"),
+    ("glue", ["--lr=inf"], "--lr must be a finite number, got inf"),
+    ("glue", ["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),
+    ("glue", ["--json=OUT"], "is a directory"),
     ("data", ["--val_fraction=nan"], "--val_fraction must be a finite number, got nan"),
     ("data", ["--num_proc=0"], "--num_proc must be at least 1, got 0"),
 ])
@@ -269,10 +273,10 @@ def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_pat
     out = tmp_path / "out"
     common_flags = {"train": [f"--out_dir={out}"], "finetune": [f"--out_dir={out}"],
                     "compare": [f"--out_dir={out}"], "eval": [f"--ckpt={subs['CKPT']}"],
-                    "generate": [f"--ckpt={subs['CKPT']}"], "bench": [],
+                    "generate": [f"--ckpt={subs['CKPT']}"], "bench": [], "glue": [f"--ckpt={subs['CKPT']}"],
                     "data": [f"--data_root={out}"]}[script]
     mains = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main, "data": data.main,
-             "generate": generate.main, "bench": bench.main, "compare": compare.main}
+             "generate": generate.main, "bench": bench.main, "compare": compare.main, "glue": glue.main}
     main = mains[script]
     before = sorted(tmp_path.iterdir())
     with pytest.raises(UserError) as e:
@@ -318,6 +322,34 @@ def test_resume_refuses_another_preset_and_explains_a_longer_schedule(tiny_data_
     assert summary["step"] == 4
     assert ("note: --max_iters changed from 2 to 4 on resume: the cosine schedule now decays over 4 steps "
             "(lr at step 2: 7.75e-04, was 1.00e-04)") in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_schedule_and_refuses_another_experiment(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=20, warmup_iters=None, eval_interval=20)
+    train.train(dataclasses.replace(cfg, max_iters=10))
+    recorded = lambda: torch.load(tmp_path / "ckpt.pt", weights_only=True)["train_config"]  # noqa: E731
+    assert (recorded()["warmup_iters"], recorded()["min_lr"]) == (1, 1e-4)  # tiny's recipe: 10%, lr / 10
+    train.train(resumed(cfg))  # extended to 20 steps: the warmup stays 1 step, not 10% of 20
+    assert (recorded()["warmup_iters"], recorded()["max_iters"]) == (1, 20)
+    for change in (dict(loss="ce"), dict(batch_size=2), dict(objective="mlm"), dict(negatives="unique")):
+        key = next(iter(change))
+        with pytest.raises(UserError, match=f"--{key}=.* but .*ckpt.pt was trained with --{key}="):
+            train.train(resumed(cfg, max_iters=30, **change))
+
+
+def test_resuming_a_finished_run_adds_nothing(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path)
+    train.train(cfg)
+    log, ckpt = (tmp_path / "log.jsonl").read_bytes(), (tmp_path / "ckpt.pt").read_bytes()
+    summary = train.train(dataclasses.replace(cfg, resume="auto"))  # e.g. a scheduler's relaunch
+    assert summary["step"] == 4 and summary["val"] is not None
+    assert (tmp_path / "log.jsonl").read_bytes() == log and (tmp_path / "ckpt.pt").read_bytes() == ckpt
+
+
+def test_finetune_recipe_of_a_shape_without_one():
+    assert finetune.finetune_recipe("tiny")["lr"] == 3e-4
+    assert finetune.finetune_recipe("bert-tiny") == finetune.finetune_recipe(None) == \
+        finetune.FINETUNE_RECIPES["pythia-70m"]
 
 
 # ---------------------------------------------------------------------- 8, 10. data: skipped rows, hints
