@@ -41,8 +41,8 @@ import torch
 import data
 from common import (DeviceName, DtypeName, ForwardWith, UserError, all_reduce_sum, autocast_context, barrier,
                     check_output_path, check_ranges, data_parallel, first_line, import_pyplot,
-                    init_distributed, is_main_process, parse_flags, peak_flops, pick_device, pick_dtype, rank,
-                    run_main, save_results, world_size)
+                    init_distributed, is_main_process, optimizer_step, parse_flags, peak_flops, pick_device,
+                    pick_dtype, rank, run_main, save_results, world_size)
 from loss import masked_rows, scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
@@ -160,9 +160,7 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
                 loss = training_loss(h, targets, model.wte.weight, model.output_weight,
                                      generator=loss_rng, **kw)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(optimizer, model.parameters())
         return step
     scored = y[y != data.NOT_MASKED] if mlm else y.reshape(-1)  # the positions the loss scores
     flops = {v: tokens * model.flops_per_token(block, 0) + 6 * model.config.d_model * scored.numel()
@@ -413,9 +411,7 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
         with autocast_context(device, dtype):
             loss = objective(seq[:, :-1], seq[:, 1:], kw, loss_rng)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, model.parameters())
     return statistics.median(time_interleaved({variant: step}, cfg.warmup, cfg.repeats, device)[variant])
 
 
@@ -489,11 +485,7 @@ def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, 
         with autocast_context(device, dtype):
             value = training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, loss)
         scaler.scale(value).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, model.parameters(), 1.0, scaler)
         losses.append(value.item())
     seconds = (time.perf_counter() - start) / (shape.steps - 2)
     require(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"losses {losses}")

@@ -282,6 +282,19 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Clip the gradient norm (0: off), step, and reset the gradients. With an fp16 GradScaler the
+    gradients are unscaled first and a step whose gradients overflowed is skipped."""
+    scaler = scaler or torch.amp.GradScaler(enabled=False)  # enabled=False: plain clip and step
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 # Dense bf16 peak FLOP/s, for MFU. Add your GPU here if it is missing.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
               "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}

@@ -101,7 +101,8 @@ def run_compare(cfg: CompareConfig) -> dict:
                                           cfg.finetune_fraction)
     budget = cfg.ce_iters * tokens_per_iter * per_token["ce"]
     note(f"FLOP budget {budget:.3e}: CE {cfg.ce_iters} steps | CWT {cwt_iters} steps + fine-tune {ft_iters} "
-         f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} FLOPs/token)")
+         f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} "
+         "FLOPs/token)")
     root = Path(cfg.out_dir)
     shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
                   batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device,

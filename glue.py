@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
-                    checkpoint_model, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main, write_json)
+                    checkpoint_model, load_checkpoint, optimizer_step, parse_flags, pick_device, pick_dtype,
+                    run_main, write_json)
 from data import _load_dataset, load_tokenizer
 from model import GPT
 
@@ -370,11 +371,7 @@ def train_batch(model: GPT, optimizer: torch.optim.Optimizer, examples: list[lis
     with autocast_context(device, dtype):
         loss = task_loss(classify(model, ids, mask), torch.from_numpy(labels[rows]).to(device))
     scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer_step(optimizer, model.parameters(), 1.0, scaler)
     return loss.item()
 
 

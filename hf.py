@@ -129,8 +129,8 @@ def config_from_hf(hf: dict, source: str) -> GPTConfig:
 def hf_config(c: GPTConfig, eot_token: int) -> dict:
     """A config.json in Pythia's own (transformers 4.x) spelling, which every later version reads."""
     if not c.causal:
-        raise UserError("a masked-LM encoder (bidirectional attention) has no exact transformers GPT-NeoX class, "
-                        "which is causal; export decoders, and fine-tune encoders with glue.py")
+        raise UserError("a masked-LM encoder (bidirectional attention) has no exact transformers GPT-NeoX "
+                        "class, which is causal; export decoders, and fine-tune encoders with glue.py")
     if c.norm != "layernorm":
         raise UserError(f"--norm={c.norm}: transformers' GPT-NeoX has LayerNorm only, so this model has no "
                         "exact transformers class; export models trained with norm=layernorm")

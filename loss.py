@@ -183,7 +183,8 @@ def scored_columns(loss: LossName, vocab_size: int, candidates: int, num_negativ
     contrastive losses the candidate embeddings (the N positions of the micro-batch, or the U distinct
     tokens with unique negatives), at most k + 1 with a sampled subset of k; `ce+cwt` pays both."""
     contrastive = min(num_negatives + 1, candidates) if num_negatives else candidates
-    return {"ce": vocab_size, "cwt": contrastive, "nce": contrastive, "ce+cwt": vocab_size + contrastive}[loss]
+    columns = {"ce": vocab_size, "cwt": contrastive, "nce": contrastive, "ce+cwt": vocab_size + contrastive}
+    return columns[loss]
 
 
 def training_loss(

@@ -27,8 +27,9 @@ import torch
 from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, atomic_write_text,
                     autocast_context, barrier, check_ranges, checkpoint_model, count_ranks, data_parallel,
                     format_duration, format_metric, gradient_sync, hold_lock, init_distributed,
-                    is_main_process, load_checkpoint, main_process_first, parse_flags, peak_flops,
-                    pick_device, pick_dtype, rank, remove_stale_temps, run_main, save_checkpoint, world_size)
+                    is_main_process, load_checkpoint, main_process_first, optimizer_step, parse_flags,
+                    peak_flops, pick_device, pick_dtype, rank, remove_stale_temps, run_main, save_checkpoint,
+                    world_size)
 from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
                   open_split)
 from eval import contrastive_table, evaluate, evaluate_mlm
@@ -42,7 +43,7 @@ class TrainConfig:
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
     data_root: str = "data"
     # model
-    preset: PresetName | None = None  # model shape; default: tiny, or the shape of the checkpoint started from
+    preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
     block_size: int | None = None  # context length; default: the preset's (tiny: 256)
     dropout: float = 0.0
     # objective
@@ -126,7 +127,7 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def starting_checkpoints(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[dict | None, dict | None]:
-    """(the checkpoint being resumed, the checkpoint started from): at most one of them, none for a fresh run."""
+    """(the checkpoint being resumed, the checkpoint started from): at most one, none for a fresh run."""
     if wants_resume(cfg, ckpt_path):
         if not ckpt_path.is_file():
             raise UserError(f"--resume: checkpoint {ckpt_path} not found; "
@@ -152,8 +153,8 @@ def settle_config(cfg: TrainConfig, start: dict | None, path: str | Path, resumi
     preset = recorded.get("preset") if start else "tiny"
     if start and cfg.preset is not None and preset is not None and cfg.preset != preset:
         how = "resume" if resuming else "start from it"
-        raise UserError(f"--preset={cfg.preset} but {path} holds a {preset} model; {how} with --preset={preset} "
-                        "or without --preset (another shape needs another run)")
+        raise UserError(f"--preset={cfg.preset} but {path} holds a {preset} model; {how} with "
+                        f"--preset={preset} or without --preset (another shape needs another run)")
     cfg = dataclasses.replace(cfg, preset=cfg.preset or preset)
     if resuming:
         cfg = dataclasses.replace(cfg, **{k: recorded.get(k) for k in ("warmup_iters", "min_lr")
@@ -453,12 +454,7 @@ def train_step(run: Run) -> torch.Tensor:
                 loss = run.loss_fn(x, y, cfg, run.negatives_rng) / cfg.grad_accum
             run.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    if cfg.grad_clip > 0:
-        run.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
+    optimizer_step(run.optimizer, run.model.parameters(), cfg.grad_clip, run.scaler)
     run.step += 1
     return loss_sum
 

@@ -33,3 +33,16 @@ def small_tiny_preset(monkeypatch: pytest.MonkeyPatch) -> None:
     import model
 
     monkeypatch.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=64))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: two ranks share the CPU cores with the test process, and
+    token-by-token decoding of tiny models is all thread overhead; oversubscribed threads only slow both."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+

@@ -21,6 +21,8 @@ import train
 from loss import cwt_loss, global_cwt_loss
 from train import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_TINY = dict(n_layer=2, n_head=2, d_model=64, block_size=64)  # as conftest's small_tiny_preset
 
@@ -39,14 +41,6 @@ def run_config(data_dir, out_dir, **overrides) -> TrainConfig:
                     log_interval=1, out_dir=str(out_dir), device="cpu", seed=0)
     return TrainConfig(**{**settings, **overrides})
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two ranks share the CPU cores with this process: one thread each runs faster than oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def weights(out_dir) -> dict[str, torch.Tensor]:

@@ -15,17 +15,11 @@ from data import load_tokenizer
 from generate import filter_logits, generate, main, sample_token, stream_text
 from model import build_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parent.parent
 INF = float("-inf")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Token-by-token decoding of tiny models is all thread overhead, which explodes on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

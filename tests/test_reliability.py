@@ -27,24 +27,21 @@ import generate
 import glue
 import train
 from common import UserError
+from test_train import read_log
+from test_train import tiny_config as train_tiny_config
 from train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 
 def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    settings = dict(dataset=str(data_dir), preset="tiny", block_size=32, batch_size=4, max_iters=4,
-                    warmup_iters=1, eval_interval=2, eval_batches=2, log_interval=1, out_dir=str(out_dir),
-                    device="cpu", seed=0)
-    return TrainConfig(**{**settings, **overrides})
+    """test_train's settings, shorter: 4 steps of 4 x 32 tokens."""
+    short = dict(batch_size=4, max_iters=4, warmup_iters=1, eval_interval=2)
+    return train_tiny_config(data_dir, out_dir, **{**short, **overrides})
 
 
 def resumed(cfg: TrainConfig, **overrides) -> TrainConfig:
     return dataclasses.replace(cfg, resume=True, **overrides)
-
-
-def read_log(out_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
 
 
 def without_timing(records: list[dict]) -> list[dict]:
