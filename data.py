@@ -309,7 +309,7 @@ def _write_splits(docs: Iterable[str], cfg: PrepareConfig, eot: int,
     total_docs = min(filter(None, [total_docs, cfg.max_docs]), default=None)
     # Counted in tokens (tok/s); the total, for the ETA, is --max_tokens or an estimate from the documents.
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
-               file=sys.stderr, leave=False)
+               file=sys.stderr, leave=True)
     docs = itertools.islice(docs, cfg.max_docs)
     n_docs = 0
     for n_docs, tokens in enumerate(_encode_documents(docs, cfg.tokenizer, cfg.num_proc), 1):
