@@ -69,33 +69,50 @@ LAMBADA_BATCH = 16
 # Validation loss (also what train.py reports during training)
 
 
-@torch.no_grad()
 def contrastive_table(model, loss: str) -> torch.Tensor | None:
     """The table a run's contrastive objective scores against: the input embeddings E for `cwt` and
     `ce+cwt`, the separate output table for `nce`, none for `ce`."""
     return {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
 
 
+def validation_table(model, loss: str, mask: MaskSpec | None) -> torch.Tensor | None:
+    """What validation's contrastive metrics score against: the objective's own table; an encoder reports
+    them for every objective (against the tied E for `ce`), as the paper's encoder tables compare them."""
+    table = contrastive_table(model, loss)
+    return model.output_weight if table is None and mask is not None else table
+
+
+VAL_MASK_SEED = 0  # validation masks: the same for every run, whatever its --seed
+
+
+@torch.no_grad()
 def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             contrastive: torch.Tensor | None = None, temperature: float = 1.0) -> dict[str, float]:
+             contrastive: torch.Tensor | None = None, temperature: float = 1.0,
+             mask: MaskSpec | None = None) -> dict[str, float]:
     """Validation metrics on a deterministic sequential pass, comparable across training losses.
 
     `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
-    Given a `contrastive` table (`contrastive_table`), also the contrastive loss (paper definition, in-batch
+    Given a `contrastive` table (`validation_table`), also the contrastive loss (paper definition, in-batch
     negatives) and its top-1 accuracy against it.
+    With a `mask` (an encoder), batch i is masked as in training but with fixed masks
+    (mask_tokens(VAL_MASK_SEED, i)), and every metric is over the masked positions only, so every
+    checkpoint and objective is scored on the same positions.
     Under torchrun every rank scores every world_size-th batch and the sums are added up over ranks:
     the same batches and figures as one process, in 1/world_size of the time.
     """
     was_training = model.training
     model.eval()
     total_ce, total_tokens, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
-    batches = sequential_batches(tokens, batch_size, block_size, device, max_batches)
-    for x, y in itertools.islice(batches, rank(), None, world_size()):
+    batches = enumerate(sequential_batches(tokens, batch_size, block_size, device, max_batches))
+    for i, (x, y) in itertools.islice(batches, rank(), None, world_size()):
+        if mask is not None:
+            x, y = mask_tokens(x, VAL_MASK_SEED, i, mask)
         with autocast_context(device, dtype):
-            h = model.hidden(x)
+            h, y = masked_rows(model.hidden(x), y) if mask is not None else (model.hidden(x), y)
             logits = model.logits(h).float()
-            total_ce += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            total_ce += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                        reduction="sum").item()
             if contrastive is not None:
                 e = contrastive[y]
                 cwt_sum += cwt_loss(h, e, temperature).item()
@@ -113,42 +130,6 @@ def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.devi
     if contrastive is not None:
         metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
     return metrics
-
-
-VAL_MASK_SEED = 0  # validation masks: the same for every run, whatever its --seed
-
-
-@torch.no_grad()
-def evaluate_mlm(model, tokens, batch_size: int, block_size: int, device: torch.device, spec: MaskSpec,
-                 dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-                 temperature: float = 1.0, contrastive: torch.Tensor | None = None) -> dict[str, float]:
-    """Masked-LM validation on `evaluate`'s windows, masked as in training but with fixed masks (batch i
-    gets mask_tokens(VAL_MASK_SEED, i)), so every checkpoint and objective is scored on the same positions.
-
-    `val_ce`: cross-entropy of the original tokens at the masked positions through `model.logits` (the tied
-    E, or nce's own table), comparable across objectives. `val_cwt`, `val_acc`: the contrastive loss over
-    the masked positions of each batch and its in-batch top-1 accuracy, against the `contrastive` table
-    (default: the same table as `val_ce`).
-    """
-    was_training = model.training
-    model.eval()
-    total_ce, total_masked, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
-    for i, (x, _) in enumerate(sequential_batches(tokens, batch_size, block_size, device, max_batches)):
-        inputs, targets = mask_tokens(x, VAL_MASK_SEED, i, spec)
-        with autocast_context(device, dtype):
-            h, y = masked_rows(model.hidden(inputs), targets)
-            total_ce += F.cross_entropy(model.logits(h).float(), y, reduction="sum").item()
-            e = (model.output_weight if contrastive is None else contrastive)[y]
-            cwt_sum += cwt_loss(h, e, temperature).item()
-            acc_sum += contrastive_accuracy(h, e, y).item()
-        total_masked += y.numel()
-        n_batches += 1
-    model.train(was_training)
-    if n_batches == 0:
-        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    val_ce = total_ce / total_masked
-    return {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0)), "val_cwt": cwt_sum / n_batches,
-            "val_acc": acc_sum / n_batches}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,14 +289,10 @@ def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype
     tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
     start = time.time()
-    if train_cfg.get("objective") == "mlm":  # masked-token CE (and CWT) on fixed masks
-        metrics = evaluate_mlm(model, tokens, cfg.batch_size, block_size, device, MaskSpec(**spec), dtype,
-                               cfg.max_batches, train_cfg.get("temperature", 1.0),
-                               contrastive_table(model, train_cfg.get("loss", "cwt")))
-    else:
-        metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
-                           contrastive=contrastive_table(model, train_cfg.get("loss", "ce")),
-                           temperature=train_cfg.get("temperature", 1.0))
+    mask = MaskSpec(**spec) if train_cfg.get("objective") == "mlm" else None
+    metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
+                       validation_table(model, train_cfg.get("loss", "ce"), mask),
+                       train_cfg.get("temperature", 1.0), mask)
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())

@@ -32,7 +32,7 @@ from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, 
                     world_size)
 from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
                   open_split)
-from eval import contrastive_table, evaluate, evaluate_mlm
+from eval import evaluate, validation_table
 from loss import LossName, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
@@ -462,13 +462,9 @@ def train_step(run: Run) -> torch.Tensor:
 def validation_metrics(run: Run) -> dict[str, float]:
     """Next-token metrics of a decoder, masked-token metrics (on fixed masks) of an encoder."""
     cfg = run.cfg
-    if cfg.objective == "mlm":
-        return evaluate_mlm(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device,
-                            run.mask_spec, run.dtype, cfg.eval_batches, cfg.temperature,
-                            contrastive_table(run.model, cfg.loss))
     return evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
-                    cfg.eval_batches, contrastive=contrastive_table(run.model, cfg.loss),
-                    temperature=cfg.temperature)
+                    cfg.eval_batches, validation_table(run.model, cfg.loss, run.mask_spec), cfg.temperature,
+                    run.mask_spec)
 
 
 def micro_batch_index(step: int, micro: int, grad_accum: int) -> int:

@@ -257,3 +257,13 @@ def test_contrastive_metrics_score_against_the_objectives_own_table():
     assert evaluation.contrastive_table(model, "cwt") is model.wte.weight
     assert evaluation.contrastive_table(model, "ce+cwt") is model.wte.weight  # CWT's term, not the CE head
     assert evaluation.contrastive_table(model, "nce") is model.lm_head.weight
+
+
+def test_validation_builds_no_autograd_graph(tiny_data_dir):
+    model = GPT(GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, d_model=16))
+    seen = []
+    hidden = model.hidden
+    model.hidden = lambda x: seen.append(torch.is_grad_enabled()) or hidden(x)
+    tokens = open_split(tiny_data_dir, "val", 50304)
+    evaluation.evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight)
+    assert seen == [False, False]
