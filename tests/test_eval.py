@@ -265,5 +265,6 @@ def test_validation_builds_no_autograd_graph(tiny_data_dir):
     hidden = model.hidden
     model.hidden = lambda x: seen.append(torch.is_grad_enabled()) or hidden(x)
     tokens = open_split(tiny_data_dir, "val", 50304)
-    evaluation.evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight)
+    evaluation.evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2,
+                        contrastive=model.wte.weight)
     assert seen == [False, False]
