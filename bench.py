@@ -42,7 +42,7 @@ import data
 from common import (DeviceName, DtypeName, ForwardWith, UserError, all_reduce_sum, autocast_context, barrier,
                     check_output_path, check_ranges, data_parallel, first_line, import_pyplot,
                     init_distributed, is_main_process, optimizer_step, parse_flags, peak_flops, pick_device,
-                    pick_dtype, rank, run_main, save_results, world_size)
+                    pick_dtype, rank, run_main, save_figure, save_results, world_size)
 from loss import masked_rows, scored_columns, training_loss
 from model import PRESETS, PresetName, build_model
 
@@ -244,7 +244,7 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
 # The data pipeline
 
 
-def bench_data(cfg: BenchConfig) -> str:
+def bench_data() -> str:
     """Tokenisation throughput (1 and 2 processes) and batch-serving throughput, side by side."""
     data.load_tokenizer("gpt2")  # built once, outside the timings
     # Each speech is one document: many small documents, like TinyStories or web text.
@@ -380,9 +380,7 @@ def plot_bench(result: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(result["meta"]["device_name"], fontsize=9)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}", file=sys.stderr)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,13 +417,11 @@ def bench_ddp(cfg: BenchConfig) -> str:
     """Rank 0 times a training step alone (the others wait), then every rank times it under DDP. Scaling
     efficiency = DDP tokens/s per rank / tokens/s of one rank alone (1.0: perfect linear scaling). On CPU
     the ranks share the cores, so the figures only show that the path works."""
-    if cfg.quick:
-        cfg = dataclasses.replace(cfg, **QUICK)
     device = init_distributed(pick_device(cfg.device))
     dtype = pick_dtype(cfg.dtype, device)
     tokens, n = cfg.step_tokens[0], world_size()
-    lines = [f"| variant | ranks | tokens/s one rank alone | tokens/s per rank, DDP | tokens/s, all ranks | "
-             f"scaling efficiency |", "|---|---|---|---|---|---|"]
+    lines = ["| variant | ranks | tokens/s one rank alone | tokens/s per rank, DDP | tokens/s, all ranks | "
+             "scaling efficiency |", "|---|---|---|---|---|---|"]
     for variant in cfg.step_variants:
         alone = median_step_time(cfg, variant, device, dtype, parallel=False) if is_main_process() else 0.0
         barrier()
@@ -659,7 +655,7 @@ def main(argv: list[str]) -> None:
         if path:
             check_output_path(path, flag)
     if cfg.mode == "data":
-        print(bench_data(cfg))
+        print(bench_data())
         return
     if cfg.mode == "ddp":
         table = bench_ddp(cfg)

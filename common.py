@@ -570,6 +570,13 @@ def write_json(path: str | Path, obj: Any) -> None:
     print(f"results written to {path}", file=sys.stderr)
 
 
+def save_figure(fig: Any, path: str | Path) -> None:
+    """A matplotlib figure as an image file (the format from its extension), written atomically."""
+    with atomic_file(path) as f:
+        fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
 def save_results(result: dict, json_path: str, plot_path: str, plot: Callable[[dict, str], None]) -> None:
     """The --json and --plot outputs of a measuring script (bench.py, compare.py)."""
     if json_path:

@@ -15,13 +15,12 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from common import (DeviceName, DtypeName, check_output_path, check_ranges, checkpoint_model, format_metric,
                     import_pyplot, init_distributed, is_main_process, load_checkpoint, parse_flags,
-                    pick_device, run_main, save_results)
+                    pick_device, run_main, save_figure, save_results)
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -166,9 +165,7 @@ def plot_compare(result: dict, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}", file=sys.stderr)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> None:

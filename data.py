@@ -18,7 +18,6 @@ import importlib.util
 import itertools
 import json
 import multiprocessing
-import os
 import re
 import sys
 import time
@@ -333,10 +332,6 @@ PREPARE_RANGES = {"val_fraction": "(0, 1)", "max_docs": "[1, inf)", "max_tokens"
                   "num_proc": "[1, inf)"}
 
 
-def _check_config(cfg: PrepareConfig) -> None:
-    check_ranges(cfg, PREPARE_RANGES)
-
-
 def _source_id(cfg: PrepareConfig) -> str:
     """What a dataset folder was prepared from: a local path (resolved), or the hub id, subset and split."""
     if _source_kind(cfg.dataset) == "local":
@@ -369,7 +364,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     vouches for them) is written last. A failed or interrupted run leaves any earlier dataset in
     place, or no directory at all.
     """
-    _check_config(cfg)
+    check_ranges(cfg, PREPARE_RANGES)
     source, docs, total_docs = _open_corpus(cfg)
     enc = load_tokenizer(cfg.tokenizer)
     dtype = token_dtype(enc.n_vocab)
@@ -519,7 +514,8 @@ def check_split(path: Path, meta: dict, split: str, vocab_size: int | None = Non
     for start in range(0, len(tokens), _CHECK_CHUNK):  # one pass: the hash and the largest id
         chunk = tokens[start:start + _CHECK_CHUNK]
         sha256.update(chunk)
-        largest = max(largest, int(chunk.max()))
+        if vocab_size is not None:
+            largest = max(largest, int(chunk.max()))
     if sha256.hexdigest() != meta["checksums"].get(split):
         raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo}")
     if vocab_size is not None and largest >= vocab_size:

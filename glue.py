@@ -328,8 +328,8 @@ def fine_tune(cfg: GlueConfig) -> dict:
     validation = {}
     for split in task.validation:
         rows = load_split(cfg, split)
-        validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length),
-                             check_rows(rows, task, f"{where} {split}"))
+        labels = check_rows(rows, task, f"{where} {split}")  # before encoding: a missing column is one line
+        validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length), labels)
     model = load_encoder(cfg, ckpt, task, device)
     optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

@@ -64,6 +64,8 @@ class HFTokenizer:
         return self._ordinary.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        if num_threads == 1:  # one core, as data.py's tokenising processes expect (no library threads)
+            return [self.encode_ordinary(text) for text in texts]
         return [e.ids for e in self._ordinary.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str, allowed_special: Literal["all"] = "all") -> list[int]:

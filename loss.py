@@ -27,10 +27,7 @@ def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     `weight` is the input embedding E (weight tying, as in the paper's baselines) or a separate head.
     With `chunk_size`, the N x V logits are never held at once (see `chunked_cross_entropy`).
     """
-    if chunk_size:
-        return chunked_cross_entropy(h, weight, targets, chunk_size=chunk_size)
-    logits = at_least_fp32(h @ weight.T)
-    return F.cross_entropy(logits, targets)
+    return candidate_loss(h, weight, targets, chunk_size=chunk_size)
 
 
 def cwt_loss(
@@ -80,7 +77,9 @@ def candidate_loss(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tens
         return _sampled_contrastive(h, candidates, labels, temperature, num_negatives, generator, chunk_size)
     if chunk_size:
         return chunked_cross_entropy(h, candidates, labels, temperature, chunk_size)
-    scores = at_least_fp32(h @ candidates.T) / temperature
+    scores = at_least_fp32(h @ candidates.T)
+    if temperature != 1.0:  # x / 1 == x: spare a pass over scores that may be N x V
+        scores = scores / temperature
     return F.cross_entropy(scores, labels)
 
 
@@ -151,11 +150,7 @@ def gather_rows(x: torch.Tensor) -> torch.Tensor:
     """Every rank's rows of `x`, in rank order, differentiable (x itself without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
-    if not x.requires_grad:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
-    return _GatherRows.apply(x)
+    return _GatherRows.apply(x)  # token ids too: an integer tensor simply has no gradient to send back
 
 
 def global_cwt_loss(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
