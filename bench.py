@@ -113,6 +113,19 @@ def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
 # One configuration: set-up, step function and FLOPs
 
 
+def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int, gen: torch.Generator,
+               device: torch.device, causal: bool = True):
+    """A fresh model of the preset, its optimizer, and tokens / block sequences of block + 1 Zipf tokens."""
+    block = min(block_size, tokens)
+    if tokens % block:
+        raise UserError(f"step tokens {tokens} must be a multiple of --block_size={block}")
+    torch.manual_seed(seed)
+    model = build_model(preset, vocab, block_size=block, causal=causal).to(device)
+    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
+    seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
+    return model, optimizer, seq
+
+
 def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
     """Build the inputs for one configuration; returns ({variant: step_fn}, {variant: flops}, extra).
 
@@ -139,14 +152,10 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
         flops = {v: 6 * tokens * d * columns(v, vocab, targets) for v in variants}
         return {v: make(v) for v in variants}, flops, {"d_model": d}
 
-    block = min(spec["block_size"], tokens)
-    if tokens % block:
-        raise UserError(f"step tokens {tokens} must be a multiple of --block_size={block}")
-    torch.manual_seed(spec["seed"])
     mlm = spec["kind"] == "mlm"
-    model = build_model(spec["preset"], vocab, block_size=block, causal=not mlm).to(device)
-    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
-    seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
+    model, optimizer, seq = step_setup(spec["preset"], vocab, tokens, spec["block_size"], spec["seed"], gen,
+                                       device, causal=not mlm)
+    block = seq.size(1) - 1
     x, y = seq[:, :-1], seq[:, 1:]
     if mlm:  # BERT masking as train.py does it; the last id stands in for [MASK]
         x, y = data.mask_tokens(x, spec["seed"], 0, data.MaskSpec(vocab - 1, vocab - 1, ()))
@@ -395,13 +404,9 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
                      parallel: bool) -> float:
     """Median seconds of a full training step of the preset (step_tokens[0] tokens, vocab[0]); with
     `parallel`, through DistributedDataParallel (gradients averaged over all ranks)."""
-    vocab, tokens = cfg.vocab[0], cfg.step_tokens[0]
-    block = min(cfg.block_size, tokens)
     gen = torch.Generator().manual_seed(cfg.seed + rank())
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.preset, vocab, block_size=block).to(device)
-    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
-    seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
+    model, optimizer, seq = step_setup(cfg.preset, cfg.vocab[0], cfg.step_tokens[0], cfg.block_size, cfg.seed,
+                                       gen, device)
     objective = (data_parallel if parallel else ForwardWith)(model, parallel_step_loss)
     kw, loss_rng = parse_variant(variant), torch.Generator()
 
