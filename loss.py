@@ -40,6 +40,7 @@ def cwt_loss(
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    scope: Literal["local", "global"] = "local",
 ) -> torch.Tensor:
     """Contrastive Weight Tying: row i of `h` must pick out `e[i]`, the input embedding of its target.
 
@@ -55,14 +56,22 @@ def cwt_loss(
       positive is skipped.
     - `chunk_size=c`: same value and gradients, but at most c x `TILE_COLUMNS` scores exist at a time
       instead of N x N (see `chunked_cross_entropy`).
+    - `scope="global"` (under torchrun): the candidates are every rank's rows (the same N on each), as one
+      process computes over the concatenated batches; gradients reach the other ranks' embeddings.
     """
     h, e = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1))
-    if negatives == "unique":
+    n, first = h.size(0), 0
+    if scope == "global":
+        first = n * (dist.get_rank() if dist.is_initialized() else 0)  # this rank's rows among all ranks'
+        e = gather_rows(e)
+        targets = None if targets is None else gather_rows(targets.reshape(-1))
+    if negatives == "unique":  # deduplicated over every rank's targets with global scope
         if targets is None:
             raise ValueError("negatives='unique' needs the target ids (targets=...)")
         e, labels = unique_candidates(e, targets.reshape(-1))
+        labels = labels[first:first + n]
     elif negatives == "all":
-        labels = torch.arange(h.size(0), device=h.device)
+        labels = torch.arange(first, first + n, device=h.device)
     else:
         raise ValueError(f"negatives must be 'all' or 'unique', got {negatives!r}")
     return candidate_loss(h, e, labels, temperature, num_negatives, generator, chunk_size)
@@ -153,23 +162,6 @@ def gather_rows(x: torch.Tensor) -> torch.Tensor:
     return _GatherRows.apply(x)  # token ids too: an integer tensor simply has no gradient to send back
 
 
-def global_cwt_loss(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    negatives: Literal["all", "unique"] = "all", num_negatives: int | None = None,
-                    generator: torch.Generator | None = None, chunk_size: int | None = None) -> torch.Tensor:
-    """`cwt_loss` of this rank's rows (h, e, targets: N rows each, the same N on every rank) against the
-    candidates of all ranks' micro-batches: what one process computes over the concatenated batches.
-    Gradients reach the other ranks' embeddings through the gather."""
-    h, e, targets = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1)), targets.reshape(-1)
-    n, first = h.size(0), h.size(0) * (dist.get_rank() if dist.is_initialized() else 0)
-    candidates = gather_rows(e)
-    if negatives == "unique":  # deduplicated over every rank's targets
-        candidates, labels = unique_candidates(candidates, gather_rows(targets))
-        labels = labels[first:first + n]
-    else:
-        labels = torch.arange(first, first + n, device=h.device)
-    return candidate_loss(h, candidates, labels, temperature, num_negatives, generator, chunk_size)
-
-
 LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
 
 
@@ -206,17 +198,17 @@ def training_loss(
     """
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     contrastive = dict(temperature=temperature, targets=targets, negatives=negatives,
-                       num_negatives=num_negatives, generator=generator, chunk_size=chunk_size)
-    contrastive_loss = global_cwt_loss if negatives_scope == "global" else cwt_loss
+                       num_negatives=num_negatives, generator=generator, chunk_size=chunk_size,
+                       scope=negatives_scope)
     if loss == "ce":
         return ce_loss(h, output_weight, targets, chunk_size)
     if loss == "cwt":
-        return contrastive_loss(h, input_embedding[targets], **contrastive)
+        return cwt_loss(h, input_embedding[targets], **contrastive)
     if loss == "ce+cwt":
         return (ce_loss(h, output_weight, targets, chunk_size)
-                + contrastive_loss(h, input_embedding[targets], **contrastive))
+                + cwt_loss(h, input_embedding[targets], **contrastive))
     if loss == "nce":
-        return contrastive_loss(h, output_weight[targets], **contrastive)
+        return cwt_loss(h, output_weight[targets], **contrastive)
     raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
 
 

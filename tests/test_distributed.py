@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import common
 import model
 import train
-from loss import cwt_loss, global_cwt_loss
+from loss import cwt_loss
 from train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +77,7 @@ def _global_negatives_on_rank(out: Path) -> None:
     result = {}
     for negatives in ("all", "unique"):
         h, e = h_all[rows].clone().requires_grad_(), e_all[rows].clone().requires_grad_()
-        loss = global_cwt_loss(h, e, t_all[rows], temperature=0.5, negatives=negatives)
+        loss = cwt_loss(h, e, 0.5, targets=t_all[rows], negatives=negatives, scope="global")
         loss.backward()
         result[negatives] = (loss.detach(), h.grad, e.grad)
     torch.save(result, out / f"negatives{rank}.pt")
