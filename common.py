@@ -138,9 +138,9 @@ def _read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def flags_help(cls: type, defaults: dict[str, Any] | None = None) -> str:
+def flags_help(cls: type) -> str:
     """The running script's docstring, then every setting with its type and default."""
-    hints, defaults = typing.get_type_hints(cls), defaults or {}
+    hints = typing.get_type_hints(cls)
     lines = [(sys.modules["__main__"].__doc__ or "").strip(), "", "settings (--key=value):"]
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
@@ -152,8 +152,7 @@ def flags_help(cls: type, defaults: dict[str, Any] | None = None) -> str:
             choices = _choices(typing.get_args(kind))
         shown = "|".join(map(str, choices)) if choices else getattr(kind, "__name__", str(kind))
         shown += " (or none)" if optional else " (repeat the flag)" if f.metadata.get("repeatable") else ""
-        default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING
-                               else f.default_factory())
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  --{f.name:<16} {shown:<28} default: {default!r}")
     return "\n".join(lines)
 
