@@ -39,11 +39,13 @@ from typing import Callable, Literal
 import torch
 
 import data
-from common import (DeviceName, DtypeName, ForwardWith, UserError, all_reduce_sum, autocast_context, barrier,
-                    check_output_path, check_ranges, data_parallel, first_line, import_pyplot,
-                    init_distributed, is_main_process, optimizer_step, parse_flags, peak_flops, pick_device,
-                    pick_dtype, rank, run_main, save_figure, save_results, world_size)
+from common import (DeviceName, DtypeName, UserError, all_reduce_sum, autocast_context, barrier, first_line,
+                    in_range, init_distributed, is_main_process, parse_flags, peak_flops, pick_device,
+                    pick_dtype, rank, run_main, world_size)
 from loss import masked_rows, scored_columns, training_loss
+from masking import NOT_MASKED, MaskSpec, mask_tokens
+from results import check_output_path, import_pyplot, save_figure, save_results
+from train import Objective, TrainConfig, optimizer_step
 from model import PRESETS, PresetName, build_model
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
@@ -76,9 +78,13 @@ class BenchConfig:
     gpu_check: bool = False  # run the GPU check instead (see gpu_check)
 
 
-BENCH_RANGES = {"vocab": "[2, inf)", "tokens": "[1, inf)", "step_tokens": "[1, inf)",
-                "block_size": "[1, inf)", "max_logits": "[1, inf)", "warmup": "[0, inf)",
-                "repeats": "[1, inf)"}
+def check_config(cfg: BenchConfig) -> None:
+    for name in ("tokens", "step_tokens", "block_size", "max_logits", "repeats"):
+        in_range(cfg, name, 1)
+    in_range(cfg, "vocab", 2)
+    in_range(cfg, "warmup", 0)
+
+
 QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512],
              variants=["ce", "cwt", "cwt-unique", "cwt-k128"], step_tokens=[512], repeats=3)
 
@@ -158,7 +164,7 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
     block = seq.size(1) - 1
     x, y = seq[:, :-1], seq[:, 1:]
     if mlm:  # BERT masking as train.py does it; the last id stands in for [MASK]
-        x, y = data.mask_tokens(x, spec["seed"], 0, data.MaskSpec(vocab - 1, vocab - 1, ()))
+        x, y = mask_tokens(x, spec["seed"], 0, MaskSpec(vocab - 1, vocab - 1, ()))
 
     def make(variant):
         kw = parse_variant(variant)
@@ -171,7 +177,7 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
             loss.backward()
             optimizer_step(optimizer, model.parameters())
         return step
-    scored = y[y != data.NOT_MASKED] if mlm else y.reshape(-1)  # the positions the loss scores
+    scored = y[y != NOT_MASKED] if mlm else y.reshape(-1)  # the positions the loss scores
     flops = {v: tokens * model.flops_per_token(block, 0) + 6 * model.config.d_model * scored.numel()
              * columns(v, vocab, scored) for v in variants}
     return {v: make(v) for v in variants}, flops, {"d_model": model.config.d_model, "block_size": block,
@@ -257,12 +263,19 @@ def bench_data() -> str:
     """Tokenisation throughput (1 and 2 processes) and batch-serving throughput, side by side."""
     data.load_tokenizer("gpt2")  # built once, outside the timings
     # Each speech is one document: many small documents, like TinyStories or web text.
-    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data._play_files()]
+    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()]
     docs = [speech for play in plays for speech in play.split("\n\n")]
     rows = []
     for num_proc in (1, 2):
         start = time.perf_counter()
-        n = sum(len(t) for t in data._encode_documents(docs, "gpt2", num_proc))
+        items = (("train", doc, True) for doc in docs)
+        if num_proc == 1:
+            encoded = data.encode_batches(items, "gpt2")
+        else:
+            from corpora import encode_in_processes
+
+            encoded = encode_in_processes(items, "gpt2", num_proc)
+        n = sum(len(ids) for _, ids, _ in encoded)
         seconds = time.perf_counter() - start
         rows.append((f"tokenise, num_proc={num_proc}", f"{len(docs) / seconds:,.0f} docs/s", n / seconds))
     tokens = data.open_split(data.ensure_dataset("shakespeare"), "train")
@@ -287,7 +300,7 @@ def bench_data() -> str:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every configuration of the grid; returns {"meta": ..., "rows": [...]}."""
-    check_ranges(cfg, BENCH_RANGES)
+    check_config(cfg)
     for v in cfg.variants + cfg.step_variants:
         parse_variant(v)
     warn_if_every_negative(cfg)
@@ -396,10 +409,6 @@ def plot_bench(result: dict, path: str) -> None:
 # Several ranks (torchrun): tokens/s per rank and scaling efficiency
 
 
-def parallel_step_loss(model, x: torch.Tensor, y: torch.Tensor, kw: dict, generator) -> torch.Tensor:
-    return training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, generator=generator, **kw)
-
-
 def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype: torch.dtype,
                      parallel: bool) -> float:
     """Median seconds of a full training step of the preset (step_tokens[0] tokens, vocab[0]); with
@@ -407,12 +416,15 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
     gen = torch.Generator().manual_seed(cfg.seed + rank())
     model, optimizer, seq = step_setup(cfg.preset, cfg.vocab[0], cfg.step_tokens[0], cfg.block_size, cfg.seed,
                                        gen, device)
-    objective = (data_parallel if parallel else ForwardWith)(model, parallel_step_loss)
     kw, loss_rng = parse_variant(variant), torch.Generator()
+    objective = Objective(model, TrainConfig(loss=kw["loss"], negatives=kw["negatives"],
+                                             num_negatives=kw["num_negatives"], loss_chunk_size=kw["chunk_size"] or 0))
+    if parallel and torch.distributed.is_initialized():
+        objective = torch.nn.parallel.DistributedDataParallel(objective)
 
     def step():
         with autocast_context(device, dtype):
-            loss = objective(seq[:, :-1], seq[:, 1:], kw, loss_rng)
+            loss = objective(seq[:, :-1], seq[:, 1:], loss_rng)
         loss.backward()
         optimizer_step(optimizer, model.parameters())
     return statistics.median(time_interleaved({variant: step}, cfg.warmup, cfg.repeats, device)[variant])
@@ -655,7 +667,7 @@ def main(argv: list[str]) -> None:
         report, ok = gpu_check()
         print(report)
         sys.exit(0 if ok else 1)
-    check_ranges(cfg, BENCH_RANGES)
+    check_config(cfg)
     for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
         if path:
             check_output_path(path, flag)

@@ -18,9 +18,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import (DeviceName, DtypeName, check_output_path, check_ranges, checkpoint_model, format_metric,
-                    import_pyplot, init_distributed, is_main_process, load_checkpoint, parse_flags,
-                    pick_device, run_main, save_figure, save_results)
+from common import (DeviceName, DtypeName, checkpoint_model, in_range, init_distributed, is_main_process,
+                    load_checkpoint, parse_flags, pick_device, run_main)
+from results import check_output_path, format_metric, import_pyplot, save_figure, save_results
 from data import ensure_dataset, load_meta, load_tokenizer
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
@@ -52,9 +52,13 @@ class CompareConfig:
     quick: bool = False  # a few steps, for tests
 
 
-COMPARE_RANGES = {"block_size": "[2, inf)", "batch_size": "[1, inf)", "ce_iters": "[1, inf)",
-                  "finetune_fraction": "(0, 1]", "lr": "(0, inf)", "warmup_fraction": "[0, 1]",
-                  "evals": "[1, inf)", "eval_batches": "[1, inf)"}
+def check_config(cfg: CompareConfig) -> None:
+    for name in ("batch_size", "ce_iters", "evals", "eval_batches"):
+        in_range(cfg, name, 1)
+    in_range(cfg, "block_size", 2)
+    in_range(cfg, "finetune_fraction", 0, 1, "(]")
+    in_range(cfg, "lr", 0, ends="(]")
+    in_range(cfg, "warmup_fraction", 0, 1)
 
 
 def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
@@ -170,7 +174,7 @@ def plot_compare(result: dict, path: str) -> None:
 
 def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
-    check_ranges(cfg, COMPARE_RANGES)
+    check_config(cfg)
     for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
         if path:
             check_output_path(path, flag)

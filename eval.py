@@ -24,7 +24,6 @@ vocabulary. Batches are right-padded: under causal attention pads never reach a 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import sys
@@ -38,11 +37,11 @@ import torch.nn.functional as F
 
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, autocast_context, check_output_path,
-                    check_ranges, checkpoint_model, first_line, format_metric, load_checkpoint, parse_flags,
-                    pick_device, pick_dtype, rank, run_main, world_size, write_json)
-from data import MaskSpec, ensure_dataset, load_tokenizer, mask_tokens, open_split, sequential_batches
-from loss import contrastive_accuracy, cwt_loss, masked_rows
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line, in_range,
+                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from data import ensure_dataset, load_tokenizer, open_split
+from results import check_output_path, format_metric, write_json
+from train import contrastive_table, evaluate
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -57,79 +56,13 @@ class EvalConfig:
     dtype: DtypeName = "float32"  # as lm-evaluation-harness; bfloat16 (autocast) on request
     max_examples: int | None = None  # lambada: only the first N texts (quick runs; not comparable)
     split: Literal["train", "val"] = "val"  # val: which split of the checkpoint's dataset
+    dataset: str | None = None  # val: a prepared dataset (default: the checkpoint's), under --data_root
+    data_root: str = "data"  # where datasets are read and prepared: never taken from the checkpoint
     max_batches: int | None = None  # val: stop after this many batches (default: the whole split)
     json: str | None = None  # also write the results to this file
 
 
-EVAL_RANGES = {"batch_size": "[1, inf)", "max_examples": "[1, inf)", "max_batches": "[1, inf)"}
 LAMBADA_BATCH = 16
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation loss (also what train.py reports during training)
-
-
-def contrastive_table(model, loss: str) -> torch.Tensor | None:
-    """The table a run's contrastive objective scores against: the input embeddings E for `cwt` and
-    `ce+cwt`, the separate output table for `nce`, none for `ce`."""
-    return {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
-
-
-def validation_table(model, loss: str, mask: MaskSpec | None) -> torch.Tensor | None:
-    """What validation's contrastive metrics score against: the objective's own table; an encoder reports
-    them for every objective (against the tied E for `ce`), as the paper's encoder tables compare them."""
-    table = contrastive_table(model, loss)
-    return model.output_weight if table is None and mask is not None else table
-
-
-VAL_MASK_SEED = 0  # validation masks: the same for every run, whatever its --seed
-
-
-@torch.no_grad()
-def evaluate(model, tokens, batch_size: int, block_size: int, device: torch.device,
-             dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             contrastive: torch.Tensor | None = None, temperature: float = 1.0,
-             mask: MaskSpec | None = None) -> dict[str, float]:
-    """Validation metrics on a deterministic sequential pass, comparable across training losses.
-
-    `val_ce` always scores through `model(idx)`: the LM head if any, else the tied input embeddings.
-    Given a `contrastive` table (`validation_table`), also the contrastive loss (paper definition, in-batch
-    negatives) and its top-1 accuracy against it.
-    With a `mask` (an encoder), batch i is masked as in training but with fixed masks
-    (mask_tokens(VAL_MASK_SEED, i)), and every metric is over the masked positions only, so every
-    checkpoint and objective is scored on the same positions.
-    Under torchrun every rank scores every world_size-th batch and the sums are added up over ranks:
-    the same batches and figures as one process, in 1/world_size of the time.
-    """
-    was_training = model.training
-    model.eval()
-    total_ce, total_tokens, cwt_sum, acc_sum, n_batches = 0.0, 0, 0.0, 0.0, 0
-    batches = enumerate(sequential_batches(tokens, batch_size, block_size, device, max_batches))
-    for i, (x, y) in itertools.islice(batches, rank(), None, world_size()):
-        if mask is not None:
-            x, y = mask_tokens(x, VAL_MASK_SEED, i, mask)
-        with autocast_context(device, dtype):
-            h, y = masked_rows(model.hidden(x), y) if mask is not None else (model.hidden(x), y)
-            logits = model.logits(h).float()
-            total_ce += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
-                                        reduction="sum").item()
-            if contrastive is not None:
-                e = contrastive[y]
-                cwt_sum += cwt_loss(h, e, temperature).item()
-                acc_sum += contrastive_accuracy(h, e, y).item()
-        total_tokens += y.numel()
-        n_batches += 1
-    model.train(was_training)
-    sums = torch.tensor([total_ce, total_tokens, cwt_sum, acc_sum, n_batches], dtype=torch.float64,
-                        device=device)
-    total_ce, total_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
-    if n_batches == 0:
-        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    val_ce = total_ce / total_tokens
-    metrics = {"val_ce": val_ce, "val_ppl": math.exp(min(val_ce, 700.0))}
-    if contrastive is not None:
-        metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
-    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,26 +213,30 @@ def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype:
             "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
 
 
-def run_val(cfg: EvalConfig, model, train_cfg: dict, device: torch.device, dtype: torch.dtype,
-            spec: dict | None = None) -> dict:
-    if "dataset" not in train_cfg:
-        raise UserError(f"{cfg.ckpt} does not record its dataset (train_config); "
-                        "--task=val needs a train.py checkpoint")
-    data_dir = ensure_dataset(train_cfg["dataset"], train_cfg.get("data_root", "data"))
-    tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
+def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Validation metrics as train.py computes them, on the checkpoint's dataset (or --dataset), looked up
+    under this command's --data_root: a checkpoint never decides where data is read or written."""
+    train_cfg = ckpt.get("train_config") or {}
+    dataset = cfg.dataset or train_cfg.get("dataset")
+    if not dataset:
+        raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
+    tokens = open_split(ensure_dataset(dataset, cfg.data_root), cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
+    mask = None
+    if train_cfg.get("objective") == "mlm":
+        from masking import MaskSpec
+
+        mask = MaskSpec(**ckpt["mask_spec"])
     start = time.time()
-    mask = MaskSpec(**spec) if train_cfg.get("objective") == "mlm" else None
     metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
-                       validation_table(model, train_cfg.get("loss", "ce"), mask),
-                       train_cfg.get("temperature", 1.0), mask)
+                       contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
+                       train_cfg.get("temperature", 1.0), None, mask)
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
-    print(f"{cfg.split} ({train_cfg['dataset']}): {shown} | {n / seconds:,.0f} tokens/s")
-    return {"task": "val", "split": cfg.split, "dataset": train_cfg["dataset"], "n": n,
-            "ce": metrics["val_ce"], "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds,
-            "seconds": seconds}
+    print(f"{cfg.split} ({dataset}): {shown} | {n / seconds:,.0f} tokens/s")
+    return {"task": "val", "split": cfg.split, "dataset": dataset, "n": n, "ce": metrics["val_ce"],
+            "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
 
 
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
@@ -313,7 +250,8 @@ def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
 
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(EvalConfig, argv)
-    check_ranges(cfg, EVAL_RANGES)
+    for name in ("batch_size", "max_examples", "max_batches"):
+        in_range(cfg, name, 1)
     if cfg.json:
         check_output_path(cfg.json, "json")
     device = pick_device(cfg.device)
@@ -326,7 +264,7 @@ def main(argv: list[str]) -> dict:
             raise UserError(f"{cfg.ckpt} is a masked-LM encoder: LAMBADA needs a causal model; use glue.py")
         result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
     else:
-        result = run_val(cfg, model, ckpt.get("train_config") or {}, device, dtype, ckpt.get("mask_spec"))
+        result = run_val(cfg, model, ckpt, device, dtype)
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type,
               "dtype": str(dtype).removeprefix("torch."), "batch_size": cfg.batch_size}
     if cfg.json:

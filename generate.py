@@ -1,12 +1,11 @@
-"""Sample text from a trained checkpoint, streaming it to the terminal as it is produced.
+"""Sample text from a checkpoint, streaming it to the terminal as it is produced.
 
     python generate.py --prompt="ROMEO:"                          # out/ckpt.pt, as train.py writes it
-    python generate.py --ckpt=out/ckpt.pt --prompt="To be" --prompt="Once upon" --num_samples=3
+    python generate.py --ckpt=out-ft/ckpt.pt --prompt="To be" --prompt="Once upon" --num_samples=3
     python generate.py --prompt_file=prompts.txt --temperature=0  # greedy; prompts split by blank lines
 
-Settings are the fields of `GenerateConfig` (`--key=value`); repeat `--prompt` for several prompts.
-Works on CE checkpoints, fine-tuned headless ones (through their LM head) and raw headless ones
-(scored against the tied input embeddings, which are not calibrated: finetune.py gives better text).
+Works on CE checkpoints, fine-tuned headless ones (through their LM head) and raw headless ones (scored
+against the tied input embeddings, which are not calibrated: finetune.py gives better text).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, check_ranges, checkpoint_model,
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, repeatable, run_main)
 from data import load_tokenizer
 from model import GPT, KVCache
@@ -32,9 +31,9 @@ class GenerateConfig:
     prompt: list[str] = repeatable()  # the text to continue; repeat --prompt=... for several prompts
     prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
     max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first
-    temperature: float = 0.8  # 0 = greedy (always the most likely token)
-    top_k: int = 200  # sample among the k most likely tokens only (0 = off)
-    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p (1 = off)
+    temperature: float = 0.8  # 0: greedy (always the most likely token)
+    top_k: int = 200  # sample among the k most likely tokens only (0: off)
+    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p (1: off)
     num_samples: int = 1  # samples per prompt
     seed: int = 1337
     kv_cache: bool = True  # false: recompute the whole context for every token (slow; for checking)
@@ -42,32 +41,28 @@ class GenerateConfig:
     dtype: DtypeName = "auto"
 
 
-# ----------------------------------------------------------------------------------------------
-# Sampling (pure functions: no files, no prints)
-
-
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to -inf all but the top_k largest logits (ties with the k-th are kept), then all but the
-    smallest set of most likely tokens whose probability reaches top_p. Works on (..., V); the most
-    likely token always survives. top_k=0 and top_p=1 turn each filter off."""
+    """All but the top_k largest logits (ties with the k-th kept), then all but the smallest set of most
+    likely tokens reaching probability top_p, set to -inf; on (..., V). The most likely token survives."""
     if 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k, dim=-1).values[..., -1:], float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (never the first one).
-        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens ranked above already reach top_p
+        drop[..., 0] = False  # even when top_p rounds to 0 in fp32
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
 
 
 def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  generator: torch.Generator | None = None) -> int:
-    """One token id from fp32 logits (V,): argmax at temperature 0, else a filtered softmax draw."""
+    """One token id from logits (V,): the argmax at temperature 0, else a filtered softmax draw."""
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model's scores are not finite (NaN or infinite weights?)")
     if temperature == 0:
         return int(logits.argmax())
-    probs = filter_logits(logits / temperature, top_k, top_p).softmax(dim=-1)
+    probs = filter_logits(logits.double() / temperature, top_k, top_p).softmax(dim=-1)  # fp64: tiny temperatures
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -75,27 +70,22 @@ def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
 def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eot_token: int | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, vocab_size: int | None = None) -> Iterator[int]:
-    """Yield up to max_new_tokens new token ids, one at a time; stop (without yielding it) at eot_token.
+    """Yield up to max_new_tokens new ids, one at a time; stop (without yielding it) at eot_token.
 
-    With `use_cache`, a KVCache holds past keys/values, so each new token runs the model on one
-    position. Within the context window (block_size) both paths see the same tokens at the same
-    positions, so greedy output is identical. Past it, generation goes on over a sliding window: without
-    the cache the model re-reads the last block_size tokens for every token; with it, the full cache is
-    rebuilt from the last block_size // 2 tokens (one half-window re-prefill every block_size // 2 tokens,
-    so about two positions per token instead of a whole window per token).
-    `vocab_size` limits sampling to the tokenizer's ids (the model's vocabulary is padded). Run the model
-    in eval mode; under autocast the cache is kept in the autocast dtype.
+    With the KV cache each new token runs the model on one position; both paths see the same tokens at the
+    same positions, so greedy output is identical. Past the window, generation slides: without the cache
+    the model re-reads the last block_size tokens; with it, a full cache is rebuilt from the last half
+    window (about two positions per token instead of a window). `vocab_size` keeps sampling within the
+    tokenizer's ids (the model's vocabulary is padded). Under autocast the cache is in the autocast dtype.
     """
     if not prompt_ids:
         raise ValueError("generate() needs at least one prompt token")
-    block, device = model.config.block_size, model.wte.weight.device
-    ids = list(prompt_ids)
-    todo = ids[-block:]  # the tokens the model must still read before predicting the next one
-    cache = None
+    block, device, ids = model.config.block_size, model.wte.weight.device, list(prompt_ids)
+    todo, cache = ids[-block:], None  # the tokens the model must still read
     if use_cache:
         autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
-        cache = KVCache(model.config, 1, device, dtype)
+        cache = KVCache(model.config, 1, device,
+                        torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype)
     for _ in range(max_new_tokens):
         if cache is None:
             todo = ids[-block:]
@@ -103,8 +93,7 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
             cache.reset()
             todo = ids[-max(1, block // 2):]
         h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]
-        logits = model.logits(h).float()[:vocab_size]  # the last position's scores only
-        token = sample_token(logits, temperature, top_k, top_p, generator)
+        token = sample_token(model.logits(h).float()[:vocab_size], temperature, top_k, top_p, generator)
         if token == eot_token:
             return
         ids.append(token)
@@ -112,58 +101,28 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
         yield token
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-GENERATE_RANGES = {"temperature": "[0, inf)", "top_k": "[0, inf)", "top_p": "(0, 1]",
-                   "max_new_tokens": "[1, inf)", "num_samples": "[1, inf)"}
-
-
-def check_config(cfg: GenerateConfig) -> None:
-    """Reject sampling settings that cannot work, before loading anything."""
-    check_ranges(cfg, GENERATE_RANGES)
-
-
 def read_prompts(cfg: GenerateConfig) -> list[str]:
-    """Every --prompt, then the prompts of --prompt_file."""
+    """Every --prompt, then the prompts of --prompt_file (separated by blank lines)."""
     prompts = list(cfg.prompt)
     if cfg.prompt_file:
         path = Path(cfg.prompt_file)
         if not path.is_file():
             raise UserError(f"prompt file {path} not found; pass --prompt_file=PATH to a text file")
         try:
-            text = path.read_text(encoding="utf-8")
+            prompts += [p.strip() for p in re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8")) if p.strip()]
         except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8"
-                            ) from None
-        in_file = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
-        if not in_file:
-            raise UserError(f"prompt file {path} holds no prompts; separate prompts by blank lines")
-        prompts += in_file
+            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     if not prompts:
         raise UserError("no prompt given; pass --prompt=TEXT (repeat for several) or --prompt_file=PATH")
     return prompts
 
 
-def calibration_note(ckpt: dict) -> str | None:
-    """Raw contrastive checkpoints (cwt, nce) score tokens without calibrated probabilities."""
-    loss = ckpt.get("train_config", {}).get("loss")
-    if loss not in ("cwt", "nce"):
-        return None
-    return (f"note: a raw headless checkpoint (--loss={loss}): its next-token scores are not calibrated "
-            "probabilities; fine-tuning an LM head with finetune.py gives better text")
-
-
 def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out=None) -> int:
-    """Print the prompt, then the text of each new token as it arrives; returns the number of tokens.
-
-    Decodes the whole sequence and prints the new suffix, holding it back while it ends in an
-    incomplete UTF-8 character (a U+FFFD from a multi-byte character split across tokens)."""
+    """Print the prompt, then each new token's text as it arrives; returns the number of new tokens. Text
+    ending in an incomplete UTF-8 character (U+FFFD: a character split across tokens) is held back."""
     out, ids, shown = out or sys.stdout, list(prompt_ids), 0
-    for token in itertools.chain([None], new_tokens):  # None: print the prompt before the first token
-        if token is not None:
-            ids.append(token)
+    for token in itertools.chain([None], new_tokens):  # None: the prompt, before the first token
+        ids += [] if token is None else [token]
         text = tokenizer.decode(ids)
         if not text.endswith("\ufffd"):
             out.write(text[shown:])
@@ -175,45 +134,48 @@ def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out
 
 def main(argv: list[str]) -> None:
     cfg = parse_flags(GenerateConfig, argv)
-    check_config(cfg)
-    prompts = read_prompts(cfg)
-    device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt)
+    for name in ("top_k", "max_new_tokens", "num_samples"):
+        in_range(cfg, name, 0 if name == "top_k" else 1)
+    in_range(cfg, "top_p", 0, 1, "(]")
+    in_range(cfg, "temperature", 0, 100)
+    if 0 < cfg.temperature < 1e-3:
+        raise UserError(f"--temperature={cfg.temperature} is too small to mean anything but greedy; use 0 "
+                        "(greedy) or at least 1e-3")
+    prompts, device = read_prompts(cfg), pick_device(cfg.device)
+    dtype, ckpt = pick_dtype(cfg.dtype, device), load_checkpoint(cfg.ckpt)
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
-        raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate "
-                        "text; fine-tune it with glue.py, or train a decoder (--objective=causal)")
+        raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "
+                        "fine-tune it with glue.py, or train a decoder (--objective=causal)")
     tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
     if tokenizer.n_vocab > model.config.vocab_size:
-        raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} "
-                        f"has {tokenizer.n_vocab}: the checkpoint's data_meta names the wrong tokenizer")
+        raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} has "
+                        f"{tokenizer.n_vocab}: the checkpoint's data_meta names the wrong tokenizer")
     encoded = [tokenizer.encode_ordinary(p) for p in prompts]
-    block = model.config.block_size
     for i, ids in enumerate(encoded):
         which = f"prompt {i + 1}" if len(encoded) > 1 else "the prompt"
-        if not ids:
-            raise UserError(f"{which} is empty; pass some text to continue")
-        if len(ids) > block:
-            raise UserError(f"{which} is {len(ids)} tokens but the model's context is {block}; shorten it")
-    if note := calibration_note(ckpt):
-        print(note, file=sys.stderr)
-
+        if not 0 < len(ids) <= model.config.block_size:
+            raise UserError(f"{which} is {len(ids)} tokens but must be 1 to {model.config.block_size} (the "
+                            "model's context); pass some text, or shorten it")
+    if ckpt.get("train_config", {}).get("loss") in ("cwt", "nce"):
+        print(f"note: a raw headless checkpoint (--loss={ckpt['train_config']['loss']}): its scores are not "
+              "calibrated probabilities; fine-tuning an LM head with finetune.py gives better text", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     runs = [(i, s) for i in range(len(encoded)) for s in range(cfg.num_samples)]
     n_tokens, start = 0, time.perf_counter()
     with autocast_context(device, dtype):
         for i, s in runs:
             if len(runs) > 1:
-                print(f"---------- prompt {i + 1}/{len(encoded)}, "
-                      f"sample {s + 1}/{cfg.num_samples} ----------")
+                print(f"---------- prompt {i + 1}/{len(encoded)}, sample {s + 1}/{cfg.num_samples} ----------")
             tokens = generate(model, encoded[i], cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                               tokenizer.eot_token, cfg.kv_cache, generator, tokenizer.n_vocab)
-            n_tokens += stream_text(tokenizer, encoded[i], tokens)
+            try:
+                n_tokens += stream_text(tokenizer, encoded[i], tokens)
+            except ValueError as e:  # non-finite scores
+                raise UserError(f"{cfg.ckpt}: {e}; the checkpoint is damaged or diverged") from None
     elapsed = time.perf_counter() - start
     print(f"{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s "
-          f"({'kv cache' if cfg.kv_cache else 'no cache'}, {device.type}, "
-          f"{str(dtype).removeprefix('torch.')})",
+          f"({'kv cache' if cfg.kv_cache else 'no cache'}, {device.type}, {str(dtype).removeprefix('torch.')})",
           file=sys.stderr)
 
 

@@ -36,10 +36,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, check_output_path, check_ranges,
-                    checkpoint_model, load_checkpoint, optimizer_step, parse_flags, pick_device, pick_dtype,
-                    run_main, write_json)
-from data import _load_dataset, load_tokenizer
+from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
+                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from data import load_tokenizer
+from results import check_output_path, write_json
+from train import optimizer_step
 from model import GPT
 
 GLUE_HUB = "nyu-mll/glue"
@@ -164,7 +165,9 @@ def read_rows(path: Path) -> list[dict]:
 def load_split(cfg: GlueConfig, split: str) -> list[dict]:
     if cfg.data:
         return read_rows(Path(cfg.data) / f"{split}.jsonl")
-    rows = _load_dataset(f"{GLUE_HUB} {cfg.task} {split}", "offline? pass --data=DIR with .jsonl files",
+    from corpora import load  # the datasets library, through the real-corpora extra
+
+    rows = load(f"{GLUE_HUB} {cfg.task} {split}", "offline? pass --data=DIR with .jsonl files",
                          GLUE_HUB, cfg.task, split=split)
     return rows.to_list()
 
@@ -279,13 +282,14 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
 # Fine-tuning
 
 
-GLUE_RANGES = {"epochs": "[1, inf)", "batch_size": "[1, inf)", "max_length": "[2, inf)",
-               "max_train_examples": "[1, inf)", "lr": "(0, inf)", "warmup_fraction": "[0, 1)",
-               "weight_decay": "[0, inf)", "dropout": "[0, 1)"}
-
-
 def check_config(cfg: GlueConfig) -> None:
-    check_ranges(cfg, GLUE_RANGES)
+    for name in ("epochs", "batch_size", "max_train_examples"):
+        in_range(cfg, name, 1)
+    in_range(cfg, "max_length", 2)
+    in_range(cfg, "lr", 0, ends="(]")
+    in_range(cfg, "weight_decay", 0)
+    for name in ("warmup_fraction", "dropout"):
+        in_range(cfg, name, 0, 1, "[)")
     if cfg.json:
         check_output_path(cfg.json, "json")
 

@@ -1,12 +1,13 @@
-"""Pre-train a decoder LM with cross-entropy or the headless Contrastive Weight Tying objective.
+"""Pre-train a language model headless, with Contrastive Weight Tying (CWT), or with cross-entropy.
 
-    python train.py                                   # tiny model, built-in Shakespeare, CWT, CPU ok
-    python train.py --loss=ce                         # the usual vocabulary head (tied weights)
-    python train.py --preset=pythia-70m --dataset=roneneldan/TinyStories --compile
-    python train.py --objective=mlm --preset=bert-tiny               # a headless masked-LM encoder
+    python train.py                                   # tiny model, built-in Shakespeare, CWT: CPU ok
+    python train.py --loss=ce --out_dir=out-ce        # the usual vocabulary head (tied to E)
+    python train.py --preset=pythia-70m --dataset=tinystories --compile     # the paper's decoder, a GPU
+    torchrun --standalone --nproc_per_node=8 train.py ...                   # several GPUs
 
-Settings are the fields of `TrainConfig`, overridden by `--key=value` flags or `--config=FILE.json|toml`.
-finetune.py and compare.py run this same loop (`train(cfg)`).
+Settings are TrainConfig's fields: --key=value flags or --config=FILE.json|toml (--help lists them).
+It reads top to bottom: settings, where the weights come from, the objective, validation, checkpoints,
+and the loop. finetune.py and compare.py run this same loop through train(cfg).
 """
 from __future__ import annotations
 
@@ -16,48 +17,43 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
-import numpy as np
 import torch
 
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, any_rank, atomic_write_text,
-                    autocast_context, barrier, check_ranges, checkpoint_model, count_ranks, data_parallel,
-                    format_duration, format_metric, gradient_sync, hold_lock, init_distributed,
-                    is_main_process, load_checkpoint, main_process_first, optimizer_step, parse_flags,
-                    peak_flops, pick_device, pick_dtype, rank, remove_stale_temps, run_main, save_checkpoint,
-                    world_size)
-from data import (MASK_RATE, BatchSampler, MaskSpec, ensure_dataset, load_meta, mask_spec, mask_tokens,
-                  open_split)
-from eval import evaluate, validation_table
-from loss import LossName, masked_rows, scored_columns, training_loss
+from common import (DeviceName, DiskFullError, DtypeName, UserError, all_reduce_sum, atomic_file,
+                    autocast_context, barrier, checkpoint_model, count_ranks, hold_lock, in_range,
+                    init_distributed, is_main_process, load_checkpoint, need_extra, parse_flags, peak_flops,
+                    pick_device, pick_dtype, rank, remove_stale_temps, run_main, world_size)
+from data import BatchSampler, ensure_dataset, load_meta, open_split, sequential_batches
+from loss import LossName, contrastive_accuracy, ce_loss, cwt_loss, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
 
 @dataclass
 class TrainConfig:
-    # data
+    # data and model
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
     data_root: str = "data"
-    # model
     preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
-    block_size: int | None = None  # context length; default: the preset's (tiny: 256)
+    block_size: int | None = None  # context length; default: the preset's
     dropout: float = 0.0
     # objective
-    objective: Literal["causal", "mlm"] = "causal"  # mlm: BERT masking, bidirectional attention
+    objective: Literal["causal", "mlm"] = "causal"  # mlm: BERT masking, bidirectional attention (masking.py)
     loss: LossName = "cwt"
     temperature: float = 1.0
-    negatives: Literal["all", "unique"] = "all"  # "unique": distinct target tokens only (not in paper)
-    num_negatives: int | None = None  # score against a random subset of k candidates (not in paper)
-    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns); 0 = off
-    # candidates: this rank's micro-batch (paper), or every rank's (global, under torchrun; not in paper)
-    negatives_scope: Literal["local", "global"] = "local"
+    untied_head: bool = False  # ce: a separate output matrix, as Pythia's config (the paper's CE ties it)
+    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns) (chunked.py)
+    negatives: Literal["all", "unique"] = "all"  # unique: each distinct target token once (negatives.py)
+    num_negatives: int | None = None  # score a random subset of k candidates (negatives.py)
+    negatives_scope: Literal["local", "global"] = "local"  # global: every rank's micro-batch (negatives.py)
     # optimisation
-    batch_size: int = 8  # sequences per micro-batch: CWT's negatives are the other tokens in it
-    grad_accum: int = 1  # micro-batches per rank per step (a step takes world_size x grad_accum of them)
+    batch_size: int = 8  # sequences per micro-batch (per rank): CWT's negatives are the other tokens in it
+    grad_accum: int = 1  # micro-batches per rank per step
     max_iters: int = 600
     lr: float = 1e-3
     min_lr: float | None = None  # default: the preset's recipe (RECIPES)
@@ -68,203 +64,63 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    # evaluation, logging, checkpoints
-    eval_interval: int = 100
+    # validation, logs and checkpoints
+    eval_interval: int = 100  # steps between validations, each followed by a checkpoint
     eval_batches: int = 20
     log_interval: int = 10
     out_dir: str = "out"
-    resume: bool | Literal["auto"] = False  # continue from out_dir/ckpt.pt; auto: if there is one, else start
+    resume: bool | Literal["auto"] = False  # continue out_dir/ckpt.pt; auto: if there is one, else start
+    overwrite: bool = False  # start over in an out_dir that holds another run
     # system
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
     compile: bool = False
     seed: int = 1337
-    # starting from another checkpoint (what finetune.py sets)
-    init_from: str = ""  # start from this checkpoint's weights instead of a fresh model
-    add_lm_head: bool = False  # give the model an untied LM head initialised from its embeddings
+    # starting from another checkpoint's weights (finetune.py sets these)
+    init_from: str = ""  # a checkpoint path, or hf:ORG/NAME / hf:FOLDER (hf.py)
+    add_lm_head: bool = False  # an untied LM head initialised from the input embeddings
     freeze_body: bool = False  # train only the LM head
-    # ce: a separate output matrix, as Pythia's config (the paper's CE baselines tie it)
-    untied_head: bool = False
 
 
-# Learning-rate recipe by preset: warmup steps and final learning rate as fractions of max_iters and lr.
-# The Pythia shapes follow the paper's pre-training (lr 1e-3, betas 0.9/0.95, weight decay 0.1, clip 1:
-# TrainConfig's defaults) with its cosine schedule to 0 after a 1% warmup (1430 of 143,000 steps);
-# the small presets, trained for minutes, warm up over 10% of the steps and decay to lr / 10.
+# The paper's pre-training schedule for the Pythia shapes (cosine to 0 after a 1% warmup: 1430 of 143,000
+# steps; lr, betas, decay and clip are TrainConfig's defaults); short CPU runs warm up over 10%, end at lr/10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
-
-
-CKPT_NAME = "ckpt.pt"
-LOG_NAME = "log.jsonl"
-
-# The valid range of every numeric setting (see common.check_ranges); unset (None) ones are not checked.
-TRAIN_RANGES = {
-    "batch_size": "[1, inf)", "grad_accum": "[1, inf)", "max_iters": "[1, inf)", "eval_interval": "[1, inf)",
-    "eval_batches": "[1, inf)", "log_interval": "[1, inf)", "warmup_iters": "[0, inf)",
-    "block_size": "[2, inf)", "num_negatives": "[1, inf)", "dropout": "[0, 1)", "temperature": "(0, inf)",
-    "lr": "(0, inf)", "min_lr": "[0, lr]", "weight_decay": "[0, inf)", "beta1": "[0, 1)", "beta2": "[0, 1)",
-    "eps": "(0, inf)", "grad_clip": "[0, inf)", "loss_chunk_size": "[0, inf)",
-}
+# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
+RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope")
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Reject settings that cannot work, before any time is spent."""
-    check_ranges(cfg, TRAIN_RANGES)
+    """Refuse settings that cannot work, before any time is spent."""
+    for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval",
+                 "num_negatives"):
+        in_range(cfg, name, 1)
+    for name in ("warmup_iters", "weight_decay", "grad_clip", "loss_chunk_size"):
+        in_range(cfg, name, 0)
+    for name in ("dropout", "beta1", "beta2"):
+        in_range(cfg, name, 0, 1, "[)")
+    in_range(cfg, "block_size", 2)
+    in_range(cfg, "lr", 0, ends="(]")
+    in_range(cfg, "min_lr", 0, cfg.lr)
+    in_range(cfg, "eps", 0, ends="(]")
+    in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
+    for flag, on, extra in (("--loss_chunk_size", cfg.loss_chunk_size, "chunked"),
+                            ("--negatives/--num_negatives/--negatives_scope", cfg.negatives != "all" or
+                             cfg.num_negatives is not None or cfg.negatives_scope != "local", "negatives"),
+                            ("--objective=mlm", cfg.objective == "mlm", "masking")):
+        if on:
+            need_extra(extra, flag)
     if cfg.negatives_scope == "global" and cfg.objective == "mlm":
-        raise UserError("--negatives_scope=global gathers equal-sized micro-batches; an MLM's masked "
-                        "positions differ per rank: use the default --negatives_scope=local "
-                        "with --objective=mlm")
+        raise UserError("--negatives_scope=global gathers equal-sized micro-batches, but an MLM's masked "
+                        "positions differ per rank: use --negatives_scope=local with --objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
-        raise UserError("--untied_head gives cross-entropy its own output matrix; "
-                        f"--loss={cfg.loss} has none")
+        raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
         raise UserError("--freeze_body trains only the LM head; it needs --add_lm_head (or use finetune.py)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Where the weights come from: fresh, our own checkpoint (--resume), or another run's (--init_from)
-
-
-def starting_checkpoints(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[dict | None, dict | None]:
-    """(the checkpoint being resumed, the checkpoint started from): at most one, none for a fresh run."""
-    if wants_resume(cfg, ckpt_path):
-        if not ckpt_path.is_file():
-            raise UserError(f"--resume: checkpoint {ckpt_path} not found; "
-                            "pass the interrupted run's --out_dir, or start without --resume")
-        resumed = load_checkpoint(ckpt_path)
-        if resumed.get("train_config", {}).get("init_from", "") != cfg.init_from:
-            raise UserError(f"{ckpt_path} was made by a different run (init_from differs); "
-                            "use another --out_dir")
-        check_same_tokenizer(meta, resumed, ckpt_path)
-        return resumed, None
-    if cfg.init_from:
-        base = load_checkpoint(cfg.init_from)
-        check_same_tokenizer(meta, base, cfg.init_from)
-        return None, base
-    return None, None
-
-
-def settle_config(cfg: TrainConfig, start: dict | None, path: str | Path, resuming: bool) -> TrainConfig:
-    """Fill the unset settings (None). The preset is the checkpoint's when the run starts from one (its
-    model is what trains, so another --preset is refused); a resumed run keeps its own schedule; the rest
-    comes from the preset's recipe."""
-    recorded = (start or {}).get("train_config", {})
-    preset = recorded.get("preset") if start else "tiny"
-    if start and cfg.preset is not None and preset is not None and cfg.preset != preset:
-        how = "resume" if resuming else "start from it"
-        raise UserError(f"--preset={cfg.preset} but {path} holds a {preset} model; {how} with "
-                        f"--preset={preset} or without --preset (another shape needs another run)")
-    cfg = dataclasses.replace(cfg, preset=cfg.preset or preset)
-    if resuming:
-        cfg = dataclasses.replace(cfg, **{k: recorded.get(k) for k in ("warmup_iters", "min_lr")
-                                          if getattr(cfg, k) is None})
-    return with_recipe(cfg)
-
-
-def starting_model(cfg: TrainConfig, meta: dict, resumed: dict | None, base: dict | None) -> GPT:
-    """The checkpoint's model (with this run's dropout), or a fresh one of the preset's shape."""
-    if resumed or base:
-        path = Path(cfg.out_dir) / CKPT_NAME if resumed else cfg.init_from
-        model = continued_model(resumed or base, path, cfg)
-        if base and cfg.add_lm_head:
-            model.add_lm_head()
-        return model
-    block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
-    mlm = cfg.objective == "mlm"  # an encoder, with room for the [MASK] id past the tokenizer's ids
-    # `nce` needs its own output table (no weight tying)
-    return build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
-                       dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head, causal=not mlm)
-
-
-def wants_resume(cfg: TrainConfig, ckpt_path: Path) -> bool:
-    """--resume, or --resume=auto with a checkpoint in out_dir. Every rank must see the same out_dir."""
-    found = ckpt_path.is_file()
-    if count_ranks(found) not in (0, world_size()):
-        raise UserError(f"rank {rank()} {'sees' if found else 'does not see'} {ckpt_path} but another rank "
-                        "does not: --out_dir must be on a filesystem every node shares")
-    return found if cfg.resume == "auto" else cfg.resume
-
-
-def continued_model(ckpt: dict, path: str | Path, cfg: TrainConfig) -> GPT:
-    """A checkpoint's model, to train further with this run's dropout."""
-    context = ckpt["model_config"].get("block_size", 0)
-    if cfg.block_size is not None and cfg.block_size > context:
-        raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context {context}")
-    check_same_objective(ckpt, path, cfg)
-    return checkpoint_model(ckpt, path, dropout=cfg.dropout)
-
-
-def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
-    """--resume continues one experiment: another objective, loss, data or batch shape is refused (with
-    --resume=auto that is another experiment's out_dir). A larger --max_iters extends the run; under the
-    cosine schedule that stretches the decay, which is said once."""
-    before, step = resumed.get("train_config", {}), resumed["step"]
-    for key in RESUME_SAME:
-        if key in before and before[key] != getattr(cfg, key):
-            raise UserError(f"--{key}={getattr(cfg, key)} but {path} was trained with --{key}={before[key]}; "
-                            f"resume with the same --{key}, or use another --out_dir for another experiment")
-    if cfg.max_iters < step:
-        raise UserError(f"--max_iters={cfg.max_iters} is below the step {step} of {path}; pass a larger "
-                        "--max_iters to extend the run")
-    old = before.get("max_iters", cfg.max_iters)
-    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
-        was = lr_at(step, dataclasses.replace(cfg, max_iters=old))
-        print(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now "
-              f"decays over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})",
-              file=sys.stderr)
-
-
-# What makes a run the same experiment: a resumed run may change anything else (e.g. --max_iters to extend
-# it, --grad_accum with the number of GPUs, --dtype, --eval_interval).
-RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope")
-
-
-def check_same_objective(ckpt: dict, path: str | Path, cfg: TrainConfig) -> None:
-    """An encoder sees the tokens it would predict causally, and a decoder has never seen a [MASK]."""
-    encoder = not ckpt["model_config"].get("causal", True)
-    if encoder != (cfg.objective == "mlm"):
-        kind = "a masked-LM encoder" if encoder else "a causal decoder"
-        hint = "continue it with --objective=mlm, or fine-tune it with glue.py" if encoder else \
-            "--objective=mlm starts fresh or from an encoder"
-        raise UserError(f"{path} is {kind} but this run's --objective is {cfg.objective}; {hint}")
-
-
-def check_same_tokenizer(meta: dict, ckpt: dict, where: str | Path) -> None:
-    """A model only makes sense on data from the tokenizer it was trained with."""
-    trained_with = ckpt.get("data_meta", {}).get("tokenizer")
-    if trained_with and trained_with != meta.get("tokenizer"):
-        raise UserError(f"{where} was trained with tokenizer {trained_with!r} but the dataset uses "
-                        f"{meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
-
-
-def restore_state(run: Run, resumed: dict) -> None:
-    """Continue exactly where a checkpoint stopped: optimizer, loss scale, step, compute and RNG state."""
-    try:
-        run.optimizer.load_state_dict(resumed["optimizer"])
-    except (KeyError, ValueError):
-        raise UserError(f"{run.ckpt_path} holds the optimizer of other trainable parameters; resume with the "
-                        "interrupted run's settings (--freeze_body, --loss)") from None
-    if run.scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
-        run.scaler.load_state_dict(resumed["scaler"])
-    run.step, run.first_val, run.val = resumed["step"], resumed.get("first_val"), resumed.get("val")
-    run.earlier_tokens, run.earlier_flops = resumed["base_tokens"], resumed["base_flops"]
-    torch.set_rng_state(resumed["rng"]["torch"])
-    if run.device.type == "cuda" and resumed["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(resumed["rng"]["cuda"])
-
-
-def with_recipe(cfg: TrainConfig) -> TrainConfig:
-    """The config with its unset schedule settings (None) taken from the preset's recipe."""
-    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
-    warmup = (cfg.warmup_iters if cfg.warmup_iters is not None
-              else max(1, round(recipe["warmup"] * cfg.max_iters)))
-    min_lr = cfg.min_lr if cfg.min_lr is not None else recipe["final_lr"] * cfg.lr
-    return dataclasses.replace(cfg, warmup_iters=warmup, min_lr=min_lr)
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr (or constant, as the paper's head fine-tune)."""
+    """Linear warmup, then cosine decay to min_lr (or constant, as the paper's text has the fine-tune)."""
     if step < cfg.warmup_iters:
         return cfg.lr * (step + 1) / cfg.warmup_iters
     if cfg.lr_schedule == "constant":
@@ -274,236 +130,261 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# A run: everything the loop reads and updates, set up once
+# Where the weights come from: fresh, our own checkpoint (--resume), or another run's (--init_from)
 
 
 @dataclass
-class Run:
-    cfg: TrainConfig
-    device: torch.device
-    dtype: torch.dtype
-    model: GPT
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    sampler: BatchSampler
-    val_tokens: np.ndarray
-    meta: dict
-    out_dir: Path
-    block_size: int
-    loss_fn: torch.nn.Module  # compute_loss(model, ...) (compiled with --compile); DDP under torchrun
-    tokens_per_iter: int  # over all ranks
-    flops_per_token: float
+class State:
+    """What the loop counts; it moves from checkpoint to checkpoint, so a resumed run goes on exactly."""
     step: int = 0
-    loss: float | None = None  # the last training loss read back (every log interval)
+    micro_batches: int = 0  # micro-batches consumed by every rank: the position in the data stream
+    tokens: int = 0  # tokens and FLOPs spent by this run, summed as they are spent
+    flops: float = 0.0
+    earlier_tokens: int = 0  # ... and by the checkpoints it started from (pre-training, for a fine-tune)
+    earlier_flops: float = 0.0
+    loss: float | None = None
     first_val: dict | None = None
     val: dict | None = None
-    earlier_tokens: int = 0  # tokens and FLOPs of the checkpoints this run started from, so budgets
-    earlier_flops: float = 0.0  # and compute add up across stages (pre-training, fine-tune)
-    negatives_rng: torch.Generator = dataclasses.field(default_factory=torch.Generator)
-    mask_spec: MaskSpec | None = None  # --objective=mlm: the [MASK] id and the tokens never masked
-
-    @property
-    def ckpt_path(self) -> Path:
-        return self.out_dir / CKPT_NAME
-
-    @property
-    def tokens(self) -> int:
-        return self.step * self.tokens_per_iter
 
 
-def set_up(cfg: TrainConfig) -> tuple[Run, dict | None]:
-    """Device, data, model, optimizer; restored from out_dir's checkpoint with --resume. Returns the run
-    and the resumed checkpoint (None for a new run)."""
-    device = init_distributed(pick_device(cfg.device))  # under torchrun: this rank's GPU
-    dtype = pick_dtype(cfg.dtype, device)
-    torch.manual_seed(cfg.seed)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-    with main_process_first():  # one rank prepares the built-in dataset, the others wait for it
-        data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
-    meta = load_meta(data_dir)
-    out_dir = Path(cfg.out_dir)
-    resumed, base = starting_checkpoints(cfg, meta, out_dir / CKPT_NAME)
-    cfg = settle_config(cfg, resumed or base, out_dir / CKPT_NAME if resumed else cfg.init_from,
-                        resuming=resumed is not None)
-    if resumed:
-        check_resume_settings(cfg, resumed, out_dir / CKPT_NAME)
-    model = starting_model(cfg, meta, resumed, base)
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
+                   device: torch.device) -> tuple[TrainConfig, GPT, dict | None, State]:
+    """(settings with the unset ones filled in, the model, the checkpoint resumed if any, the state)."""
+    found = ckpt_path.is_file()
+    if count_ranks(found, device) not in (0, world_size()):
+        raise UserError(f"rank {rank()} {'sees' if found else 'does not see'} {ckpt_path} and another does "
+                        "not: --out_dir must be on a filesystem every node shares")
+    resuming = found if cfg.resume == "auto" else cfg.resume
+    if resuming and not found:
+        raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
+                        "or start without --resume")
+    source = ckpt_path if resuming else cfg.init_from
+    start = load_checkpoint(source) if source else None
+    recorded = (start or {}).get("train_config", {})
+    if start:
+        check_start(cfg, meta, start, source, resuming)
+    preset = recorded.get("preset") if start else "tiny"
+    if start and cfg.preset not in (None, preset) and preset is not None:
+        raise UserError(f"--preset={cfg.preset} but {source} holds a {preset} model; "
+                        f"{'resume' if resuming else 'start from it'} with --preset={preset} or without --preset")
+    cfg = dataclasses.replace(cfg, preset=cfg.preset or preset)
+    if resuming:  # a resumed run keeps its own schedule
+        cfg = dataclasses.replace(cfg, **{k: recorded.get(k) for k in ("warmup_iters", "min_lr")
+                                          if getattr(cfg, k) is None})
+    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
+    cfg = dataclasses.replace(cfg, min_lr=recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr,
+                              warmup_iters=max(1, round(recipe["warmup"] * cfg.max_iters))
+                              if cfg.warmup_iters is None else cfg.warmup_iters)
+    state = State()
+    if not start:  # a fresh model; an encoder has room for the [MASK] id past the tokenizer's ids
+        mlm = cfg.objective == "mlm"
+        block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
+        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
+                                dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head,
+                                causal=not mlm), None, state
+    model = checkpoint_model(start, source, dropout=cfg.dropout)
+    if resuming:
+        check_resume_settings(cfg, start, ckpt_path)
+        fields = {f.name for f in dataclasses.fields(State)}
+        state = State(**{k: v for k, v in start.get("state", {}).items() if k in fields})
+        if "state" not in start:  # written before the data position was counted: derive it
+            per_micro = recorded["batch_size"] * (recorded.get("block_size") or model.config.block_size)
+            state = State(step=start["step"], micro_batches=start["tokens_seen"] // per_micro,
+                          tokens=start["tokens_seen"], flops=start["flops"], earlier_tokens=start["base_tokens"],
+                          earlier_flops=start["base_flops"], first_val=start.get("first_val"), val=start.get("val"))
+        return cfg, model, start, state
+    state.earlier_tokens = start.get("base_tokens", 0) + start.get("tokens_seen", 0)
+    state.earlier_flops = start.get("base_flops", 0.0) + start.get("flops", 0.0)
+    if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
+        model.add_lm_head()  # a head made from E
+    elif cfg.loss == "cwt" and model.lm_head is not None:  # nothing would train it: it would go stale
+        model.drop_lm_head()
+        note(f"note: {source} has an untied LM head; --loss=cwt trains a headless model, so the head is dropped "
+             "(finetune.py adds a fresh one)")
     if cfg.loss == "nce" and model.lm_head is None:
-        raise UserError("--loss=nce needs a separate output table; "
-                        "start it fresh, not from a tied checkpoint")
-    if cfg.freeze_body:
-        for name, p in model.named_parameters():
-            p.requires_grad = name.startswith("lm_head.")
-    model.to(device)
-    block_size = cfg.block_size or model.config.block_size
-    vocab_size = model.config.vocab_size
-    tokens_per_micro = cfg.batch_size * block_size
-    candidates = tokens_per_micro * (world_size() if cfg.negatives_scope == "global" else 1)
-    columns = scored_columns_per_token(cfg, vocab_size, candidates)
-    warn_if_every_negative(cfg, round(MASK_RATE * candidates) if cfg.objective == "mlm" else candidates)
-    run = Run(cfg=cfg, device=device, dtype=dtype, model=model,
-              optimizer=model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps),
-              scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-              sampler=BatchSampler(open_split(data_dir, "train", vocab_size), cfg.batch_size, block_size,
-                                   cfg.seed, device),
-              val_tokens=open_split(data_dir, "val", vocab_size), meta=meta, out_dir=out_dir,
-              block_size=block_size,
-              loss_fn=data_parallel(model, torch.compile(compute_loss) if cfg.compile else compute_loss),
-              tokens_per_iter=tokens_per_micro * cfg.grad_accum * world_size(),
-              flops_per_token=model.flops_per_token(block_size, columns))
-    run.mask_spec = mask_spec(meta) if cfg.objective == "mlm" else None
-    if base:
-        run.earlier_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
-        run.earlier_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
-    if resumed:
-        restore_state(run, resumed)
-    return run, resumed
+        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
+    return cfg, model, None, state
 
 
-def warn_if_every_negative(cfg: TrainConfig, candidates: int) -> None:
-    """k negatives out of at most k candidates are all of them: say so rather than fall back silently."""
-    if cfg.num_negatives is not None and cfg.loss != "ce" and cfg.num_negatives >= candidates:
-        print(f"warning: --num_negatives={cfg.num_negatives} is not below the {candidates} candidates of a "
-              "micro-batch (batch_size x block_size): every candidate is scored, as without it",
-              file=sys.stderr)
+def check_start(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
+    """A checkpoint only continues on data of its own tokenizer, as the same kind of model; a resumed one
+    as the same experiment (with --resume=auto, another setting would be another experiment's out_dir)."""
+    before = start.get("train_config", {})
+    for key in RESUME_SAME if resuming else ():
+        if key in before and before[key] != getattr(cfg, key):
+            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
+                            f"resume with the same --{key}, or use another --out_dir for another experiment")
+    trained_with = start.get("data_meta", {}).get("tokenizer")
+    if trained_with and trained_with != meta.get("tokenizer"):
+        raise UserError(f"{source} was trained with tokenizer {trained_with!r} but the dataset uses "
+                        f"{meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
+    if resuming and before.get("init_from", "") != cfg.init_from:
+        raise UserError(f"{source} was made by a different run (init_from differs); use another --out_dir")
+    encoder = not start["model_config"].get("causal", True)
+    if encoder != (cfg.objective == "mlm"):
+        raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
+                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune "
+                        "it with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
+    if cfg.block_size is not None and cfg.block_size > start["model_config"].get("block_size", 0):
+        raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context "
+                        f"{start['model_config'].get('block_size')}")
 
 
-@contextlib.contextmanager
-def claim_out_dir(run: Run, resumed: dict | None):
-    """out_dir for this run alone, for the run's life (a second run on it is refused); temp files of
-    killed runs removed; a fresh log for a new run, and on resume the log up to the checkpoint's step.
-    Under torchrun, rank 0 alone writes in out_dir, so it alone claims it."""
-    if not is_main_process():
-        yield
-        return
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    with hold_lock(run.out_dir, "training run"):
-        remove_stale_temps(run.out_dir)
-        if resumed:
-            trim_log(run.out_dir, resumed["step"])
-        else:
-            (run.out_dir / LOG_NAME).unlink(missing_ok=True)
-        yield
-
-
-def trim_log(out_dir: Path, step: int) -> None:
-    """Keep the log records up to `step`: a crashed run logged steps past its last checkpoint, which the
-    resumed run logs again, so the log reads as one uninterrupted run."""
-    path = out_dir / LOG_NAME
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by the crash
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line + "\n")
-    atomic_write_text(path, "".join(kept))
+def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
+    """A resumed run may be longer; under the cosine schedule that stretches the decay, which is said once."""
+    before, step = resumed.get("train_config", {}), resumed["step"]
+    if cfg.max_iters < step:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {step} of {path}; pass a larger one")
+    old = before.get("max_iters", cfg.max_iters)
+    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
+        was = lr_at(step, dataclasses.replace(cfg, max_iters=old))
+        note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
+             f"over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})")
 
 
 # ----------------------------------------------------------------------------------------------
-# Steps, validation, checkpoints, logs
+# The objective, and validation
 
 
-def scored_columns_per_token(cfg: TrainConfig, vocab_size: int, tokens_per_micro: int) -> float:
-    """Output vectors scored per input token, for the FLOP count: an MLM scores only its masked positions
-    (MASK_RATE of them), and CWT's candidates are then those positions alone."""
-    if cfg.objective == "causal":
-        return scored_columns(cfg.loss, vocab_size, tokens_per_micro, cfg.num_negatives)
-    masked = round(MASK_RATE * tokens_per_micro)
-    return MASK_RATE * scored_columns(cfg.loss, vocab_size, masked, cfg.num_negatives)
+class Objective(torch.nn.Module):
+    """The model and its loss as one module: DDP averages the gradients of what runs through its forward
+    (hidden states, then the loss against the embeddings), and torch.compile fuses both."""
+
+    def __init__(self, model: GPT, cfg: TrainConfig):
+        super().__init__()
+        self.model, self.cfg = model, cfg
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        cfg, h = self.cfg, self.model.hidden(x)
+        if cfg.objective == "mlm":  # the masked positions only: no MLM transform head, the model is headless
+            h, y = masked_rows(h, y)
+        return training_loss(h, y, self.model.wte.weight, self.model.output_weight, cfg.loss, cfg.temperature,
+                             cfg.negatives, cfg.num_negatives, generator, cfg.loss_chunk_size or None,
+                             cfg.negatives_scope)
 
 
-def training_batch(run: Run, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch `index`: (inputs, next tokens), or for an MLM (masked inputs, targets at the masked
-    positions); both a pure function of (seed, index), so a resumed run sees the same batches and masks."""
-    x, y = run.sampler.get(index)
-    if run.cfg.objective == "mlm":
-        return mask_tokens(x, run.cfg.seed, index, run.mask_spec)
-    return x, y
+def contrastive_table(model: GPT, loss: str, encoder: bool = False) -> torch.Tensor | None:
+    """What the contrastive metrics score against: E (cwt, ce+cwt), the output table (nce); for ce none,
+    except that encoders report them for every objective (against the tied E), as the paper's tables do."""
+    table = {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
+    return model.output_weight if table is None and encoder else table
 
 
-def compute_loss(model: GPT, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-                 negatives_rng: torch.Generator) -> torch.Tensor:
-    """The training objective of one micro-batch, from the model's final hidden states (for an MLM, those
-    of the masked positions only: no MLM transform head, the model is headless)."""
-    h = model.hidden(x)
-    if cfg.objective == "mlm":
-        h, y = masked_rows(h, y)
-    return training_loss(h, y, model.wte.weight, model.output_weight, cfg.loss, cfg.temperature,
-                         cfg.negatives, cfg.num_negatives, negatives_rng, cfg.loss_chunk_size or None,
-                         cfg.negatives_scope)
+@torch.no_grad()
+def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch.device,
+             dtype: torch.dtype = torch.float32, max_batches: int | None = None,
+             contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
+             mask: Any = None) -> dict[str, float]:
+    """Validation on the split's first batches, comparable across losses: val_ce always scores through the
+    LM head or the tied E (as model(idx) does); given a contrastive table, also the CWT loss with in-batch
+    negatives and its top-1 accuracy. An encoder (`mask`, a masking.MaskSpec) is scored on fixed masks,
+    over its masked positions. Each rank scores every world_size-th batch; the sums are added up."""
+    was_training, sums = model.training, torch.zeros(5, dtype=torch.float64, device=device)
+    model.eval()
+    for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
+        if mask is not None:
+            from masking import VAL_MASK_SEED, mask_tokens
+
+            x, y = mask_tokens(x, VAL_MASK_SEED, i, mask)
+        with autocast_context(device, dtype):
+            h, y = masked_rows(model.hidden(x), y) if mask is not None else (model.hidden(x), y)
+            h, y = h.reshape(-1, h.size(-1)), y.reshape(-1)
+            sums[0] += ce_loss(h, model.output_weight, y, chunk_size).double() * y.numel()
+            if contrastive is not None:
+                sums[2] += cwt_loss(h, contrastive[y], temperature, chunk_size).double()
+                sums[3] += contrastive_accuracy(h, contrastive[y], y, chunk_size).double()
+        sums[1] += y.numel()
+        sums[4] += 1
+    model.train(was_training)
+    total_ce, n_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
+    if n_batches == 0:
+        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
+    metrics = {"val_ce": total_ce / n_tokens, "val_ppl": math.exp(min(total_ce / n_tokens, 700.0))}
+    if contrastive is not None:
+        metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
+    return metrics
 
 
-def train_step(run: Run) -> torch.Tensor:
-    """One optimizer step over grad_accum micro-batches; returns the mean loss (still on the device)."""
-    cfg, step = run.cfg, run.step
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(cfg.grad_accum):
-        index = micro_batch_index(step, micro, cfg.grad_accum)
-        x, y = training_batch(run, index)  # batch i is a function of (seed, i) only
-        run.negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
-        torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too: whichever rank draws batch i
-        with gradient_sync(run.loss_fn, sync=micro == cfg.grad_accum - 1):
-            with autocast_context(run.device, run.dtype):
-                loss = run.loss_fn(x, y, cfg, run.negatives_rng) / cfg.grad_accum
-            run.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    optimizer_step(run.optimizer, run.model.parameters(), cfg.grad_clip, run.scaler)
-    run.step += 1
-    return loss_sum
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and logs; rank 0 alone writes (every rank holds the same weights)
 
 
-def validation_metrics(run: Run) -> dict[str, float]:
-    """Next-token metrics of a decoder, masked-token metrics (on fixed masks) of an encoder."""
-    cfg = run.cfg
-    return evaluate(run.model, run.val_tokens, cfg.batch_size, run.block_size, run.device, run.dtype,
-                    cfg.eval_batches, validation_table(run.model, cfg.loss, run.mask_spec), cfg.temperature,
-                    run.mask_spec)
+def save_checkpoint(path: Path, payload: dict) -> None:
+    """Write atomically with Ctrl-C deferred; refused (the previous file untouched) when a weight, the
+    training loss or a validation metric is not finite, or when the disk is full."""
+    values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
+    problem = next((f"weight {k} is not finite" for k, t in payload["model"].items()
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None) or \
+        next((f"{k} is {v}" for k, v in values.items() if v is not None and not math.isfinite(v)), None)
+    if problem:
+        raise UserError(f"not saving {path}: {problem} at step {payload.get('step', '?')}; "
+                        f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
+    try:
+        with signals_deferred(), atomic_file(path) as f:
+            torch.save(payload, f)
+    except DiskFullError as e:
+        raise DiskFullError(f"{e}; {last_good_checkpoint(path)}. Free some space, then continue with --resume"
+                            ) from None
 
 
-def micro_batch_index(step: int, micro: int, grad_accum: int) -> int:
-    """Which micro-batch of the data stream this rank trains on. A step takes world_size x grad_accum
-    consecutive ones, rank r the r-th run of grad_accum: 2 ranks x grad_accum 1 and 1 process x
-    grad_accum 2 see the same batches, so results and checkpoints do not depend on the split."""
-    return (step * world_size() + rank()) * grad_accum + micro
+def last_good_checkpoint(path: Path) -> str:
+    try:
+        return f"the last good checkpoint is {path} (step {torch.load(path, weights_only=True)['step']})"
+    except Exception:  # none yet, or unreadable
+        return "there is no earlier checkpoint"
 
 
-def validate(run: Run) -> dict[str, float]:
-    """Validation metrics, printed and logged; non-finite ones stop the run before any save."""
-    val = validation_metrics(run)
-    shown = " | ".join(f"{k} {format_metric(v)}" for k, v in val.items())
-    if not math.isfinite(val["val_ce"]):  # before the log: a NaN never reaches log.jsonl
-        raise UserError(f"validation loss became {val['val_ce']} at step {run.step}; stopped without saving "
-                        f"(the last good checkpoint is {run.ckpt_path} if any): "
-                        "lower --lr or raise --warmup_iters")
-    note(f"step {run.step}: {shown}")
-    if is_main_process():
-        append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, **val})
-    run.val, run.first_val = val, run.first_val or val
-    return val
-
-
-def checkpoint(run: Run) -> None:
-    """Save everything needed to continue exactly, and what it took to get here (tokens, FLOPs).
-    Rank 0 alone writes: every rank holds the same weights and optimizer state."""
-    if not is_main_process():
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM during a save take effect after it, so a second Ctrl-C never cuts one short."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
         return
-    save_checkpoint(run.ckpt_path, {
-        "model": run.model.state_dict(), "model_config": dataclasses.asdict(run.model.config),
-        "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "step": run.step,
-        "loss": run.loss,
-        "train_config": dataclasses.asdict(run.cfg), "data_meta": run.meta, "val": run.val,
-        "first_val": run.first_val, "tokens_seen": run.tokens, "flops": run.tokens * run.flops_per_token,
-        "base_tokens": run.earlier_tokens, "base_flops": run.earlier_flops,
-        "mask_spec": dataclasses.asdict(run.mask_spec) if run.mask_spec else None,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None}})
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _: received.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in received:
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iterator[None]:
+    """out_dir for this run alone while it runs. A new run never destroys another one's checkpoint or log
+    (unless --overwrite); a resumed one keeps the log up to its checkpoint's step, so it reads as one run."""
+    if not is_main_process():
+        yield
+        return
+    log, ckpt = out_dir / "log.jsonl", out_dir / "ckpt.pt"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out_dir={out_dir} is a file; pass a folder")
+    if not resumed and not cfg.overwrite and (ckpt.exists() or (log.exists() and cfg.resume != "auto")):
+        raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
+                        "it with --resume, start over with --overwrite, or pick another --out_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_lock(out_dir, "training run"):
+        remove_stale_temps(out_dir)
+        if resumed and log.is_file():  # a line cut short by a crash does not end in "}": dropped
+            kept = [line + "\n" for line in log.read_text().splitlines()
+                    if line.endswith("}") and json.loads(line).get("step", 0) <= resumed["step"]]
+            with atomic_file(log, "w") as f:
+                f.writelines(kept)
+        elif not resumed:
+            log.unlink(missing_ok=True)
+        yield
+
+
+def append_log(out_dir: Path, record: dict) -> None:
+    try:
+        with open(out_dir / "log.jsonl", "a") as f:
+            record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+            f.write(json.dumps(record) + "\n")  # valid JSON always: no NaN or Infinity, a null instead
+    except OSError as e:
+        raise UserError(f"cannot append to {out_dir / 'log.jsonl'} ({e.strerror}); free some space or fix the "
+                        "folder, then continue with --resume") from None
 
 
 def note(message: str) -> None:
@@ -512,54 +393,25 @@ def note(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def append_log(out_dir: Path, record: dict) -> None:
-    with open(out_dir / LOG_NAME, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def report_progress(run: Run, loss: float, seconds: float, steps: int, eta: float) -> None:
-    """The progress line (loss, lr, tokens/s over the last interval, ETA, MFU on GPUs) and its log record
-    (rank 0's). Tokens/s counts all ranks; MFU is per GPU."""
-    if not is_main_process():
-        return
-    tok_s = steps * run.tokens_per_iter / max(seconds, 1e-9)
-    peak = peak_flops(run.device)
-    mfu = f" | MFU {100 * tok_s / world_size() * run.flops_per_token / peak:.1f}%" if peak else ""
-    lr = lr_at(run.step - 1, run.cfg)
-    print(f"step {run.step}/{run.cfg.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-          f"ETA {format_duration(eta)}{mfu}", file=sys.stderr)
-    append_log(run.out_dir, {"step": run.step, "tokens": run.tokens, "loss": loss, "lr": lr,
-                             "tokens_per_s": tok_s})
-
-
 class StopFlag:
-    """SIGINT/SIGTERM ask the loop to stop after the current step, save, and exit cleanly."""
+    """Ctrl-C or SIGTERM asks the loop to stop at the next agreed point, save, and exit; twice, at once."""
 
     def __init__(self):
-        self.requested = False  # by a signal to this process
-        self.stopping = False  # what all ranks agreed at the last `agree()`
-        self._previous = {}
-
-    def agree(self) -> bool:
-        """Whether to stop, asked of every rank at the same point: any rank's signal stops them all at
-        the same step (each rank's own flag may flip at any moment)."""
-        self.stopping = any_rank(self.requested)
-        return self.stopping
+        self.requested, self._previous = False, {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, frame):
-        if self.requested:  # a second Ctrl-C: stop right away
+        if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        note(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this step")
+        note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
 
     def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,60 +419,180 @@ class StopFlag:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run training as configured; returns a summary (first/last validation metrics, tokens, FLOPs)."""
+    """Run training as configured; returns a summary (first and last validation, tokens, FLOPs)."""
     check_config(cfg)
-    run, resumed = set_up(cfg)
-    cfg = run.cfg  # with the settings the checkpoint or the preset's recipe filled in
-    model = run.model
+    device = init_distributed(pick_device(cfg.device))  # under torchrun, this rank's GPU
+    dtype = pick_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
+    data_dir = ensure_dataset(cfg.dataset, cfg.data_root) if is_main_process() else None
+    barrier()  # rank 0 prepares the built-in data; the others then read it
+    data_dir = data_dir or ensure_dataset(cfg.dataset, cfg.data_root)
+    meta, out_dir = load_meta(data_dir), Path(cfg.out_dir)
+    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt", device)
+    if cfg.freeze_body:
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("lm_head.")
+    model.to(device)
+    block, vocab = cfg.block_size or model.config.block_size, model.config.vocab_size
+    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    if resumed:
+        restore(resumed, optimizer, scaler, device, out_dir)
+    mask = None
+    if cfg.objective == "mlm":
+        from masking import mask_spec, mask_tokens, mlm_columns_per_token
+
+        mask = mask_spec(meta)
+    objective = Objective(model, cfg)
+    if cfg.compile:
+        objective.compile()
+    if world_size() > 1:  # rank 0's weights to every rank; gradients averaged during backward
+        objective = torch.nn.parallel.DistributedDataParallel(objective, gradient_as_bucket_view=True)
+    sampler = BatchSampler(open_split(data_dir, "train", vocab), cfg.batch_size, block, cfg.seed, device)
+    val_tokens = open_split(data_dir, "val", vocab)
+    micro_per_step = cfg.grad_accum * world_size()
+    tokens_per_step = micro_per_step * cfg.batch_size * block
+    candidates = cfg.batch_size * block * (world_size() if cfg.negatives_scope == "global" else 1)
+    columns = mlm_columns_per_token(cfg.loss, vocab, candidates, cfg.num_negatives) if mask else \
+        scored_columns(cfg.loss, vocab, candidates, cfg.num_negatives)
+    flops_per_token = model.flops_per_token(block, columns)
+    if cfg.num_negatives is not None and cfg.loss != "ce" and is_main_process():
+        from negatives import warn_if_every_negative
+
+        warn_if_every_negative(cfg.num_negatives, round(0.15 * candidates) if mask else candidates)
+    table = contrastive_table(model, cfg.loss, encoder=mask is not None)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ranks = f" x {world_size()} ranks" if world_size() > 1 else ""
-    shape = cfg.preset or f"of {cfg.init_from}"
-    note(f"model {shape}: {model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
-         f"{model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
-         f"{run.device.type}{ranks} {str(run.dtype).removeprefix('torch.')} | "
-         f"{run.tokens_per_iter:,} tokens/iter")
-    start_step, last_loss = run.step, float("nan")
+    note(f"model {cfg.preset or 'of ' + cfg.init_from}: {model.num_params(False) / 1e6:.2f}M parameters "
+         f"without embeddings, {model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss "
+         f"{cfg.loss} | {device.type}{f' x {world_size()} ranks' if world_size() > 1 else ''} "
+         f"{str(dtype).removeprefix('torch.')} | {tokens_per_step:,} tokens/step")
+
+    def validate() -> None:
+        val = evaluate(model, val_tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
+                       cfg.temperature, cfg.loss_chunk_size or None, mask)
+        if not math.isfinite(val["val_ce"]):  # before the log: a NaN never reaches log.jsonl
+            raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without "
+                            f"saving ({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
+        note(f"step {state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
+                                                 for k, v in val.items()))
+        if is_main_process():
+            append_log(out_dir, {"step": state.step, "tokens": state.tokens, **val})
+        state.val, state.first_val = val, state.first_val or val
+
+    def checkpoint() -> None:
+        if is_main_process():
+            save_checkpoint(out_dir / "ckpt.pt", {
+                "model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
+                "loss": state.loss, "state": dataclasses.asdict(state), "train_config": dataclasses.asdict(cfg),
+                "data_meta": meta, "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens,
+                "flops": state.flops, "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
+                "mask_spec": dataclasses.asdict(mask) if mask else None,
+                "rng": {"torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
+
+    start_step, stopping, negatives_rng = state.step, False, torch.Generator()
     t_start = t_log = time.time()
     step_at_log = start_step
     model.train()
-    with claim_out_dir(run, resumed), StopFlag() as stop:
-        while run.step < cfg.max_iters and not stop.agree():
-            if run.step % cfg.eval_interval == 0 and not (resumed and run.step == start_step):
+    with claim_out_dir(out_dir, cfg, resumed), StopFlag() as stop:
+        while state.step < cfg.max_iters and not stopping:
+            if state.step % cfg.eval_interval == 0 and not (resumed and state.step == start_step):
                 eval_start = time.time()
-                validate(run)
-                if run.step > start_step:
-                    checkpoint(run)
+                validate()
+                if state.step > start_step:
+                    checkpoint()
                 t_log += time.time() - eval_start  # tokens/s counts training time only
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(state.step, cfg)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                # batch i of the data stream is a function of (seed, i) alone, whoever draws it: a step takes
+                # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum
+                index = state.micro_batches + rank() * cfg.grad_accum + micro
+                x, y = sampler.get(index)
+                if mask:
+                    x, y = mask_tokens(x, cfg.seed, index, mask)
+                negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+                torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
+                last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, on the last one
+                sync = objective.no_sync() if world_size() > 1 and not last else contextlib.nullcontext()
+                with sync, autocast_context(device, dtype):
+                    loss = objective(x, y, negatives_rng) / cfg.grad_accum
+                with sync:
+                    scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            optimizer_step(optimizer, model.parameters(), cfg.grad_clip, scaler)
+            state.step, state.micro_batches = state.step + 1, state.micro_batches + micro_per_step
+            state.tokens, state.flops = state.tokens + tokens_per_step, state.flops + tokens_per_step * flops_per_token
 
-            loss_sum = train_step(run)
-
-            if run.step % cfg.log_interval == 0 or run.step == cfg.max_iters or stop.agree():
-                # the mean over ranks; in one process, the only host sync per log interval
-                last_loss = run.loss = all_reduce_sum(loss_sum).item() / world_size()
-                if not math.isfinite(last_loss):
-                    raise UserError(f"loss became {last_loss} at step {run.step}; stopped without saving "
-                                    f"(the last good checkpoint is {run.ckpt_path} if any): "
-                                    "lower --lr or raise --warmup_iters")
+            if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
+                # one all-reduce per log interval: the mean loss over ranks, and whether any rank must stop
+                totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)]))
+                state.loss, stopping = totals[0].item() / world_size(), totals[1].item() > 0
+                if not math.isfinite(state.loss):
+                    raise UserError(f"loss became {state.loss} at step {state.step}; stopped without saving "
+                                    f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
                 now = time.time()
-                # ETA from the whole run's pace (evaluations included), steadier than the last interval's
-                eta = (now - t_start) / (run.step - start_step) * (cfg.max_iters - run.step)
-                report_progress(run, last_loss, now - t_log, run.step - step_at_log, eta)
-                t_log, step_at_log = now, run.step
+                tok_s = (state.step - step_at_log) * tokens_per_step / max(now - t_log, 1e-9)
+                eta = (now - t_start) / (state.step - start_step) * (cfg.max_iters - state.step)
+                report_progress(state, cfg, out_dir, tok_s, eta, flops_per_token, device)
+                t_log, step_at_log = now, state.step
+            stopping = stopping or (world_size() == 1 and stop.requested)  # one process: no need to agree
 
-        if run.step > start_step or not resumed:  # a resumed run that had already ended adds nothing
-            if not stop.stopping:
-                validate(run)
-            checkpoint(run)
+        if state.step > start_step or not resumed:  # a resumed run that had already ended adds nothing
+            if not stopping:
+                validate()
+            checkpoint()
         barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     elapsed = time.time() - t_start
-    if stop.stopping:
-        note(f"stopped at step {run.step}; checkpoint saved to {run.ckpt_path}; continue with --resume")
-    else:
-        note(f"done: {run.step} steps in {format_duration(elapsed)}; checkpoint {run.ckpt_path}")
-    return {"step": run.step, "first_val": run.first_val, "val": run.val, "loss": last_loss,
-            "ckpt": str(run.ckpt_path), "tokens": run.earlier_tokens + run.tokens,
-            "flops": run.earlier_flops + run.tokens * run.flops_per_token, "interrupted": stop.stopping,
-            "seconds": elapsed}
+    note(f"stopped at step {state.step}; checkpoint saved to {out_dir / 'ckpt.pt'}; continue with --resume"
+         if stopping else f"done: {state.step} steps in {elapsed:.0f} s; checkpoint {out_dir / 'ckpt.pt'}")
+    return {"step": state.step, "first_val": state.first_val, "val": state.val, "loss": state.loss,
+            "ckpt": str(out_dir / "ckpt.pt"), "tokens": state.earlier_tokens + state.tokens,
+            "flops": state.earlier_flops + state.flops, "interrupted": stopping, "seconds": elapsed}
+
+
+def restore(resumed: dict, optimizer, scaler, device: torch.device, out_dir: Path) -> None:
+    """Continue exactly where a checkpoint stopped: optimizer, loss scale and random state."""
+    try:
+        optimizer.load_state_dict(resumed["optimizer"])
+    except (KeyError, ValueError):
+        raise UserError(f"{out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume with "
+                        "the interrupted run's settings (--freeze_body, --loss)") from None
+    if scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
+        scaler.load_state_dict(resumed["scaler"])
+    torch.set_rng_state(resumed["rng"]["torch"])
+    if device.type == "cuda" and resumed["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(resumed["rng"]["cuda"])
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Clip the gradient norm (0: off), step, reset the gradients; with an fp16 GradScaler, unscale first
+    and skip a step whose gradients overflowed."""
+    scaler = scaler or torch.amp.GradScaler(enabled=False)
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def report_progress(state: State, cfg: TrainConfig, out_dir: Path, tok_s: float, eta: float,
+                    flops_per_token: float, device: torch.device) -> None:
+    """The progress line (loss, lr, tokens/s of all ranks, ETA, MFU per GPU) and its log record."""
+    if not is_main_process():
+        return
+    peak, lr, eta = peak_flops(device), lr_at(state.step - 1, cfg), int(eta)
+    mfu = f" | MFU {100 * tok_s / world_size() * flops_per_token / peak:.1f}%" if peak else ""
+    print(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+          f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}", file=sys.stderr)
+    append_log(out_dir, {"step": state.step, "tokens": state.tokens, "loss": state.loss, "lr": lr,
+                         "tokens_per_s": tok_s})
 
 
 def main(argv: list[str]) -> None:

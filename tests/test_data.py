@@ -1,6 +1,7 @@
 """data.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -23,13 +24,13 @@ DOCS = ["First document.\nIt has two lines, and <|endoftext|> stays plain text."
 
 
 def expected_splits(texts: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """The documented split rule, written out independently of data.py's streaming code."""
+    """The documented split rule, written out independently of data.py's streaming code: a whole document
+    goes to val when the first 8 bytes of its text's sha256, as a fraction of 2^64, are below val_fraction;
+    each whole document is followed by end-of-text."""
     enc, train, val = data.load_tokenizer(), [], []
     for text in texts:
-        ids = enc.encode_ordinary(text)
-        cut = len(ids) - round(len(ids) * val_fraction)
-        train += ids[:cut] + [50256]
-        val += ids[cut:] + [50256] if ids[cut:] else []
+        held = int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) / 2**64 < val_fraction
+        (val if held else train).extend(enc.encode_ordinary(text) + [50256])
     return train, val
 
 
@@ -85,7 +86,7 @@ def test_clean_play_keeps_dialogue_only():
 
 
 def test_builtin_corpus_is_38_plays_without_markup():
-    plays = data._play_files()
+    plays = data.play_files()
     assert len(plays) == 38
     text = data.clean_play(plays[0].read_text())
     assert text.startswith("THESEUS:\n") and not any(c in text for c in "#*_")
@@ -106,11 +107,14 @@ def test_dataset_dir_rule(tiny_data_dir):
 def test_builtin_split_and_meta(tiny_data_dir):
     meta = data.load_meta(tiny_data_dir)
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
-    assert meta["eot_token"] == 50256 and meta["documents"] == 2 and meta["settings"]["max_docs"] == 2
-    assert 0.08 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.12
+    assert meta["eot_token"] == 50256 and meta["documents"] == 4 and meta["settings"]["max_docs"] == 4
+    assert meta["split_rule"] == data.SPLIT_RULE
     train, val = open_split(tiny_data_dir, "train", 50257), open_split(tiny_data_dir, "val", 50304)
     assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
-    assert (train == 50256).sum() == (val == 50256).sum() == 2  # one end-of-text per play and split
+    # whole plays: three in train, the fourth (its hash below 0.25) in val, each ended by one end-of-text
+    assert (train == 50256).sum() == 3 and (val == 50256).sum() == 1 and val[-1] == train[-1] == 50256
+    plays = [data.clean_play(p.read_text()) for p in data.play_files()[:4]]
+    assert list(val) == expected_splits(plays, 0.25)[1] and list(train) == expected_splits(plays, 0.25)[0]
     assert not train.flags.writeable
     assert data.ensure_dataset(str(tiny_data_dir)) == tiny_data_dir
 
@@ -127,9 +131,9 @@ def test_local_files_round_trip(tmp_path, fmt):
                                             + json.dumps({"body": None}) + "\n")
         else:
             pq.write_table(pa.table({"body": [text], "n": [i]}), src / f"{i}.parquet")
-    out = prepare_files(tmp_path, dataset=str(src), text_field="body", val_fraction=0.1)
+    out = prepare_files(tmp_path, dataset=str(src), text_field="body", val_fraction=0.5)
     assert out == tmp_path / "out" / "corpus"
-    train, val = expected_splits(DOCS, 0.1)
+    train, val = expected_splits(DOCS, 0.5)  # the first document is held out, whole
     assert open_split(out, "train", 50257).tolist() == train and open_split(out, "val").tolist() == val
     meta = data.load_meta(out)
     assert meta["documents"] == 3 and meta["train_tokens"] == len(train) and str(src) in meta["source"]
@@ -146,9 +150,10 @@ def test_parallel_tokenisation_writes_identical_shards(tmp_path):
 
 def test_max_docs_and_max_tokens(tmp_path):
     corpus = tmp_path / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": "word " * 100}) + "\n" for _ in range(50)))
-    assert data.load_meta(prepare_files(tmp_path / "a", dataset=str(corpus), max_docs=3))["documents"] == 3
-    meta = data.load_meta(prepare_files(tmp_path / "b", dataset=str(corpus), max_tokens=250))
+    corpus.write_text("".join(json.dumps({"text": "word " * 100 + f" {i}"}) + "\n" for i in range(3, 53)))
+    settings = dict(dataset=str(corpus), val_fraction=0.5)
+    assert data.load_meta(prepare_files(tmp_path / "a", max_docs=3, **settings))["documents"] == 3
+    meta = data.load_meta(prepare_files(tmp_path / "b", max_tokens=250, **settings))
     assert meta["documents"] == 3  # stops after the document that reaches 250 tokens
 
 
@@ -157,20 +162,20 @@ def test_large_vocabulary_uses_uint32(tmp_path, monkeypatch):
     big = data.tiktoken.Encoding(name="big", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
                                  special_tokens={"<|endoftext|>": 70000})
     monkeypatch.setattr(data, "load_tokenizer", lambda name="gpt2": big)
-    (tmp_path / "a.txt").write_text(DOCS[1])
+    (tmp_path / "a.txt").write_text(DOCS[1] + "\nlast line")
     out = prepare_files(tmp_path, dataset=str(tmp_path / "a.txt"), tokenizer="big")
     meta = data.load_meta(out)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70001 and meta["eot_token"] == 70000
-    assert open_split(out, "train", 70001).tolist()[-1] == 70000
+    assert open_split(out, "val", 70001).tolist()[-1] == 70000
     assert (out / "train.bin").stat().st_size == 4 * meta["train_tokens"]
 
 
 def test_interrupted_prepare_leaves_nothing_valid(tmp_path, monkeypatch, tiny_data_dir):
-    def interrupted(docs, tokenizer, num_proc):
-        yield np.arange(100, dtype=np.uint32)
+    def interrupted(items, tokenizer, **_):
+        yield "train", np.arange(100, dtype=np.uint32), True
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "_encode_documents", interrupted)
+    monkeypatch.setattr(data, "encode_batches", interrupted)
     (tmp_path / "a.txt").write_text(DOCS[0])
     with pytest.raises(KeyboardInterrupt):
         prepare_files(tmp_path, dataset=str(tmp_path / "a.txt"))
@@ -211,13 +216,17 @@ def test_random_batches_shapes_and_determinism():
 def test_sequential_batches_cover_the_split_in_order(tiny_data_dir):
     tokens = np.arange(1000, dtype=np.uint16)
     batches = list(sequential_batches(tokens, batch_size=4, block_size=100))
-    assert [b[0].shape for b in batches] == [(4, 100), (4, 100), (1, 100)]  # 999 // 100 = 9 windows
-    x = torch.cat([b[0] for b in batches])
+    assert [b[1].shape for b in batches] == [(4, 100), (4, 100), (1, 100)]  # 999 // 100 = 9 windows
+    x = torch.cat([b[1] for b in batches])
     assert torch.equal(x[:, 0], torch.arange(0, 900, 100))
-    assert int(batches[2][1][0, -1]) == 900  # last target of the last window
+    assert int(batches[2][2][0, -1]) == 900  # last target of the last window
     assert len(list(sequential_batches(tokens, 4, 100, max_batches=2))) == 2
+    # two ranks: each builds only its own batches (every second one), together all of them
+    ranks = [list(sequential_batches(tokens, 2, 100, max_batches=5, rank=r, world=2)) for r in (0, 1)]
+    assert [i for i, _, _ in ranks[0]] == [0, 2, 4] and [i for i, _, _ in ranks[1]] == [1, 3]
+    assert torch.equal(ranks[1][0][1], batches[0][1][2:4])
     val = open_split(tiny_data_dir, "val")
-    first, second = ([x for x, _ in sequential_batches(val, 8, 64, max_batches=3)] for _ in range(2))
+    first, second = ([x for _, x, _ in sequential_batches(val, 8, 64, max_batches=3)] for _ in range(2))
     assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -244,7 +253,8 @@ def test_bad_dataset_names(tmp_path, dataset, words):
     ({"a.jsonl": '{"text": 3}\n'}, {}, ["int, not text"]),
     ({"a.jsonl": '{"text": "ok"}\n{"text": broken\n'}, {}, ["could not read", "JSON parse error"]),
     ({"a.txt": "x", "b.jsonl": "{}"}, {}, ["mixes file formats"]),
-    ({"a.txt": "hi"}, {"val_fraction": 0.1}, ["val split is empty"]),
+    ({"a.txt": "hi"}, {"val_fraction": 0.1}, ["val split is empty", "no line break"]),
+    ({"a.jsonl": '{"text": "one"}\n{"text": "two"}\n'}, {"val_fraction": 0.01}, ["val split is empty"]),
     ({"a.txt": "hi"}, {"val_fraction": 1.5}, ["--val_fraction"]),
 ])
 def test_bad_corpora(tmp_path, files, settings, words):
@@ -276,7 +286,7 @@ def test_missing_or_broken_meta(tmp_path, tiny_data_dir):
     out = copy_dataset(tiny_data_dir, tmp_path)
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "val_tokens": meta["val_tokens"] + 1}))
-    assert_open_split_fails(out, "val", "but meta.json says")
+    assert_open_split_fails(out, "val", "tokens meta.json says")
     (out / "meta.json").write_text("{not json")
     assert_open_split_fails(out, "train", "not valid JSON")
     (out / "meta.json").unlink()
@@ -290,7 +300,7 @@ def test_corrupt_shards(tmp_path, tiny_data_dir):
     out = copy_dataset(tiny_data_dir, tmp_path)
     shard = bytearray((out / "train.bin").read_bytes())
     (out / "train.bin").write_bytes(shard + b"\0")
-    assert_open_split_fails(out, "train", "not a multiple of 2 (uint16)")
+    assert_open_split_fails(out, "train", "uint16 tokens meta.json says", "truncated or corrupt")
     shard[100] ^= 1
     (out / "train.bin").write_bytes(shard)
     assert_open_split_fails(out, "train", "checksum")
@@ -312,8 +322,9 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
 
 def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys):
     calls = []
+    meta = json.dumps({"split_rule": data.SPLIT_RULE})
     monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or (tmp_path / "shakespeare").mkdir()
-                        or (tmp_path / "shakespeare" / "meta.json").write_text("{}"))
+                        or (tmp_path / "shakespeare" / "meta.json").write_text(meta))
     assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
     assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
     assert len(calls) == 1 and calls[0].data_root == str(tmp_path) and "preparing" in capsys.readouterr().err
@@ -340,7 +351,8 @@ def test_cli_prepares_builtin_shakespeare_offline(tmp_path):
     meta = data.load_meta(tmp_path / "data" / "shakespeare")
     assert f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens" in result.stdout
     assert meta["documents"] == 38 and 1_300_000 < meta["train_tokens"] + meta["val_tokens"] < 1_700_000
-    assert 0.04 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.06
+    assert 0.04 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.07  # two whole plays
+    assert (open_split(tmp_path / "data" / "shakespeare", "val") == 50256).sum() == 2
     files = sorted(p.name for p in (tmp_path / "data" / "shakespeare").iterdir())
     assert files == ["meta.json", "train.bin", "val.bin"]
     open_split(tmp_path / "data" / "shakespeare", "train", 50257)

@@ -19,6 +19,7 @@ import common
 import model
 import train
 from loss import cwt_loss
+from negatives import contrastive_loss
 from train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +78,7 @@ def _global_negatives_on_rank(out: Path) -> None:
     result = {}
     for negatives in ("all", "unique"):
         h, e = h_all[rows].clone().requires_grad_(), e_all[rows].clone().requires_grad_()
-        loss = cwt_loss(h, e, 0.5, targets=t_all[rows], negatives=negatives, scope="global")
+        loss = contrastive_loss(h, e, 0.5, targets=t_all[rows], negatives=negatives, scope="global")
         loss.backward()
         result[negatives] = (loss.detach(), h.grad, e.grad)
     torch.save(result, out / f"negatives{rank}.pt")
@@ -137,7 +138,7 @@ def test_global_negatives_equal_one_process_over_both_micro_batches(two_rank_run
     h_all, e_all, t_all = negatives_inputs()
     for negatives in ("all", "unique"):
         h, e = h_all.clone().requires_grad_(), e_all.clone().requires_grad_()
-        expected = cwt_loss(h, e, 0.5, targets=t_all, negatives=negatives)
+        expected = contrastive_loss(h, e, 0.5, targets=t_all, negatives=negatives)
         expected.backward()
         ranks = [torch.load(two_rank_runs / f"negatives{r}.pt")[negatives] for r in (0, 1)]
         # each rank's loss is the mean over its own rows; DDP then averages the gradients over ranks
@@ -226,5 +227,4 @@ def test_without_torchrun_there_is_no_process_group(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert common.init_distributed(torch.device("cpu")) == torch.device("cpu")
     assert not torch.distributed.is_initialized() and common.world_size() == 1 and common.is_main_process()
-    net = torch.nn.Linear(2, 2)
-    assert isinstance(common.data_parallel(net, lambda m, x: m(x).sum()), common.ForwardWith)
+    assert common.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]

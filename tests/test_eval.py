@@ -12,6 +12,7 @@ import torch
 import eval as evaluation
 from common import UserError
 from data import load_tokenizer, open_split
+from train import contrastive_table, evaluate
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +208,7 @@ def test_cli_val(tiny_data_dir, tmp_path):
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
     tokens = open_split(tiny_data_dir, "val", 50304)
-    expected = evaluation.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
+    expected = evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
     assert (result["ppl"] == pytest.approx(expected["val_ppl"])
             and result["ce"] == pytest.approx(expected["val_ce"]))
@@ -253,10 +254,11 @@ def test_bad_inputs_one_line_on_the_command_line(tmp_path):
 
 def test_contrastive_metrics_score_against_the_objectives_own_table():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, lm_head=True))
-    assert evaluation.contrastive_table(model, "ce") is None
-    assert evaluation.contrastive_table(model, "cwt") is model.wte.weight
-    assert evaluation.contrastive_table(model, "ce+cwt") is model.wte.weight  # CWT's term, not the CE head
-    assert evaluation.contrastive_table(model, "nce") is model.lm_head.weight
+    assert contrastive_table(model, "ce") is None
+    assert contrastive_table(model, "cwt") is model.wte.weight
+    assert contrastive_table(model, "ce+cwt") is model.wte.weight  # CWT's term, not the CE head
+    assert contrastive_table(model, "nce") is model.lm_head.weight
+    assert contrastive_table(model, "ce", encoder=True) is model.lm_head.weight  # encoders always report them
 
 
 def test_validation_builds_no_autograd_graph(tiny_data_dir):
@@ -265,6 +267,5 @@ def test_validation_builds_no_autograd_graph(tiny_data_dir):
     hidden = model.hidden
     model.hidden = lambda x: seen.append(torch.is_grad_enabled()) or hidden(x)
     tokens = open_split(tiny_data_dir, "val", 50304)
-    evaluation.evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2,
-                        contrastive=model.wte.weight)
+    evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight)
     assert seen == [False, False]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import train
+from train import evaluate
 from common import UserError
-from eval import evaluate
 from finetune import finetune, finetune_budget, resolve_config
 from model import load_model
 

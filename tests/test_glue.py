@@ -10,7 +10,8 @@ import torch
 import glue
 import model as model_module
 import train
-from common import UserError, save_checkpoint
+from common import UserError
+from train import save_checkpoint
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig
 from train import TrainConfig

@@ -129,7 +129,7 @@ def test_export_then_import_round_trips(checkpoints, tmp_path):
 def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, tmp_path):
     """--init_from=hf:DIR continues an exported (or Pythia) model, and finetune.py fine-tunes one."""
     import common
-    import eval as evaluation
+    from data import open_split
 
     out = hf.export(str(checkpoints["cwt"]), str(tmp_path / "hf"))
     ckpt = common.load_checkpoint(f"hf:{out}")
@@ -138,9 +138,8 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     settings = dict(dataset=str(tiny_data_dir), block_size=32, batch_size=4, eval_batches=1, device="cpu")
     first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,
                                           out_dir=str(tmp_path / "cont")))["first_val"]
-    tokens = evaluation.open_split(tiny_data_dir, "val")
-    expected = evaluation.evaluate(ours, tokens, 4, 32, torch.device("cpu"), max_batches=1,
-                                   contrastive=ours.wte.weight)
+    tokens = open_split(tiny_data_dir, "val")
+    expected = train.evaluate(ours, tokens, 4, 32, torch.device("cpu"), max_batches=1, contrastive=ours.wte.weight)
     assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
     continued = torch.load(tmp_path / "cont" / "ckpt.pt", weights_only=True)["train_config"]
     assert continued["preset"] == "tiny"  # the source model's shape, and so its recipe

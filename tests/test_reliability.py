@@ -25,6 +25,8 @@ import eval as evaluation
 import finetune
 import generate
 import glue
+import negatives
+import results
 import train
 from common import UserError
 from test_train import read_log
@@ -57,20 +59,19 @@ def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir,
     good = (tmp_path / "ckpt.pt").read_bytes()
     # The reproduction: `--resume --lr=inf`, Ctrl-C during the first step. That step's loss is
     # finite (computed before the update) but the update makes every weight non-finite.
-    real_lr, real_step = train.lr_at, train.train_step
+    real_lr, real_step = train.lr_at, train.optimizer_step
     monkeypatch.setattr(train, "lr_at", lambda step, c: math.inf if step >= 4 else real_lr(step, c))
 
-    def step_then_interrupt(run):
-        loss = real_step(run)
+    def step_then_interrupt(*args):
+        real_step(*args)
         signal.raise_signal(signal.SIGINT)
-        return loss
 
-    monkeypatch.setattr(train, "train_step", step_then_interrupt)
+    monkeypatch.setattr(train, "optimizer_step", step_then_interrupt)
     with pytest.raises(UserError, match=r"not saving .*ckpt.pt: weight \S+ is not finite at step 5; the last "
                                         r"good checkpoint is .*ckpt.pt \(step 4\)"):
         train.train(resumed(cfg, max_iters=8))
     assert (tmp_path / "ckpt.pt").read_bytes() == good
-    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / ".lock").exists()
+    assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / ".lock").exists()
 
 
 def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
@@ -79,9 +80,9 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
                          ({"val": {"val_ce": math.inf}}, "val_ce is inf"),
                          ({"model": {"w": torch.tensor([1.0, math.nan])}}, "weight w is not finite")]:
         with pytest.raises(UserError, match=message):
-            common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
+            train.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
         assert not list(tmp_path.iterdir())
-    common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
+    train.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loss"] == 1.5
 
 
@@ -102,11 +103,12 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
 
 def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
     # What a killed run leaves: the lock file with its details, and a lock the kernel already dropped.
-    f = open(tmp_path / common.LOCK_NAME, "w")
+    f = open(tmp_path / ".lock", "w")
     fcntl.flock(f, fcntl.LOCK_EX)
     f.write("pid 1 on elsewhere, started long ago\n")
     f.close()
-    with common.hold_lock(tmp_path) as lock:
+    lock = tmp_path / ".lock"
+    with common.hold_lock(tmp_path, "training run"):
         assert f"pid {os.getpid()}" in lock.read_text()
     assert not lock.exists()
 
@@ -119,7 +121,7 @@ def test_two_preparations_of_one_dataset_folder(tmp_path):
     # Two local folders both called `books` map to data/books: the second must not replace the first.
     for name in ("a", "b"):
         (tmp_path / name / "books").mkdir(parents=True)
-        (tmp_path / name / "books" / "x.txt").write_text(f"{name} " * 50)
+        (tmp_path / name / "books" / "x.txt").write_text(f"{name} words\n" * 50)
     cfg = data.PrepareConfig(dataset=str(tmp_path / "a" / "books"), data_root=str(tmp_path / "data"))
     data.prepare(cfg)
     first = (out / "train.bin").read_bytes()
@@ -181,11 +183,11 @@ def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch
         common.run_main(train.main)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2
-    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt \(the partial file was "
-                        r"removed\); the last good checkpoint is \S+ckpt.pt \(step 2\)\. Free some space, "
-                        r"then continue with --resume", err), err
+    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt; the partial file was "
+                        r"removed and \S+ckpt.pt is unchanged; the last good checkpoint is \S+ckpt.pt \(step 2\)"
+                        r"\. Free some space, then continue with --resume", err), err
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
@@ -218,14 +220,16 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     with pytest.raises(RuntimeError, match="killed"):
         train.train(cfg)
     monkeypatch.setattr(train, "append_log", real_log)
-    dead = crashed / "ckpt.pt.999999999.tmp"  # a save interrupted by kill -9 (no such process)
-    live = crashed / f"results.json.{os.getpid()}.tmp"  # another program's save in progress
+    dead = crashed / ".ckpt.pt.headless-lm-999999999.tmp"  # a save interrupted by kill -9 (no such process)
+    live = crashed / f".results.json.headless-lm-{os.getpid()}.tmp"  # another save in progress
+    users = crashed / "draft.4242424.tmp"  # a user's own file that only looks like a temp file
     dead.write_bytes(b"partial")
     live.write_bytes(b"in progress")
+    users.write_text("notes")
 
     train.train(resumed(cfg))
     assert without_timing(read_log(crashed)) == without_timing(read_log(straight))
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and users.read_text() == "notes"
 
 
 # ---------------------------------------------------------------------- 5, 6. bad numbers, one line each
@@ -240,8 +244,9 @@ def fake_checkpoint(path: Path) -> str:
     ("train", ["--beta1=2"], "--beta1 must be in [0, 1), got 2.0"),
     ("train", ["--beta2=1"], "--beta2 must be in [0, 1), got 1.0"),
     ("train", ["--eps=-1"], "--eps must be positive, got -1.0"),
-    ("train", ["--min_lr=-1"], "--min_lr must be in [0, --lr=0.001], got -1.0"),
-    ("train", ["--min_lr=0.01"], "--min_lr must be in [0, --lr=0.001], got 0.01"),
+    ("train", ["--min_lr=-1"], "--min_lr must be in [0, 0.001], got -1.0"),
+    ("train", ["--min_lr=0.01"], "--min_lr must be in [0, 0.001], got 0.01"),
+    ("train", ["--temperature=1e-40"], "--temperature must be in [0.001, 1000], got 1e-40"),
     ("train", ["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),
     ("train", ["--lr=inf"], "--lr must be a finite number, got inf"),
     ("train", ["--grad_clip=nan"], "--grad_clip must be a finite number, got nan"),
@@ -251,6 +256,7 @@ def fake_checkpoint(path: Path) -> str:
     ("eval", ["--batch_size=0"], "--batch_size must be at least 1, got 0"),
     ("eval", ["--json=OUT"], "is a directory; pass a file path"),
     ("generate", ["--prompt=Hi", "--temperature=nan"], "--temperature must be a finite number, got nan"),
+    ("generate", ["--prompt=Hi", "--temperature=1e-40"], "too small to mean anything but greedy"),
     ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 text (byte 3)"),
     ("bench", ["--repeats=0"], "--repeats must be at least 1, got 0"),
     ("bench", ["--tokens=256,0"], "--tokens must be at least 1, got 0"),
@@ -302,7 +308,7 @@ def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_pat
         common.run_main(lambda argv: train.train(cfg))
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2  # the save completed
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 # ------------------------------------------------------------------------------ 7. resume with other settings
@@ -355,17 +361,17 @@ def test_finetune_recipe_of_a_shape_without_one():
 def test_rows_without_text_are_counted_and_reported(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
-    rows = [{"text": "one two three " * 20}, {"title": "no text"}, {"text": ""}, {"text": "four five " * 20}]
+    rows = [{"text": f"{i} one two three " * 20} for i in range(8)] + [{"title": "no text"}, {"text": ""}]
     (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d")))
-    assert meta["documents"] == 2 and meta["skipped_rows"] == 2
+    meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d"), val_fraction=0.5))
+    assert meta["documents"] == 8 and meta["skipped_rows"] == 2
     assert "skipped 2 rows of" in capsys.readouterr().err
 
 
 def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.txt").write_text("some words to train on " * 40)
+    (corpus / "a.txt").write_text("some words to train on\n" * 40)
     root = str(tmp_path / "d")
     with pytest.raises(UserError) as e:
         data.ensure_dataset(str(corpus), root)
@@ -393,11 +399,18 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     config = dataclasses.asdict(model.config)
     wider = {"model": model.state_dict(), "model_config": {**config, "d_model": 64}}
     with pytest.raises(UserError, match=r"ckpt.pt does not match this model code: tensor wte.weight has "
-                                        r"shape \[64, 32\] in the checkpoint but \[64, 64\] in the model"):
+                                        r"shape \[64, 32\] in the weights but \[64, 64\] in the model"):
         common.checkpoint_model(wider, "ckpt.pt")
     deeper = {"model": model.state_dict(), "model_config": {**config, "n_layer": 2}}
-    with pytest.raises(UserError, match=r"tensor blocks.1.\S+ \(and \d+ more\) missing from the checkpoint"):
+    with pytest.raises(UserError, match=r"the weights hold 1 layers but the config says 2"):
         common.checkpoint_model(deeper, "ckpt.pt")
+    missing = {"model": {k: v for k, v in model.state_dict().items() if "mlp" not in k}, "model_config": config}
+    with pytest.raises(UserError, match=r"tensor blocks.0.mlp.\S+ \(and 3 more\) missing from the weights"):
+        common.checkpoint_model(missing, "ckpt.pt")
+    # a config's sizes are never trusted: a million layers costs nothing before the weights are compared
+    huge = {"model": model.state_dict(), "model_config": {**config, "n_layer": 10**6, "d_model": 10**6}}
+    with pytest.raises(UserError, match="the weights hold 1 layers but the config says 1000000"):
+        common.checkpoint_model(huge, "ckpt.pt")
 
 
 # ------------------------------------------------------------------------------ 11. bench
@@ -414,14 +427,14 @@ def test_too_many_negatives_are_reported_once(capsys):
     bench.warn_if_every_negative(cfg)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cwt-k256 at 128 tokens" in err and "k64" not in err
-    train.warn_if_every_negative(TrainConfig(num_negatives=300), candidates=256)
-    train.warn_if_every_negative(TrainConfig(num_negatives=255), candidates=256)
+    negatives.warn_if_every_negative(300, candidates=256)
+    negatives.warn_if_every_negative(255, candidates=256)
     assert capsys.readouterr().err.count("--num_negatives=300 is not below the 256 candidates") == 1
 
 
 def test_a_capped_perplexity_prints_short():
-    assert common.format_metric(math.exp(700)) == "1.014e+304"
-    assert common.format_metric(12.345678) == "12.3457"
+    assert results.format_metric(math.exp(700)) == "1.014e+304"
+    assert results.format_metric(12.345678) == "12.3457"
 
 
 # ---------------------------------------------------------------------- 12, 13. eval.py matches train.py

@@ -37,9 +37,10 @@ def test_training_reduces_validation_ce(tiny_data_dir, tmp_path, loss):
         assert last["val_ce"] < first["val_ce"] - 2.0, (first, last)
     else:
         # Tied scoring of a raw headless model is uncalibrated (the paper's LAMBADA ppl 524), so its
-        # CE falls slowly at first; its own objective and in-batch accuracy move fast.
+        # CE falls slowly at first; its own objective and in-batch accuracy move faster (validation is a
+        # play never trained on, so less than on the endings of the training plays, as before).
         assert last["val_ce"] < first["val_ce"] - 0.2, (first, last)
-        assert last["val_cwt"] < first["val_cwt"] - 0.25 and last["val_acc"] > first["val_acc"] + 0.05
+        assert last["val_cwt"] < first["val_cwt"] - 0.15 and last["val_acc"] > first["val_acc"] + 0.05
     # the checkpoint is usable through the public contract
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["step"] == 30 and ckpt["data_meta"]["tokenizer"] == "gpt2"
@@ -106,9 +107,9 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
     good = (tmp_path / "ckpt.pt").read_bytes()
     make_loss_nan_from_call(monkeypatch, 2)
     with pytest.raises(UserError, match=message):
-        train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8}))
+        train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8, "overwrite": True}))
     assert (tmp_path / "ckpt.pt").read_bytes() == good
-    assert not (tmp_path / "ckpt.tmp").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_peak_flops_match_whole_gpu_names():

@@ -1,0 +1,182 @@
+"""Real corpora for data.py, through the `datasets` library: Hugging Face hub datasets (streamed, so
+FineWeb-Edu never has to fit on disk) and local .txt, .jsonl or .parquet files; and tokenising in
+several processes (--num_proc).
+
+Validation: a hub dataset with a `validation` split (TinyStories) uses it, and so does a local folder whose
+files are named as `datasets` names splits (train.jsonl and validation.jsonl, data/valid-000.parquet...);
+--val_split=hash holds out documents by hash instead, as for any other source. One local .txt file is one
+document, split once near its end.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import re
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from common import UserError, first_line
+from data import PrepareConfig, encode_batches, split_documents, split_one_document
+
+FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+SPLIT_WORDS = {"train": ("train", "training"), "val": ("validation", "valid", "val", "dev")}
+
+
+def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
+    """(description, (split, text, ends a document) items, number of documents if known)."""
+    if not cfg.dataset.strip():
+        raise UserError("--dataset is empty; use shakespeare, a Hugging Face id or a local path")
+    path = Path(cfg.dataset).expanduser()
+    if path.exists() or cfg.dataset.startswith(("/", ".", "~")) or path.suffix in FORMATS:
+        return open_local(path, cfg)
+    if not HUB_ID.match(cfg.dataset):
+        raise UserError(f"unknown dataset {cfg.dataset!r}: use shakespeare, a Hugging Face id such as "
+                        "roneneldan/TinyStories, or a path to .txt/.jsonl/.parquet files")
+    source = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
+    hint = "check the id, --subset and --split, and the network (or pass a local path)"
+    train = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split=cfg.split,
+                       streaming=True), cfg.text_field, source)
+    own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
+    if not own_val:
+        return source, Items([train], split_documents(train, cfg.val_fraction)), None
+    val = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
+                     streaming=True), cfg.text_field, source + " (validation)")
+    return source + " + its validation split", Items([train, val], own_splits(train, val)), None
+
+
+def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
+    """A local file or folder of one format; .txt files are one document each."""
+    if not path.exists():
+        raise UserError(f"{path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
+    if (path / "meta.json").exists():
+        raise UserError(f"{path} is already a prepared dataset; pass it to train.py as --dataset={path}")
+    files = sorted(p for p in path.rglob("*") if p.suffix in FORMATS) if path.is_dir() else [path]
+    builders = {FORMATS.get(p.suffix) for p in files}
+    if not files or None in builders:
+        raise UserError(f"{path} holds no .txt, .jsonl or .parquet files; point --dataset at a folder of them")
+    if len(builders) > 1:
+        raise UserError(f"{path} mixes file formats ({', '.join(sorted(builders))}); use one format per folder")
+    builder = builders.pop()
+    field = "text" if builder == "text" else cfg.text_field
+    source = f"{path.resolve()} ({len(files)} {builder} file(s))"
+    by_split = {s: [f for f in files if split_of(f) == s] for s in ("train", "val")}
+    if cfg.val_split == "auto" and by_split["val"]:
+        if stray := [f for f in files if split_of(f) is None]:
+            raise UserError(f"{stray[0]} is named neither as train nor as validation data while {path} has "
+                            "both; move it out, or pass --val_split=hash")
+        train, val = (Texts(read_files(by_split[s], builder, source), field, source) for s in ("train", "val"))
+        return source + ", its own validation files", Items([train, val], own_splits(train, val)), None
+    texts = Texts(read_files(files, builder, source), field, source)
+    if builder == "text" and len(files) == 1:  # one document: split once, near its end
+        return source, Items([texts], (item for text in texts for item in
+                                       split_one_document(text, cfg.val_fraction))), 1
+    return source, Items([texts], split_documents(texts, cfg.val_fraction)), None
+
+
+def split_of(path: Path) -> str | None:
+    """"train" or "val" by the words of a file's name, as `datasets` assigns splits (train-00.parquet)."""
+    words = set(re.split(r"[-._ 0-9]+", path.stem.lower()))
+    return next((split for split, names in SPLIT_WORDS.items() if words & set(names)), None)
+
+
+def own_splits(train: Iterable[str], val: Iterable[str]) -> Iterator[tuple[str, str, bool]]:
+    """Validation first: --max_tokens or --max_docs then cut the training data, never the held-out text."""
+    yield from (("val", text, True) for text in val)
+    yield from (("train", text, True) for text in train)
+
+
+def split_names(cfg: PrepareConfig) -> list[str]:
+    import datasets
+
+    try:
+        return datasets.get_dataset_split_names(cfg.dataset, cfg.subset)
+    except Exception as e:
+        raise UserError(f"could not load dataset {cfg.dataset!r}: {first_line(e)}; check the id, --subset "
+                        "and the network, or pass --val_split=hash") from None
+
+
+def read_files(files: list[Path], builder: str, source: str) -> Any:
+    # Streaming reads the files lazily, with no Arrow cache copy; .txt: one file is one document.
+    options = {"sample_by": "document"} if builder == "text" else {}
+    return load(source, "is every file valid?", builder, data_files=[str(f) for f in files], split="train",
+                streaming=True, **options)
+
+
+def load(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
+    import datasets  # slow to import, and only real corpora need it
+
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported here, in one line
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as e:
+        raise UserError(f"could not load {what}: {first_line(e).rstrip('.')}; {hint}") from None
+
+
+class Texts:
+    """The text of each row. A field no row has is an error; rows without text in it (a .jsonl line that
+    lacks it, a null, an empty string) are skipped and counted."""
+
+    def __init__(self, rows: Iterable[dict], field: str, source: str):
+        self.rows, self.field, self.source, self.skipped = rows, field, source, 0
+
+    def __iter__(self) -> Iterator[str]:
+        rows = iter(self.rows)
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # malformed JSON, a corrupt parquet file, a dropped connection
+                raise UserError(f"could not read {self.source}: {first_line(e)}") from None
+            if self.field not in row:
+                raise UserError(f"{self.source} has no field {self.field!r} (fields: {', '.join(row)}); "
+                                "pass --text_field=NAME")
+            text = row[self.field]
+            if text is not None and not isinstance(text, str):
+                raise UserError(f"field {self.field!r} of {self.source} holds {type(text).__name__}, not text; "
+                                "pass --text_field=NAME of a text column")
+            if text:
+                yield text
+            else:
+                self.skipped += 1
+
+
+class Items:
+    """(split, text, ends a document) items that count the rows their sources skipped, and say so."""
+
+    def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]]):
+        self.texts, self.items = texts, items
+
+    @property
+    def skipped(self) -> int:
+        return sum(t.skipped for t in self.texts)
+
+    def __iter__(self) -> Iterator[tuple[str, str, bool]]:
+        yield from self.items
+        if self.skipped:
+            print(f"skipped {self.skipped:,} rows of {self.texts[0].source} without text in field "
+                  f"{self.texts[0].field!r} (missing, null or empty)", file=sys.stderr)
+
+
+def encode_in_processes(items: Iterable[tuple[str, str, bool]], tokenizer: str, num_proc: int,
+                        batch: int = 128) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """encode_batches in num_proc processes, in input order. A few batches in flight bound the memory
+    (Pool.imap would read the whole corpus ahead); fork: workers inherit the loaded tokenizer."""
+    it = iter(items)
+    with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+        pending: deque = deque()
+        while chunk := list(itertools.islice(it, batch)):
+            pending.append(pool.apply_async(encode_chunk, (chunk, tokenizer)))
+            if len(pending) >= 4 * num_proc:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+def encode_chunk(chunk: list[tuple[str, str, bool]], tokenizer: str) -> list[tuple[str, np.ndarray, bool]]:
+    return list(encode_batches(chunk, tokenizer, len(chunk)))

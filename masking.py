@@ -1,0 +1,65 @@
+"""BERT masking for masked-language-model encoders (train.py --objective=mlm), the paper's other half.
+
+Every sequence has 15% of its ordinary positions chosen (a fixed count, as BERT's create_pretraining_data);
+a chosen input becomes [MASK] with probability 0.8, a random ordinary token with 0.1, and stays itself with
+0.1. The losses then score the chosen positions only (loss.masked_rows): for CWT, a masked position's
+negatives are the original tokens of the other masked positions of the micro-batch, as in the paper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loss import LossName, scored_columns
+
+MASK_RATE = 0.15
+NOT_MASKED = -100  # the target of a position that is not predicted (F.cross_entropy's ignore_index)
+VAL_MASK_SEED = 0  # validation masks are the same for every run, whatever its --seed
+_MASK_STREAM = 7  # keeps the masking draws apart from BatchSampler's, which use the same (seed, index)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What masking needs to know of the tokenizer; stored in MLM checkpoints as `mask_spec`."""
+    mask_token: int  # GPT-2 has no [MASK]: the first unused id of the padded embedding
+    vocab_size: int  # the tokenizer's ids are below this; random replacements are drawn among them
+    special_tokens: tuple[int, ...]  # never chosen nor drawn as a replacement (end-of-text)
+
+
+def mask_spec(meta: dict) -> MaskSpec:
+    """The masking of a prepared dataset's tokenizer: [MASK] is the first id past its vocabulary."""
+    return MaskSpec(mask_token=meta["vocab_size"], vocab_size=meta["vocab_size"],
+                    special_tokens=(meta["eot_token"],))
+
+
+def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
+                rate: float = MASK_RATE) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's corruption of a batch (B, T) -> (inputs, targets), a pure function of (seed, index): targets
+    are the original tokens at the chosen positions and NOT_MASKED elsewhere. The draws come from numpy
+    on the CPU, so the masks are the same on every device."""
+    rng = np.random.default_rng([seed, index, _MASK_STREAM])
+    shape, device = tuple(tokens.shape), tokens.device
+    keys = torch.from_numpy(rng.random(shape)).to(device)
+    action = torch.from_numpy(rng.random(shape)).to(device)
+    drawn = rng.integers(0, spec.vocab_size - len(spec.special_tokens), shape)
+    for s in sorted(spec.special_tokens):  # step over the special ids
+        drawn += drawn >= s
+    replacement = torch.from_numpy(drawn).to(device)
+    special = torch.isin(tokens, torch.tensor(spec.special_tokens, dtype=tokens.dtype, device=device))
+    ordinary = (~special).sum(dim=1)
+    count = torch.minimum((rate * ordinary).round().clamp(min=1), ordinary)
+    rank = keys.masked_fill(special, 2.0).argsort(dim=1).argsort(dim=1)  # specials rank last
+    chosen = rank < count[:, None]
+    inputs = torch.where(chosen & (action < 0.8), spec.mask_token, tokens)
+    inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), replacement, inputs)
+    return inputs, torch.where(chosen, tokens, NOT_MASKED)
+
+
+def mlm_columns_per_token(loss: LossName, vocab_size: int, tokens_per_micro: int,
+                          num_negatives: int | None) -> float:
+    """Output vectors scored per input token, for FLOP counts: only MASK_RATE of the positions are scored,
+    and CWT's candidates are those positions alone."""
+    masked = round(MASK_RATE * tokens_per_micro)
+    return MASK_RATE * scored_columns(loss, vocab_size, masked, num_negatives)

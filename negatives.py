@@ -1,0 +1,127 @@
+"""Other negatives for the contrastive losses (extensions, not in the paper; train.py --negatives,
+--num_negatives, --negatives_scope). The paper's negatives are every position of this rank's micro-batch.
+
+- unique: each row scores the U distinct target tokens of the batch instead, so repeats of its own token
+  are no longer false negatives; cost O(N U d) with U <= min(N, V).
+- num_negatives=k: each row scores its positive plus k candidates drawn at random (shared by all rows,
+  without replacement); a drawn copy of the row's own positive is skipped.
+- scope="global" (torchrun): the candidates are every rank's rows, as one process over the concatenated
+  batches; gradients reach the ranks that own them.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loss import LossName, ce_loss, fp32
+
+
+def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0, *,
+                     targets: torch.Tensor | None = None, negatives: Literal["all", "unique"] = "all",
+                     num_negatives: int | None = None, generator: torch.Generator | None = None,
+                     chunk_size: int | None = None, scope: Literal["local", "global"] = "local") -> torch.Tensor:
+    """cwt_loss with other candidates: row i of h must pick e[i] (the embedding of targets[i])."""
+    h, e = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1))
+    n, first = h.size(0), 0
+    if scope == "global":
+        first = n * (dist.get_rank() if dist.is_initialized() else 0)  # this rank's rows among all ranks'
+        e = gather_rows(e)
+        targets = None if targets is None else gather_rows(targets.reshape(-1))
+    if negatives == "unique":
+        if targets is None:
+            raise ValueError("negatives='unique' needs the target ids (targets=...)")
+        e, labels = unique_candidates(e, targets.reshape(-1))
+        labels = labels[first:first + n]
+    elif negatives == "all":
+        labels = torch.arange(first, first + n, device=h.device)
+    else:
+        raise ValueError(f"negatives must be 'all' or 'unique', got {negatives!r}")
+    if num_negatives is not None and num_negatives < e.size(0):
+        return sampled_loss(h, e, labels, temperature, num_negatives, generator, chunk_size)
+    if chunk_size:
+        from chunked import chunked_cross_entropy
+
+        return chunked_cross_entropy(h, e, labels, temperature, chunk_size)
+    return F.cross_entropy(fp32(h @ e.T) / temperature, labels)
+
+
+def training_loss_with_negatives(h, targets, input_embedding, output_weight, loss: LossName, temperature,
+                                 negatives, num_negatives, generator, chunk_size, scope) -> torch.Tensor:
+    """loss.training_loss's objectives, their contrastive part scored against these negatives."""
+    def contrastive(table):
+        return contrastive_loss(h, table[targets], temperature, targets=targets, negatives=negatives,
+                                num_negatives=num_negatives, generator=generator, chunk_size=chunk_size,
+                                scope=scope)
+    if loss == "ce":
+        return ce_loss(h, output_weight, targets, chunk_size)
+    if loss == "cwt":
+        return contrastive(input_embedding)
+    if loss == "ce+cwt":
+        return ce_loss(h, output_weight, targets, chunk_size) + contrastive(input_embedding)
+    if loss == "nce":
+        return contrastive(output_weight)
+    raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
+
+
+def unique_candidates(e: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embeddings of the distinct target tokens (U, d) and each row's index among them (N,). Rows of e
+    for one token are identical, so the first occurrence serves (that token's gradient flows through it)."""
+    uniq, labels = torch.unique(targets, return_inverse=True)
+    first = torch.full((uniq.numel(),), targets.numel(), device=targets.device, dtype=torch.long)
+    first.scatter_reduce_(0, labels, torch.arange(targets.numel(), device=targets.device), reduce="amin")
+    return e[first], labels
+
+
+def sampled_loss(h, e, labels, temperature, k, generator, chunk_size=None) -> torch.Tensor:
+    """Softmax over [positive, k shared random candidates], skipping a candidate equal to the positive."""
+    drawn = torch.randperm(e.size(0), generator=generator, device="cpu")[:k].to(h.device)
+    pos = fp32((h * e[labels]).sum(-1, keepdim=True)) / temperature  # (N, 1)
+    if chunk_size:  # logsumexp over [positive, negatives] = logaddexp(positive, logsumexp(negatives))
+        from chunked import chunked_row_losses
+
+        slot = torch.full((e.size(0),), -1, device=h.device, dtype=torch.long)
+        slot[drawn] = torch.arange(k, device=h.device)
+        neg = chunked_row_losses(h, e[drawn], None, temperature, chunk_size, exclude=slot[labels])
+        return (torch.logaddexp(pos.squeeze(1), neg) - pos.squeeze(1)).mean()
+    neg = fp32(h @ e[drawn].T) / temperature  # (N, k)
+    neg = neg.masked_fill(drawn[None, :] == labels[:, None], float("-inf"))
+    return F.cross_entropy(torch.cat([pos, neg], dim=1), torch.zeros_like(labels))
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's (N, ...) rows in rank order; each part's gradient goes back to the rank it came from,
+    summed over the ranks whose losses used it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        if dist.get_backend() == "nccl":  # reduce-scatter: each rank receives only its own part
+            own = grad.new_empty(grad.size(0) // dist.get_world_size(), *grad.shape[1:])
+            dist.reduce_scatter_tensor(own, grad)
+            return own
+        dist.all_reduce(grad)  # gloo has no reduce-scatter
+        return grad.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of x, in rank order, differentiable (x itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return x
+    return _GatherRows.apply(x)  # token ids too: an integer tensor has no gradient to send back
+
+
+def warn_if_every_negative(num_negatives: int, candidates: int) -> None:
+    """k negatives out of at most k candidates are all of them: say so rather than fall back silently."""
+    if num_negatives >= candidates:
+        print(f"warning: --num_negatives={num_negatives} is not below the {candidates} candidates of a "
+              "micro-batch (batch_size x block_size): every candidate is scored, as without it", file=sys.stderr)

@@ -1,0 +1,61 @@
+"""Results files and plots, shared by the scripts that measure (eval.py, bench.py, compare.py, glue.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from common import UserError, atomic_file
+
+
+def check_output_path(path: str | Path, flag: str) -> None:
+    """Refuse, before any work, an output file that could never be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--{flag}={path} is a directory; pass a file path such as {path / 'results.json'}")
+    if any(p.exists() and not p.is_dir() for p in path.parents):
+        raise UserError(f"--{flag}={path}: a folder above it is a file")
+    parent = next(p for p in path.parents if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"--{flag}={path}: {parent} is not writable; pass a path you can write")
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """A results file (--json=PATH), written atomically."""
+    with atomic_file(path, "w") as f:
+        f.write(json.dumps(obj, indent=1, default=str) + "\n")
+    print(f"results written to {path}", file=sys.stderr)
+
+
+def import_pyplot():
+    """matplotlib is optional (--plot): a one-line error without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib, an optional extra: pip install matplotlib") from None
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
+    """A figure as an image file (the format from its extension), written atomically."""
+    with atomic_file(path) as f:
+        fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def save_results(result: dict, json_path: str, plot_path: str, plot: Callable[[dict, str], None]) -> None:
+    """The --json and --plot outputs of a measuring script."""
+    if json_path:
+        write_json(json_path, result)
+    if plot_path:
+        plot(result, plot_path)
+
+
+def format_metric(value: float, digits: int = 4) -> str:
+    """Fixed-point, but never hundreds of digits (a perplexity capped at e^700 would print 304)."""
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.{digits}g}"

@@ -1,0 +1,79 @@
+"""negatives.py (not in the paper): unique, sampled and cross-rank negatives against explicit references."""
+import math
+
+import pytest
+import torch
+
+from loss import cwt_loss
+from negatives import contrastive_loss, unique_candidates
+from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
+
+
+def naive_cwt_unique(h, table, targets):
+    """Candidates are the distinct target tokens: each token's embedding appears once."""
+    distinct = sorted(set(targets.tolist()))
+    total = 0.0
+    for i in range(h.size(0)):
+        scores = {t: float(h[i] @ table[t]) for t in distinct}
+        total += -scores[int(targets[i])] + math.log(sum(math.exp(s) for s in scores.values()))
+    return total / h.size(0)
+
+
+def test_unique_negatives_drop_repeats_of_the_positive():
+    table = torch.eye(3) * 50
+    t = torch.tensor([0, 0, 1, 2])
+    h = table[t].clone()
+    assert contrastive_loss(h, table[t], targets=t, negatives="unique").item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_unique_negatives_match_reference_and_gradients():
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(5, 4, generator=g, requires_grad=True)
+    t = torch.tensor([3, 1, 3, 0, 1, 1, 4])
+    h = torch.randn(7, 4, generator=g, requires_grad=True)
+    got = contrastive_loss(h, table[t], targets=t, negatives="unique")
+    assert got.item() == pytest.approx(naive_cwt_unique(h.detach(), table.detach(), t), abs=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: contrastive_loss(a, b[t], targets=t, negatives="unique"), (h, table))
+
+
+def test_unique_candidates_picks_each_token_once():
+    t = torch.tensor([5, 2, 5, 9, 2])
+    e = torch.arange(5.0)[:, None].repeat(1, 2)  # row i holds i, to see which rows were picked
+    cand, labels = unique_candidates(e, t)
+    assert cand[:, 0].tolist() == [1.0, 0.0, 3.0]  # first occurrences of tokens 2, 5, 9
+    assert labels.tolist() == [1, 0, 1, 2, 0]
+
+
+def naive_sampled(h, e, labels, drawn):
+    total = 0.0
+    for i in range(h.size(0)):
+        candidates = [int(labels[i])] + [int(j) for j in drawn if int(j) != int(labels[i])]
+        scores = [float(h[i] @ e[j]) for j in candidates]
+        total += -scores[0] + math.log(sum(math.exp(s) for s in scores))
+    return total / h.size(0)
+
+
+@pytest.mark.parametrize("negatives", ["all", "unique"])
+def test_subset_of_negatives_matches_reference(negatives):
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(6, 4, generator=g)
+    t = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 2, 5])
+    h = torch.randn(10, 4, generator=g)
+    k = 3
+    got = contrastive_loss(h, table[t], targets=t, negatives=negatives, num_negatives=k,
+                   generator=torch.Generator().manual_seed(7))
+    if negatives == "unique":
+        cand, labels = table[torch.unique(t)], torch.unique(t, return_inverse=True)[1]
+    else:
+        cand, labels = table[t], torch.arange(10)
+    drawn = torch.randperm(cand.size(0), generator=torch.Generator().manual_seed(7))[:k]
+    assert got.item() == pytest.approx(naive_sampled(h, cand, labels, drawn), abs=1e-12)
+
+
+def test_subset_is_deterministic_with_a_seeded_generator():
+    h, e = torch.randn(20, 4), torch.randn(20, 4)
+    a = contrastive_loss(h, e, num_negatives=5, generator=torch.Generator().manual_seed(0))
+    b = contrastive_loss(h, e, num_negatives=5, generator=torch.Generator().manual_seed(0))
+    assert a.item() == b.item()
+    # asking for at least as many negatives as there are rows is the full loss
+    assert contrastive_loss(h, e, num_negatives=50).item() == pytest.approx(cwt_loss(h, e).item(), abs=1e-12)
