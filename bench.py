@@ -40,12 +40,12 @@ import torch
 
 import data
 from common import (DeviceName, DtypeName, UserError, all_reduce_sum, autocast_context, barrier, first_line,
-                    in_range, init_distributed, is_main_process, parse_flags, peak_flops, pick_device,
+                    in_range, init_distributed, is_main_process, parse_flags, pick_device,
                     pick_dtype, rank, run_main, world_size)
 from loss import masked_rows, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens
 from results import check_output_path, import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, optimizer_step
+from train import Objective, TrainConfig, optimizer_step, peak_flops
 from model import PRESETS, PresetName, build_model
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from common import UserError, first_line
-from data import PrepareConfig, encode_batches, split_documents, split_one_document
+from data import PrepareConfig, encode_batches, split_by_hash
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -43,7 +43,7 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
                        streaming=True), cfg.text_field, source)
     own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
     if not own_val:
-        return source, Items([train], split_documents(train, cfg.val_fraction)), None
+        return source, Items([train], split_by_hash(train, cfg.val_fraction)), None
     val = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
                      streaming=True), cfg.text_field, source + " (validation)")
     return source + " + its validation split", Items([train, val], own_splits(train, val)), None
@@ -75,7 +75,16 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
     if builder == "text" and len(files) == 1:  # one document: split once, near its end
         return source, Items([texts], (item for text in texts for item in
                                        split_one_document(text, cfg.val_fraction))), 1
-    return source, Items([texts], split_documents(texts, cfg.val_fraction)), None
+    return source, Items([texts], split_by_hash(texts, cfg.val_fraction)), None
+
+
+def split_one_document(text: str, fraction: float) -> Iterator[tuple[str, str, bool]]:
+    """A source that is one document: train gets its start, val its last lines (about fraction of it)."""
+    cut = text.rfind("\n", 0, round(len(text) * (1 - fraction))) + 1 or text.find("\n") + 1
+    if not 0 < cut < len(text):
+        raise UserError("the val split is empty: a source of one document is split at a line break near its "
+                        "end, and it has no line break; add some, or pass more files")
+    return iter([("train", text[:cut], False), ("val", text[cut:], True)])
 
 
 def split_of(path: Path) -> str | None:

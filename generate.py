@@ -90,7 +90,7 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
         if cache is None:
             todo = ids[-block:]
         elif cache.pos + len(todo) > block:  # the window is full: re-prefill from its last half
-            cache.reset()
+            cache.pos = 0
             todo = ids[-max(1, block // 2):]
         h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]
         token = sample_token(model.logits(h).float()[:vocab_size], temperature, top_k, top_p, generator)

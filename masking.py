@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loss import LossName, scored_columns
-
 MASK_RATE = 0.15
 NOT_MASKED = -100  # the target of a position that is not predicted (F.cross_entropy's ignore_index)
 VAL_MASK_SEED = 0  # validation masks are the same for every run, whatever its --seed
@@ -57,9 +55,15 @@ def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
     return inputs, torch.where(chosen, tokens, NOT_MASKED)
 
 
-def mlm_columns_per_token(loss: LossName, vocab_size: int, tokens_per_micro: int,
-                          num_negatives: int | None) -> float:
-    """Output vectors scored per input token, for FLOP counts: only MASK_RATE of the positions are scored,
-    and CWT's candidates are those positions alone."""
-    masked = round(MASK_RATE * tokens_per_micro)
-    return MASK_RATE * scored_columns(loss, vocab_size, masked, num_negatives)
+class Masking:
+    """What --objective=mlm does to train.py's batches: BERT masking, a pure function of (seed, index) so a
+    resumed run sees the same masks; validation on fixed masks, the same for every run."""
+
+    def __init__(self, meta: dict | None = None, seed: int = 0, spec: MaskSpec | None = None):
+        self.spec, self.seed, self.rate = spec or mask_spec(meta), seed, MASK_RATE
+
+    def training_batch(self, x: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return mask_tokens(x, self.seed, index, self.spec)
+
+    def validation_batch(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return mask_tokens(x, VAL_MASK_SEED, i, self.spec)

@@ -1,13 +1,10 @@
 """The transformer: GPT-NeoX (Pythia), the paper's decoder, in pure torch (no files but `load_model`).
 
-Pre-norm blocks with LayerNorm, a parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), rotary positions
-on the first quarter of each head's channels, `scaled_dot_product_attention` (flash attention on CUDA),
-exact GELU and biases. GPTConfig keeps GPT-NeoX's few switches, as nanoGPT keeps `bias` for GPT-2, and
-`causal=False` makes the same model a bidirectional masked-LM encoder.
-
-The model is headless: `hidden(idx)` gives the final-normalised states that the losses consume. For
-next-token logits, `forward(idx)` scores them against the LM head when there is one (a fine-tuned
-headless model, the `nce` ablation, an untied CE baseline), else against the tied input embeddings E.
+Pre-norm blocks with LayerNorm, a parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), rotary positions on
+the first quarter of each head's channels, flash attention through SDPA, exact GELU and biases; GPTConfig
+keeps GPT-NeoX's few switches, and causal=False makes it a bidirectional masked-LM encoder. The model is
+headless: hidden(idx) gives the states the losses consume; forward(idx) scores them against the LM head
+if there is one (a fine-tuned headless model, nce, an untied CE baseline), else the tied embeddings E.
 """
 from __future__ import annotations
 
@@ -65,8 +62,7 @@ PRESETS: dict[str, dict] = {
 
 
 def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
-    """The tokenizer's vocabulary rounded up, so the embedding matmuls hit fast kernel shapes."""
-    return multiple * math.ceil(n_vocab / multiple)
+    return multiple * math.ceil(n_vocab / multiple)  # fast kernel shapes for the embedding matmuls
 
 
 def rotary_tables(dims: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +89,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # positions stored so far
-
-    def reset(self) -> None:
-        self.pos = 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, H, T, hd) for `layer`; return all keys and values so far."""
@@ -207,8 +200,7 @@ class GPT(nn.Module):
         return h @ self.output_weight.T
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Next-token logits (B, T, V) at every position."""
-        return self.logits(self.hidden(idx, cache))
+        return self.logits(self.hidden(idx, cache))  # next-token logits (B, T, V)
 
     def add_lm_head(self) -> None:
         """Give a headless model an untied LM head initialised as a copy of E: the logits are unchanged at

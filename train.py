@@ -5,9 +5,9 @@
     python train.py --preset=pythia-70m --dataset=tinystories --compile     # the paper's decoder, a GPU
     torchrun --standalone --nproc_per_node=8 train.py ...                   # several GPUs
 
-Settings are TrainConfig's fields: --key=value flags or --config=FILE.json|toml (--help lists them).
-It reads top to bottom: settings, where the weights come from, the objective, validation, checkpoints,
-and the loop. finetune.py and compare.py run this same loop through train(cfg).
+Settings are TrainConfig's fields, as --key=value flags or --config=FILE.json|toml (--help lists them).
+Top to bottom: settings, where the weights come from, the objective and validation, logs, the loop.
+finetune.py and compare.py run the same loop through train(cfg).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +25,10 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from common import (DeviceName, DiskFullError, DtypeName, UserError, all_reduce_sum, atomic_file,
-                    autocast_context, barrier, checkpoint_model, count_ranks, hold_lock, in_range,
-                    init_distributed, is_main_process, load_checkpoint, need_extra, parse_flags, peak_flops,
-                    pick_device, pick_dtype, rank, remove_stale_temps, run_main, world_size)
+from common import (DeviceName, DtypeName, UserError, all_reduce_sum, atomic_file, autocast_context, barrier,
+                    checkpoint_model, hold_lock, in_range, init_distributed, is_main_process, last_good_checkpoint,
+                    load_checkpoint, need_extra, parse_flags, pick_device, pick_dtype, rank, remove_stale_temps,
+                    run_main, save_checkpoint, world_size)
 from data import BatchSampler, ensure_dataset, load_meta, open_split, sequential_batches
 from loss import LossName, contrastive_accuracy, ce_loss, cwt_loss, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
@@ -82,12 +82,15 @@ class TrainConfig:
     freeze_body: bool = False  # train only the LM head
 
 
-# The paper's pre-training schedule for the Pythia shapes (cosine to 0 after a 1% warmup: 1430 of 143,000
-# steps; lr, betas, decay and clip are TrainConfig's defaults); short CPU runs warm up over 10%, end at lr/10.
+# The paper's schedule for the Pythia shapes: cosine to 0 after a 1% warmup (1430 of 143,000 steps); lr,
+# betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 # What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
-RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope")
+RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
+               "init_from")
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}  # dense bf16 FLOP/s, for MFU
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -104,13 +107,13 @@ def check_config(cfg: TrainConfig) -> None:
     in_range(cfg, "min_lr", 0, cfg.lr)
     in_range(cfg, "eps", 0, ends="(]")
     in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
-    for flag, on, extra in (("--loss_chunk_size", cfg.loss_chunk_size, "chunked"),
-                            ("--negatives/--num_negatives/--negatives_scope", cfg.negatives != "all" or
-                             cfg.num_negatives is not None or cfg.negatives_scope != "local", "negatives"),
-                            ("--objective=mlm", cfg.objective == "mlm", "masking")):
-        if on:
-            need_extra(extra, flag)
-    if cfg.negatives_scope == "global" and cfg.objective == "mlm":
+    if cfg.loss_chunk_size:
+        need_extra("chunked", "--loss_chunk_size")
+    if cfg.negatives != "all" or cfg.num_negatives is not None or cfg.negatives_scope != "local":
+        need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
+    if cfg.objective == "mlm":
+        need_extra("masking", "--objective=mlm")
+    if cfg.objective == "mlm" and cfg.negatives_scope == "global":
         raise UserError("--negatives_scope=global gathers equal-sized micro-batches, but an MLM's masked "
                         "positions differ per rank: use --negatives_scope=local with --objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
@@ -130,116 +133,95 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Where the weights come from: fresh, our own checkpoint (--resume), or another run's (--init_from)
+# Where the weights come from: fresh, this run's checkpoint (--resume), or another's (--init_from)
 
 
 @dataclass
 class State:
-    """What the loop counts; it moves from checkpoint to checkpoint, so a resumed run goes on exactly."""
+    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
     step: int = 0
-    micro_batches: int = 0  # micro-batches consumed by every rank: the position in the data stream
-    tokens: int = 0  # tokens and FLOPs spent by this run, summed as they are spent
+    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
+    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
     flops: float = 0.0
-    earlier_tokens: int = 0  # ... and by the checkpoints it started from (pre-training, for a fine-tune)
+    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
     earlier_flops: float = 0.0
     loss: float | None = None
     first_val: dict | None = None
     val: dict | None = None
 
 
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
-                   device: torch.device) -> tuple[TrainConfig, GPT, dict | None, State]:
-    """(settings with the unset ones filled in, the model, the checkpoint resumed if any, the state)."""
-    found = ckpt_path.is_file()
-    if count_ranks(found, device) not in (0, world_size()):
-        raise UserError(f"rank {rank()} {'sees' if found else 'does not see'} {ckpt_path} and another does "
-                        "not: --out_dir must be on a filesystem every node shares")
-    resuming = found if cfg.resume == "auto" else cfg.resume
-    if resuming and not found:
-        raise UserError(f"--resume: checkpoint {ckpt_path} not found; pass the interrupted run's --out_dir, "
-                        "or start without --resume")
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[TrainConfig, GPT, dict | None, State]:
+    """(the settings, unset ones filled in; the model; the checkpoint resumed, if any; the state)."""
+    resuming = ckpt_path.is_file() if cfg.resume == "auto" else cfg.resume
+    if resuming and not ckpt_path.is_file():
+        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
     source = ckpt_path if resuming else cfg.init_from
     start = load_checkpoint(source) if source else None
-    recorded = (start or {}).get("train_config", {})
+    before = start.get("train_config", {}) if start else {}
     if start:
-        check_start(cfg, meta, start, source, resuming)
-    preset = recorded.get("preset") if start else "tiny"
-    if start and cfg.preset not in (None, preset) and preset is not None:
-        raise UserError(f"--preset={cfg.preset} but {source} holds a {preset} model; "
-                        f"{'resume' if resuming else 'start from it'} with --preset={preset} or without --preset")
-    cfg = dataclasses.replace(cfg, preset=cfg.preset or preset)
+        check_continuation(cfg, meta, start, source, resuming)
+    cfg = dataclasses.replace(cfg, preset=cfg.preset or (before.get("preset") if start else "tiny"))
     if resuming:  # a resumed run keeps its own schedule
-        cfg = dataclasses.replace(cfg, **{k: recorded.get(k) for k in ("warmup_iters", "min_lr")
+        cfg = dataclasses.replace(cfg, **{k: before.get(k) for k in ("warmup_iters", "min_lr")
                                           if getattr(cfg, k) is None})
     recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
     cfg = dataclasses.replace(cfg, min_lr=recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr,
                               warmup_iters=max(1, round(recipe["warmup"] * cfg.max_iters))
                               if cfg.warmup_iters is None else cfg.warmup_iters)
-    state = State()
-    if not start:  # a fresh model; an encoder has room for the [MASK] id past the tokenizer's ids
+    if not start:  # a fresh model; an encoder gets room for the [MASK] id past the tokenizer's ids
         mlm = cfg.objective == "mlm"
-        block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
-        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), block_size=block,
-                                dropout=cfg.dropout, lm_head=cfg.loss == "nce" or cfg.untied_head,
-                                causal=not mlm), None, state
+        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), dropout=cfg.dropout,
+                                block_size=cfg.block_size or PRESETS[cfg.preset]["block_size"], causal=not mlm,
+                                lm_head=cfg.loss == "nce" or cfg.untied_head), None, State()
     model = checkpoint_model(start, source, dropout=cfg.dropout)
     if resuming:
-        check_resume_settings(cfg, start, ckpt_path)
-        fields = {f.name for f in dataclasses.fields(State)}
-        state = State(**{k: v for k, v in start.get("state", {}).items() if k in fields})
-        if "state" not in start:  # written before the data position was counted: derive it
-            per_micro = recorded["batch_size"] * (recorded.get("block_size") or model.config.block_size)
-            state = State(step=start["step"], micro_batches=start["tokens_seen"] // per_micro,
-                          tokens=start["tokens_seen"], flops=start["flops"], earlier_tokens=start["base_tokens"],
-                          earlier_flops=start["base_flops"], first_val=start.get("first_val"), val=start.get("val"))
-        return cfg, model, start, state
-    state.earlier_tokens = start.get("base_tokens", 0) + start.get("tokens_seen", 0)
-    state.earlier_flops = start.get("base_flops", 0.0) + start.get("flops", 0.0)
+        old = before.get("max_iters", cfg.max_iters)
+        if old != cfg.max_iters and cfg.lr_schedule == "cosine":
+            note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
+                 f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
+                 f"{lr_at(start['step'], dataclasses.replace(cfg, max_iters=old)):.2e})")
+        if "state" in start:
+            return cfg, model, start, State(**start["state"])
+        per_micro = before["batch_size"] * (before.get("block_size") or model.config.block_size)
+        return cfg, model, start, State(  # written before the data position was counted: derived
+            step=start["step"], micro_batches=start["tokens_seen"] // per_micro, tokens=start["tokens_seen"],
+            flops=start["flops"], earlier_tokens=start["base_tokens"], earlier_flops=start["base_flops"],
+            first_val=start.get("first_val"), val=start.get("val"))
     if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
         model.add_lm_head()  # a head made from E
     elif cfg.loss == "cwt" and model.lm_head is not None:  # nothing would train it: it would go stale
         model.drop_lm_head()
-        note(f"note: {source} has an untied LM head; --loss=cwt trains a headless model, so the head is dropped "
+        note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
              "(finetune.py adds a fresh one)")
     if cfg.loss == "nce" and model.lm_head is None:
         raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
-    return cfg, model, None, state
+    return cfg, model, None, State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
+                                   earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
 
 
-def check_start(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
-    """A checkpoint only continues on data of its own tokenizer, as the same kind of model; a resumed one
-    as the same experiment (with --resume=auto, another setting would be another experiment's out_dir)."""
-    before = start.get("train_config", {})
+def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
+    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
+    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
+    before, encoder = start.get("train_config", {}), not start["model_config"].get("causal", True)
     for key in RESUME_SAME if resuming else ():
         if key in before and before[key] != getattr(cfg, key):
             raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
                             f"resume with the same --{key}, or use another --out_dir for another experiment")
-    trained_with = start.get("data_meta", {}).get("tokenizer")
-    if trained_with and trained_with != meta.get("tokenizer"):
-        raise UserError(f"{source} was trained with tokenizer {trained_with!r} but the dataset uses "
-                        f"{meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
-    if resuming and before.get("init_from", "") != cfg.init_from:
-        raise UserError(f"{source} was made by a different run (init_from differs); use another --out_dir")
-    encoder = not start["model_config"].get("causal", True)
+    if resuming and cfg.max_iters < start["step"]:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
+    if start.get("data_meta", {}).get("tokenizer") not in (None, meta.get("tokenizer")):
+        raise UserError(f"{source} was trained with tokenizer {start['data_meta']['tokenizer']!r} but the dataset "
+                        f"uses {meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
     if encoder != (cfg.objective == "mlm"):
         raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
-                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune "
-                        "it with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
-    if cfg.block_size is not None and cfg.block_size > start["model_config"].get("block_size", 0):
-        raise UserError(f"--block_size={cfg.block_size} exceeds the checkpoint's context "
-                        f"{start['model_config'].get('block_size')}")
-
-
-def check_resume_settings(cfg: TrainConfig, resumed: dict, path: Path) -> None:
-    """A resumed run may be longer; under the cosine schedule that stretches the decay, which is said once."""
-    before, step = resumed.get("train_config", {}), resumed["step"]
-    if cfg.max_iters < step:
-        raise UserError(f"--max_iters={cfg.max_iters} is below the step {step} of {path}; pass a larger one")
-    old = before.get("max_iters", cfg.max_iters)
-    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
-        was = lr_at(step, dataclasses.replace(cfg, max_iters=old))
-        note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
-             f"over {cfg.max_iters} steps (lr at step {step}: {lr_at(step, cfg):.2e}, was {was:.2e})")
+                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune it "
+                        "with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
+    if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
+        raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
+                        f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
+    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
+        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
+                        f"tokens of context of {source}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,7 +247,7 @@ class Objective(torch.nn.Module):
 
 def contrastive_table(model: GPT, loss: str, encoder: bool = False) -> torch.Tensor | None:
     """What the contrastive metrics score against: E (cwt, ce+cwt), the output table (nce); for ce none,
-    except that encoders report them for every objective (against the tied E), as the paper's tables do."""
+    but encoders report them for every objective (against the tied E), as the paper's tables do."""
     table = {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
     return model.output_weight if table is None and encoder else table
 
@@ -275,19 +257,16 @@ def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
              mask: Any = None) -> dict[str, float]:
-    """Validation on the split's first batches, comparable across losses: val_ce always scores through the
-    LM head or the tied E (as model(idx) does); given a contrastive table, also the CWT loss with in-batch
-    negatives and its top-1 accuracy. An encoder (`mask`, a masking.MaskSpec) is scored on fixed masks,
-    over its masked positions. Each rank scores every world_size-th batch; the sums are added up."""
+    """Validation on the split's first batches, comparable across losses: val_ce scores through the LM head
+    or the tied E, as model(idx) does; given a contrastive table, also the CWT loss (in-batch negatives)
+    and its top-1 accuracy; in chunks when the run's loss is. An encoder (`mask`, a masking.Masking) is
+    scored on fixed masks. Each rank scores every world_size-th batch, and the sums are added up."""
     was_training, sums = model.training, torch.zeros(5, dtype=torch.float64, device=device)
     model.eval()
     for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
-        if mask is not None:
-            from masking import VAL_MASK_SEED, mask_tokens
-
-            x, y = mask_tokens(x, VAL_MASK_SEED, i, mask)
+        x, y = mask.validation_batch(x, i) if mask else (x, y)
         with autocast_context(device, dtype):
-            h, y = masked_rows(model.hidden(x), y) if mask is not None else (model.hidden(x), y)
+            h, y = masked_rows(model.hidden(x), y) if mask else (model.hidden(x), y)
             h, y = h.reshape(-1, h.size(-1)), y.reshape(-1)
             sums[0] += ce_loss(h, model.output_weight, y, chunk_size).double() * y.numel()
             if contrastive is not None:
@@ -296,65 +275,23 @@ def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch
         sums[1] += y.numel()
         sums[4] += 1
     model.train(was_training)
-    total_ce, n_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
+    ce_sum, n_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
     if n_batches == 0:
         raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    metrics = {"val_ce": total_ce / n_tokens, "val_ppl": math.exp(min(total_ce / n_tokens, 700.0))}
+    metrics = {"val_ce": ce_sum / n_tokens, "val_ppl": math.exp(min(ce_sum / n_tokens, 700.0))}
     if contrastive is not None:
         metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
     return metrics
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints and logs; rank 0 alone writes (every rank holds the same weights)
-
-
-def save_checkpoint(path: Path, payload: dict) -> None:
-    """Write atomically with Ctrl-C deferred; refused (the previous file untouched) when a weight, the
-    training loss or a validation metric is not finite, or when the disk is full."""
-    values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
-    problem = next((f"weight {k} is not finite" for k, t in payload["model"].items()
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None) or \
-        next((f"{k} is {v}" for k, v in values.items() if v is not None and not math.isfinite(v)), None)
-    if problem:
-        raise UserError(f"not saving {path}: {problem} at step {payload.get('step', '?')}; "
-                        f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
-    try:
-        with signals_deferred(), atomic_file(path) as f:
-            torch.save(payload, f)
-    except DiskFullError as e:
-        raise DiskFullError(f"{e}; {last_good_checkpoint(path)}. Free some space, then continue with --resume"
-                            ) from None
-
-
-def last_good_checkpoint(path: Path) -> str:
-    try:
-        return f"the last good checkpoint is {path} (step {torch.load(path, weights_only=True)['step']})"
-    except Exception:  # none yet, or unreadable
-        return "there is no earlier checkpoint"
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM during a save take effect after it, so a second Ctrl-C never cuts one short."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-    received: list[int] = []
-    previous = {s: signal.signal(s, lambda n, _: received.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in received:
-            signal.raise_signal(s)
+# Logs, and the run's hold on out_dir (rank 0 alone writes: every rank holds the same weights)
 
 
 @contextlib.contextmanager
 def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iterator[None]:
-    """out_dir for this run alone while it runs. A new run never destroys another one's checkpoint or log
-    (unless --overwrite); a resumed one keeps the log up to its checkpoint's step, so it reads as one run."""
+    """out_dir for this run alone while it runs. A new run never replaces another's checkpoint or log (but
+    with --overwrite); a resumed one keeps the log up to its checkpoint, so it reads as one run."""
     if not is_main_process():
         yield
         return
@@ -364,7 +301,6 @@ def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iter
     if not resumed and not cfg.overwrite and (ckpt.exists() or (log.exists() and cfg.resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")
-    out_dir.mkdir(parents=True, exist_ok=True)
     with hold_lock(out_dir, "training run"):
         remove_stale_temps(out_dir)
         if resumed and log.is_file():  # a line cut short by a crash does not end in "}": dropped
@@ -378,10 +314,10 @@ def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iter
 
 
 def append_log(out_dir: Path, record: dict) -> None:
-    try:
+    record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    try:  # valid JSON always: a null, never NaN or Infinity
         with open(out_dir / "log.jsonl", "a") as f:
-            record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-            f.write(json.dumps(record) + "\n")  # valid JSON always: no NaN or Infinity, a null instead
+            f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise UserError(f"cannot append to {out_dir / 'log.jsonl'} ({e.strerror}); free some space or fix the "
                         "folder, then continue with --resume") from None
@@ -394,23 +330,33 @@ def note(message: str) -> None:
 
 
 class StopFlag:
-    """Ctrl-C or SIGTERM asks the loop to stop at the next agreed point, save, and exit; twice, at once."""
-
-    def __init__(self):
-        self.requested, self._previous = False, {}
+    """Ctrl-C or SIGTERM: the loop stops at the next agreed step, saves and exits. A second one stops at
+    once, but never in the middle of a save: it waits for the save to end."""
 
     def __enter__(self):
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.requested, self.saving, self.pending = False, False, False
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def _handle(self, signum, frame):
-        if self.requested:
+    def handle(self, signum, frame):
+        if self.requested and not self.saving:
             raise KeyboardInterrupt
-        self.requested = True
-        note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
+        self.pending, self.requested = self.requested, True  # a second one during a save: once it is done
+        if not self.pending:
+            note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+        if self.pending:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc):
-        for s, handler in self._previous.items():
+        for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
@@ -430,68 +376,78 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     barrier()  # rank 0 prepares the built-in data; the others then read it
     data_dir = data_dir or ensure_dataset(cfg.dataset, cfg.data_root)
     meta, out_dir = load_meta(data_dir), Path(cfg.out_dir)
-    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt", device)
-    if cfg.freeze_body:
-        for name, p in model.named_parameters():
-            p.requires_grad = name.startswith("lm_head.")
+    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt")
+    for name, p in model.named_parameters():
+        p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
     model.to(device)
     block, vocab = cfg.block_size or model.config.block_size, model.config.vocab_size
     optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    if resumed:
-        restore(resumed, optimizer, scaler, device, out_dir)
+    if resumed:  # continue exactly: the optimizer, the fp16 loss scale and the random state
+        try:
+            optimizer.load_state_dict(resumed["optimizer"])
+        except (KeyError, ValueError):
+            raise UserError(f"{out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume with "
+                            "the interrupted run's settings (--freeze_body, --loss)") from None
+        if scaler.is_enabled() and resumed.get("scaler"):
+            scaler.load_state_dict(resumed["scaler"])
+        torch.set_rng_state(resumed["rng"]["torch"])
+        if device.type == "cuda" and resumed["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(resumed["rng"]["cuda"])
     mask = None
     if cfg.objective == "mlm":
-        from masking import mask_spec, mask_tokens, mlm_columns_per_token
+        from masking import Masking  # BERT masking of every batch, validation on fixed masks
 
-        mask = mask_spec(meta)
+        mask = Masking(meta, cfg.seed)
     objective = Objective(model, cfg)
     if cfg.compile:
         objective.compile()
-    if world_size() > 1:  # rank 0's weights to every rank; gradients averaged during backward
+    if world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
         objective = torch.nn.parallel.DistributedDataParallel(objective, gradient_as_bucket_view=True)
     sampler = BatchSampler(open_split(data_dir, "train", vocab), cfg.batch_size, block, cfg.seed, device)
     val_tokens = open_split(data_dir, "val", vocab)
     micro_per_step = cfg.grad_accum * world_size()
     tokens_per_step = micro_per_step * cfg.batch_size * block
-    candidates = cfg.batch_size * block * (world_size() if cfg.negatives_scope == "global" else 1)
-    columns = mlm_columns_per_token(cfg.loss, vocab, candidates, cfg.num_negatives) if mask else \
-        scored_columns(cfg.loss, vocab, candidates, cfg.num_negatives)
-    flops_per_token = model.flops_per_token(block, columns)
+    scored = mask.rate if mask else 1.0  # an encoder scores its masked positions only
+    candidates = round(scored * cfg.batch_size * block * (world_size() if cfg.negatives_scope == "global" else 1))
+    flops_per_token = model.flops_per_token(block, scored * scored_columns(cfg.loss, vocab, candidates,
+                                                                          cfg.num_negatives))
     if cfg.num_negatives is not None and cfg.loss != "ce" and is_main_process():
         from negatives import warn_if_every_negative
 
-        warn_if_every_negative(cfg.num_negatives, round(0.15 * candidates) if mask else candidates)
+        warn_if_every_negative(cfg.num_negatives, candidates)
     table = contrastive_table(model, cfg.loss, encoder=mask is not None)
+    peak = peak_flops(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    note(f"model {cfg.preset or 'of ' + cfg.init_from}: {model.num_params(False) / 1e6:.2f}M parameters "
-         f"without embeddings, {model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss "
-         f"{cfg.loss} | {device.type}{f' x {world_size()} ranks' if world_size() > 1 else ''} "
+    note(f"model {cfg.preset or 'of ' + cfg.init_from}: {model.num_params(False) / 1e6:.2f}M parameters without "
+         f"embeddings, {model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
+         f"{device.type}{f' x {world_size()} ranks' if world_size() > 1 else ''} "
          f"{str(dtype).removeprefix('torch.')} | {tokens_per_step:,} tokens/step")
 
-    def validate() -> None:
+    def validate() -> None:  # printed and logged; a non-finite metric stops the run before any save
         val = evaluate(model, val_tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
                        cfg.temperature, cfg.loss_chunk_size or None, mask)
-        if not math.isfinite(val["val_ce"]):  # before the log: a NaN never reaches log.jsonl
-            raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without "
-                            f"saving ({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
+        if not math.isfinite(val["val_ce"]):
+            raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without saving "
+                            f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
         note(f"step {state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
                                                  for k, v in val.items()))
         if is_main_process():
             append_log(out_dir, {"step": state.step, "tokens": state.tokens, **val})
         state.val, state.first_val = val, state.first_val or val
 
-    def checkpoint() -> None:
+    def save() -> None:  # all it takes to continue exactly, and what it took to get here
         if is_main_process():
-            save_checkpoint(out_dir / "ckpt.pt", {
-                "model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
-                "loss": state.loss, "state": dataclasses.asdict(state), "train_config": dataclasses.asdict(cfg),
-                "data_meta": meta, "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens,
-                "flops": state.flops, "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
-                "mask_spec": dataclasses.asdict(mask) if mask else None,
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
+            with stop.deferred():
+                save_checkpoint(out_dir / "ckpt.pt", {
+                    "model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "loss": state.loss,
+                    "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
+                    "state": dataclasses.asdict(state), "train_config": dataclasses.asdict(cfg), "data_meta": meta,
+                    "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
+                    "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
+                    "mask_spec": dataclasses.asdict(mask.spec) if mask else None,
+                    "rng": {"torch": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
 
     start_step, stopping, negatives_rng = state.step, False, torch.Generator()
     t_start = t_log = time.time()
@@ -503,25 +459,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 eval_start = time.time()
                 validate()
                 if state.step > start_step:
-                    checkpoint()
+                    save()
                 t_log += time.time() - eval_start  # tokens/s counts training time only
+
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(state.step, cfg)
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
-                # batch i of the data stream is a function of (seed, i) alone, whoever draws it: a step takes
-                # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum
+                # Micro-batch i of the stream is a function of (seed, i) alone, whoever draws it: a step takes
+                # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum.
                 index = state.micro_batches + rank() * cfg.grad_accum + micro
                 x, y = sampler.get(index)
-                if mask:
-                    x, y = mask_tokens(x, cfg.seed, index, mask)
+                x, y = mask.training_batch(x, index) if mask else (x, y)
                 negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
                 torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
-                last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, on the last one
-                sync = objective.no_sync() if world_size() > 1 and not last else contextlib.nullcontext()
-                with sync, autocast_context(device, dtype):
-                    loss = objective(x, y, negatives_rng) / cfg.grad_accum
-                with sync:
+                last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
+                with objective.no_sync() if world_size() > 1 and not last else contextlib.nullcontext():
+                    with autocast_context(device, dtype):
+                        loss = objective(x, y, negatives_rng) / cfg.grad_accum
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             optimizer_step(optimizer, model.parameters(), cfg.grad_clip, scaler)
@@ -533,19 +488,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)]))
                 state.loss, stopping = totals[0].item() / world_size(), totals[1].item() > 0
                 if not math.isfinite(state.loss):
-                    raise UserError(f"loss became {state.loss} at step {state.step}; stopped without saving "
-                                    f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
-                now = time.time()
+                    raise UserError(f"loss became {state.loss} at step {state.step}; stopped without saving ("
+                                    f"{last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
+                now, lr = time.time(), lr_at(state.step - 1, cfg)
                 tok_s = (state.step - step_at_log) * tokens_per_step / max(now - t_log, 1e-9)
-                eta = (now - t_start) / (state.step - start_step) * (cfg.max_iters - state.step)
-                report_progress(state, cfg, out_dir, tok_s, eta, flops_per_token, device)
+                eta = int((now - t_start) / (state.step - start_step) * (cfg.max_iters - state.step))
+                mfu = f" | MFU {100 * tok_s / world_size() * flops_per_token / peak:.1f}%" if peak else ""
+                note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+                     f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}")
+                if is_main_process():
+                    append_log(out_dir, {"step": state.step, "tokens": state.tokens, "loss": state.loss, "lr": lr,
+                                         "tokens_per_s": tok_s})
                 t_log, step_at_log = now, state.step
-            stopping = stopping or (world_size() == 1 and stop.requested)  # one process: no need to agree
+            stopping = stopping or (world_size() == 1 and stop.requested)  # one process: nothing to agree
 
         if state.step > start_step or not resumed:  # a resumed run that had already ended adds nothing
             if not stopping:
                 validate()
-            checkpoint()
+            save()
         barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     elapsed = time.time() - t_start
     note(f"stopped at step {state.step}; checkpoint saved to {out_dir / 'ckpt.pt'}; continue with --resume"
@@ -555,24 +515,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "flops": state.earlier_flops + state.flops, "interrupted": stopping, "seconds": elapsed}
 
 
-def restore(resumed: dict, optimizer, scaler, device: torch.device, out_dir: Path) -> None:
-    """Continue exactly where a checkpoint stopped: optimizer, loss scale and random state."""
-    try:
-        optimizer.load_state_dict(resumed["optimizer"])
-    except (KeyError, ValueError):
-        raise UserError(f"{out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume with "
-                        "the interrupted run's settings (--freeze_body, --loss)") from None
-    if scaler.is_enabled() and resumed.get("scaler"):  # fp16 before and now: keep its loss scale
-        scaler.load_state_dict(resumed["scaler"])
-    torch.set_rng_state(resumed["rng"]["torch"])
-    if device.type == "cuda" and resumed["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(resumed["rng"]["cuda"])
+def peak_flops(device: torch.device) -> float | None:
+    """A GPU's peak, matched on whole words of its name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", name)), None)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,
                    scaler: torch.amp.GradScaler | None = None) -> None:
-    """Clip the gradient norm (0: off), step, reset the gradients; with an fp16 GradScaler, unscale first
-    and skip a step whose gradients overflowed."""
+    """Clip the gradient norm (0: off), step, reset the gradients; with an fp16 GradScaler, unscale first and
+    skip a step whose gradients overflowed."""
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     if grad_clip > 0:
         scaler.unscale_(optimizer)
@@ -580,19 +532,6 @@ def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-
-
-def report_progress(state: State, cfg: TrainConfig, out_dir: Path, tok_s: float, eta: float,
-                    flops_per_token: float, device: torch.device) -> None:
-    """The progress line (loss, lr, tokens/s of all ranks, ETA, MFU per GPU) and its log record."""
-    if not is_main_process():
-        return
-    peak, lr, eta = peak_flops(device), lr_at(state.step - 1, cfg), int(eta)
-    mfu = f" | MFU {100 * tok_s / world_size() * flops_per_token / peak:.1f}%" if peak else ""
-    print(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-          f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}", file=sys.stderr)
-    append_log(out_dir, {"step": state.step, "tokens": state.tokens, "loss": state.loss, "lr": lr,
-                         "tokens_per_s": tok_s})
 
 
 def main(argv: list[str]) -> None:

@@ -93,7 +93,7 @@ def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
     _global_negatives_on_rank(Path(out))
     for job in jobs:
         train.train(TrainConfig(**job))
-    common.close_distributed()
+    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -112,11 +112,15 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_peak_flops_match_whole_gpu_names():
-    assert common.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
-    assert common.peak_flops_of("NVIDIA L4") == 121e12
-    assert common.peak_flops_of("NVIDIA L40S") is None  # unknown, rather than wrong
-    assert common.peak_flops(torch.device("cpu")) is None
+def test_peak_flops_match_whole_gpu_names(monkeypatch):
+    def peak_of(name):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+        return train.peak_flops(torch.device("cuda"))
+
+    assert peak_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_of("NVIDIA L4") == 121e12
+    assert peak_of("NVIDIA L40S") is None  # unknown, rather than wrong
+    assert train.peak_flops(torch.device("cpu")) is None
 
 
 def test_lr_schedule():
