@@ -1,0 +1,307 @@
+"""Fine-tune an encoder checkpoint on XNLI and score every language's test set (the paper's multilingual table).
+
+    python xnli.py --ckpt=out-mlm/ckpt.pt                        # English fine-tune, all 15 test sets (zero-shot)
+    python xnli.py --ckpt=out-mlm/ckpt.pt --train_lang=fr        # fine-tune on French (translated), score French
+    python xnli.py --ckpt=out-mlm/ckpt.pt --train_lang=each --json=results/xnli.json  # each language in turn
+    python xnli.py --ckpt=out-mlm/ckpt.pt --data=xnli_dir        # offline, see --data
+
+Two settings, as the paper reports them (XNLI average, distilled-mBERT-shaped encoder):
+  * --train_lang=en: fine-tune on the English training set (MultiNLI) and score every language's test
+    set: zero-shot cross-lingual transfer;
+  * --train_lang=xx: fine-tune on language xx's machine-translated training set and score xx's own test
+    set; --train_lang=each does this for every language in turn, each from a fresh copy of the checkpoint
+    (target-language fine-tuning, "translate-train").
+The score is accuracy per language and their unweighted mean. Fractions in --json, percentages on screen.
+
+Model, input and training are glue.py's, so XNLI and GLUE numbers come from one recipe: premise and
+hypothesis joined by the end-of-text token (longest-first truncation to --max_length), a dropout + linear
+head on the mean of the final hidden states, 3 labels (0 entailment, 1 neutral, 2 contradiction), AdamW
+with linear warmup and decay, --epochs epochs, the test sets scored once after the last epoch (no
+selection on them). The checkpoint's tokenizer is used as it is: a GPT-2 BPE splits most non-Latin
+scripts into bytes, so a multilingual comparison wants a multilingual tokenizer at pre-training time.
+
+Data: `facebook/xnli` from the hub (one config per language; splits train and test), or --data=DIR with
+one folder per language (its name is the language code) holding train.jsonl and test.jsonl, one
+{"premise": ..., "hypothesis": ..., "label": 0|1|2} per line. Only the files a run needs must exist.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import glue
+from common import (UserError, check_output_path, first_line, load_checkpoint, parse_flags, pick_device,
+                    pick_dtype, run_main, write_json)
+from data import load_tokenizer
+
+XNLI_HUB = "facebook/xnli"
+XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")
+LABELS = ("entailment", "neutral", "contradiction")  # label 0, 1, 2
+NLI = glue.TASKS["mnli"]  # premise / hypothesis, 3 labels: XNLI is MultiNLI's format
+EACH = "each"
+DATA_HINT = ("--data=DIR needs one folder per language holding train.jsonl and test.jsonl, "
+             'one {"premise": ..., "hypothesis": ..., "label": 0|1|2} per line')
+
+
+@dataclass
+class XnliConfig:
+    ckpt: str = "out/ckpt.pt"  # an encoder checkpoint (train.py --objective=mlm)
+    train_lang: str = "en"  # en: zero-shot transfer to every language; xx: fine-tune on xx; each: every xx in turn
+    data: str | None = None  # a folder with one folder per language (train.jsonl, test.jsonl); default: hub
+    langs: list[str] | None = None  # only these languages (comma separated): scored (en) or fine-tuned (each)
+    epochs: int = 2
+    batch_size: int = 32
+    lr: float = 5e-5
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.01
+    dropout: float = 0.1  # in the encoder and before the head, as BERT fine-tunes
+    max_length: int = 128  # tokens per example (at most the checkpoint's context)
+    max_train_examples: int | None = None  # only the first N training examples (quick runs; not comparable)
+    max_test_examples: int | None = None  # only the first N test examples per language (idem)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    seed: int = 0
+    json: str | None = None  # also write the results to this file
+
+
+# ----------------------------------------------------------------------------------------------
+# The score
+
+
+def xnli_scores(pred_by_lang: dict[str, np.ndarray],
+                gold_by_lang: dict[str, np.ndarray]) -> tuple[dict[str, float], float]:
+    """({language: accuracy}, their unweighted mean): every language counts the same, whatever the size of
+    its test set, as XNLI's average is reported."""
+    if set(pred_by_lang) != set(gold_by_lang) or not gold_by_lang:
+        raise ValueError(f"predictions for {sorted(pred_by_lang)} but gold labels for {sorted(gold_by_lang)}")
+    accuracy = {}
+    for lang, gold in gold_by_lang.items():
+        pred = np.asarray(pred_by_lang[lang])
+        if pred.shape != np.shape(gold):
+            raise ValueError(f"{lang}: {pred.shape} predictions for {np.shape(gold)} gold labels")
+        accuracy[lang] = glue.accuracy(pred, np.asarray(gold))
+    return accuracy, float(np.mean(list(accuracy.values())))
+
+
+# ----------------------------------------------------------------------------------------------
+# Languages and data
+
+
+def known_languages(cfg: XnliConfig) -> list[str]:
+    """XNLI's 15 languages, or with --data the names of DIR's folders (sorted)."""
+    if not cfg.data:
+        return list(XNLI_LANGUAGES)
+    root = Path(cfg.data)
+    if not root.is_dir():
+        raise UserError(f"--data={cfg.data} is not a folder; {DATA_HINT}")
+    langs = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not langs:
+        raise UserError(f"--data={cfg.data} holds no language folders; {DATA_HINT}")
+    return langs
+
+
+def plan_languages(cfg: XnliConfig, known: list[str]) -> list[tuple[str, list[str]]]:
+    """The fine-tunes to run: (training language, the languages whose test sets it is scored on)."""
+    where = f"the folders of {cfg.data}" if cfg.data else f"{XNLI_HUB}'s languages"
+    for flag, codes in (("langs", cfg.langs or []), ("train_lang", [cfg.train_lang])):
+        for code in codes:
+            if code not in known and not (flag == "train_lang" and code == EACH):
+                extra = " (or each)" if flag == "train_lang" else ""
+                raise UserError(f"--{flag}: unknown language {code!r}; known ({where}): "
+                                f"{', '.join(known)}{extra}")
+    chosen = [lang for lang in known if lang in cfg.langs] if cfg.langs else known
+    if cfg.train_lang == EACH:
+        return [(lang, [lang]) for lang in chosen]
+    if cfg.train_lang == "en":
+        return [("en", chosen)]
+    if cfg.langs:
+        raise UserError(f"--langs applies to --train_lang=en (zero-shot) or each; --train_lang="
+                        f"{cfg.train_lang} scores {cfg.train_lang}'s own test set only: drop --langs")
+    return [(cfg.train_lang, [cfg.train_lang])]
+
+
+def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
+    """(position, row) of each non-blank line of a .jsonl file; the position names the file and line."""
+    if not path.is_file():
+        raise UserError(f"{path} not found; {DATA_HINT}")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{where} is not UTF-8 text; save the file as UTF-8") from None
+            if line.strip():
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{where} is not valid JSON ({e.msg})") from None
+
+
+def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:
+    """(position, row) of one language's split of facebook/xnli, downloaded once into the datasets cache."""
+    try:
+        import datasets  # imported here: slow, and --data runs never need it
+
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line
+        rows = datasets.load_dataset(XNLI_HUB, lang, split=split)
+    except Exception as e:
+        raise UserError(f"could not load hf:{XNLI_HUB}/{lang} {split}: {first_line(e).rstrip('.')}; "
+                        f"offline? pass --data=DIR ({DATA_HINT.removeprefix('--data=DIR ')})") from None
+    for number, row in enumerate(rows, 1):
+        yield f"hf:{XNLI_HUB}/{lang} {split} example {number}", row
+
+
+def check_row(row: Any, where: str) -> None:
+    """A one-line error for a row that is not an XNLI example."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where} is a JSON {type(row).__name__}, not an object with premise, hypothesis "
+                        "and label")
+    missing = [c for c in (*NLI.text, "label") if c not in row]
+    if missing:
+        raise UserError(f"{where} lacks {', '.join(missing)} (has: {', '.join(row) or 'nothing'}); "
+                        "each example needs premise, hypothesis and label")
+    for column in NLI.text:
+        if not isinstance(row[column], str):
+            raise UserError(f"{where}: {column} must be text, got {row[column]!r}")
+    label = row["label"]
+    if type(label) is not int or label not in range(len(LABELS)):
+        raise UserError(f"{where} has label {label!r}, not 0, 1 or 2 "
+                        "(0 entailment, 1 neutral, 2 contradiction)")
+
+
+def load_split(cfg: XnliConfig, lang: str, split: str, limit: int | None) -> tuple[list[dict], np.ndarray]:
+    """The first `limit` (all: None) checked rows of one language's split, and their labels."""
+    source = read_jsonl_split(Path(cfg.data) / lang / f"{split}.jsonl") if cfg.data else hub_split(lang, split)
+    rows = []
+    for where, row in source:
+        if limit is not None and len(rows) >= limit:
+            break
+        check_row(row, where)
+        rows.append(row)
+    if not rows:
+        where = Path(cfg.data) / lang / f"{split}.jsonl" if cfg.data else f"hf:{XNLI_HUB}/{lang} {split}"
+        raise UserError(f"{where} holds no examples")
+    return rows, np.array([row["label"] for row in rows], dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning and scoring
+
+
+def check_config(cfg: XnliConfig) -> None:
+    """Refuse settings that cannot work, and an unwritable --json, before any work."""
+    for name in ("epochs", "batch_size", "max_train_examples", "max_test_examples"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if cfg.max_length < 2:
+        raise UserError(f"--max_length must be at least 2 (a premise and a hypothesis token), "
+                        f"got {cfg.max_length}")
+    if not (0 < cfg.lr < math.inf):
+        raise UserError(f"--lr must be a positive finite number, got {cfg.lr}")
+    if not (0 <= cfg.warmup_fraction < 1):
+        raise UserError(f"--warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
+    if not (0 <= cfg.weight_decay < math.inf):
+        raise UserError(f"--weight_decay must be a finite number of at least 0, got {cfg.weight_decay}")
+    if not (0 <= cfg.dropout < 1):
+        raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.json:
+        check_output_path(cfg.json, "json")
+
+
+def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,
+              pad: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
+    """A fresh copy of the checkpoint with a new head, fine-tuned on one language; and its mean training
+    loss per epoch."""
+    model = glue.load_encoder(cfg, ckpt, NLI, device)  # reads cfg.ckpt, cfg.dropout, cfg.seed
+    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total = cfg.epochs * steps_per_epoch
+    warmup = round(cfg.warmup_fraction * total)
+    losses, step = [], 0
+    bar = tqdm(total=total, desc=f"xnli {lang}", unit="step", file=sys.stderr)
+    model.train()
+    for epoch in range(1, cfg.epochs + 1):
+        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))
+        loss_sum = 0.0
+        for b in range(steps_per_epoch):
+            rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+            loss_sum += glue.train_batch(model, optimizer, examples, labels, rows, pad, device, dtype,
+                                         cfg.lr * glue.linear_schedule(step, warmup, total), scaler)
+            step += 1
+            bar.update()
+            bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
+        losses.append(loss_sum / steps_per_epoch)
+        bar.write(f"{lang} epoch {epoch}: train loss {losses[-1]:.4f}", file=sys.stderr)
+    bar.close()
+    return model, losses
+
+
+def run_xnli(cfg: XnliConfig) -> dict:
+    """Fine-tune and score as cfg.train_lang says; returns accuracy per language, the average and details."""
+    check_config(cfg)
+    plan = plan_languages(cfg, known_languages(cfg))
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    ckpt = load_checkpoint(cfg.ckpt)  # read lazily: cheap, and a wrong path fails before any download
+    meta = ckpt.get("data_meta") or {}
+    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+    separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
+    max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
+    # Every test set, and with --data every later training file, is read and checked before the first
+    # fine-tune: a bad row in the last language's file costs seconds, not hours.
+    tests = {lang: load_split(cfg, lang, "test", cfg.max_test_examples) for _, langs in plan for lang in langs}
+    if cfg.data:
+        for train_lang, _ in plan[1:]:
+            load_split(cfg, train_lang, "train", cfg.max_train_examples)
+
+    def encode(rows: list[dict]) -> list[list[int]]:
+        return glue.encode_rows(rows, NLI, tokenizer, separator, max_length)
+
+    tests = {lang: (encode(rows), gold) for lang, (rows, gold) in tests.items()}
+    preds, train_loss, train_examples, causal, start = {}, {}, {}, False, time.time()
+    for train_lang, test_langs in plan:
+        rows, labels = load_split(cfg, train_lang, "train", cfg.max_train_examples)
+        examples = encode(rows)  # one training language in memory at a time
+        del rows
+        model, train_loss[train_lang] = fine_tune(cfg, ckpt, train_lang, examples, labels, separator,
+                                                  device, dtype)
+        train_examples[train_lang], causal = len(examples), model.config.causal
+        del examples, labels
+        for lang in test_langs:
+            preds[lang] = glue.predict(model, tests[lang][0], cfg.batch_size, separator, device, dtype)
+        del model
+    accuracy, average = xnli_scores(preds, {lang: gold for lang, (_, gold) in tests.items()})
+    return {"task": "xnli", "train_lang": cfg.train_lang,
+            "setting": "zero-shot" if cfg.train_lang == "en" else "target-language",
+            "accuracy": accuracy, "average": average, "checkpoint": cfg.ckpt,
+            "data": cfg.data or f"hf:{XNLI_HUB}", "train_loss": train_loss, "train_examples": train_examples,
+            "test_examples": {lang: len(examples) for lang, (examples, _) in tests.items()},
+            "pooling": "mean", "causal_checkpoint": causal, "seconds": time.time() - start,
+            "config": dataclasses.asdict(cfg)}
+
+
+def main(argv: list[str]) -> dict:
+    cfg = parse_flags(XnliConfig, argv)
+    result = run_xnli(cfg)
+    cells = [f"{lang} {100 * acc:.2f}" for lang, acc in result["accuracy"].items()]
+    print(f"xnli (train {cfg.train_lang}): " + " | ".join([*cells, f"average {100 * result['average']:.2f}"]))
+    if cfg.json:
+        write_json(cfg.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main)
