@@ -52,6 +52,7 @@ class Task:
     num_labels: int  # 1: a regression (STS-B)
     metrics: tuple[str, ...]
     validation: tuple[str, ...] = ("validation",)  # the split(s) scored
+    label_range: tuple[float, float] | None = None  # a regression's scale (STS-B: similarity 0 to 5)
 
 
 TaskName = Literal["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"]
@@ -60,7 +61,7 @@ TASKS: dict[str, Task] = {
     "sst2": Task(("sentence",), 2, ("accuracy",)),
     "mrpc": Task(("sentence1", "sentence2"), 2, ("f1", "accuracy")),
     "qqp": Task(("question1", "question2"), 2, ("f1", "accuracy")),
-    "stsb": Task(("sentence1", "sentence2"), 1, ("pearson", "spearman")),
+    "stsb": Task(("sentence1", "sentence2"), 1, ("pearson", "spearman"), label_range=(0.0, 5.0)),
     "mnli": Task(("premise", "hypothesis"), 3, ("accuracy",),
                  ("validation_matched", "validation_mismatched")),
     "qnli": Task(("question", "sentence"), 2, ("accuracy",)),
@@ -157,6 +158,11 @@ def read_rows(path: Path) -> list[dict]:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+                    except ValueError:  # an integer of more than 4300 digits
+                        raise UserError(f"{path} line {number} holds a number too long to read") from None
+                    except RecursionError:
+                        raise UserError(f"{path} line {number} is JSON nested too deeply to be an example; "
+                                        "pass one flat object per line") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; pass .jsonl files") from None
     return rows
@@ -186,10 +192,16 @@ def check_rows(rows: list[dict], task: Task, where: str) -> np.ndarray:
         if not all(isinstance(row[c], str) for c in task.text):
             raise UserError(f"{where} example {number}: {' and '.join(task.text)} must be text")
         label = row["label"]
-        valid = isinstance(label, (int, float)) if task.num_labels == 1 else label in range(task.num_labels)
+        if task.num_labels == 1:  # a finite number (json reads NaN and Infinity), on the task's scale
+            low, high = task.label_range or (-math.inf, math.inf)
+            valid = isinstance(label, (int, float)) and low <= label <= high and \
+                (isinstance(label, int) or math.isfinite(label))
+            expected = f"a number in [{low:g}, {high:g}]" if task.label_range else "a finite number"
+        else:
+            valid, expected = label in range(task.num_labels), f"0..{task.num_labels - 1}"
         if not valid or isinstance(label, bool):
-            expected = "a number" if task.num_labels == 1 else f"0..{task.num_labels - 1}"
-            raise UserError(f"{where} example {number} has label {label!r}, not {expected} "
+            shown = repr(label) if len(repr(label)) <= 60 else repr(label)[:60] + "..."
+            raise UserError(f"{where} example {number} has label {shown}, not {expected} "
                             "(GLUE's test splits carry no labels: score the validation split)")
     return np.array([row["label"] for row in rows], dtype=np.float64 if task.num_labels == 1 else np.int64)
 
@@ -314,6 +326,26 @@ def evaluate_splits(model: GPT, task: Task, validation: dict, cfg: GlueConfig, p
     return {**metrics, "score": float(np.mean(list(metrics.values())))}
 
 
+def split_name(cfg: GlueConfig, split: str) -> str:
+    """Where a split's rows come from, for messages: its .jsonl file, or the hub dataset."""
+    return str(Path(cfg.data) / f"{split}.jsonl") if cfg.data else f"hf:{GLUE_HUB}/{cfg.task} {split}"
+
+
+def check_token_ids(path: str, ckpt: dict, tokenizer, separator: object) -> None:
+    """The separator (data_meta's eot_token, also the padding id) and the tokenizer's ids must be token ids of
+    the model's vocabulary, or the embedding lookup fails mid-training."""
+    vocab = (ckpt.get("model_config") or {}).get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        return  # checkpoint_model reports a malformed config
+    if isinstance(separator, bool) or not isinstance(separator, int) or not 0 <= separator < vocab:
+        raise UserError(f"{path}: data_meta eot_token {separator!r} is not a token id of the model's "
+                        f"vocabulary (0..{vocab - 1}), and glue.py separates and pads with it; fix the "
+                        "checkpoint's data_meta or train on data prepared with its tokenizer")
+    if tokenizer.n_vocab > vocab:
+        raise UserError(f"{path}: its tokenizer ({getattr(tokenizer, 'name', '?')}) has {tokenizer.n_vocab} "
+                        f"tokens but the model only {vocab}; use the tokenizer the model was trained with")
+
+
 def fine_tune(cfg: GlueConfig) -> dict:
     """Fine-tune cfg.ckpt on cfg.task; returns the validation metrics after each epoch and at the end."""
     check_config(cfg)
@@ -324,15 +356,16 @@ def fine_tune(cfg: GlueConfig) -> dict:
     meta = ckpt.get("data_meta") or {}
     tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
+    check_token_ids(cfg.ckpt, ckpt, tokenizer, separator)
     max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
     where = cfg.data or f"hf:{GLUE_HUB}/{cfg.task}"
     train_rows = load_split(cfg, "train")[:cfg.max_train_examples]
-    train_labels = check_rows(train_rows, task, f"{where} train")
+    train_labels = check_rows(train_rows, task, split_name(cfg, "train"))
     train_examples = encode_rows(train_rows, task, tokenizer, separator, max_length)
     validation = {}
     for split in task.validation:
         rows = load_split(cfg, split)
-        labels = check_rows(rows, task, f"{where} {split}")  # before encoding: a missing column is one line
+        labels = check_rows(rows, task, split_name(cfg, split))  # before encoding: a bad row is one line
         validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length), labels)
     model = load_encoder(cfg, ckpt, task, device)
     optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))

@@ -7,6 +7,9 @@ pytorch_model.bin) builds a `GPT`; train.py's `--init_from=hf:...` starts from i
 config.json, model.safetensors and the tokenizer, loaded by `AutoModelForCausalLM.from_pretrained` with no
 custom code and giving the same logits as `model(idx)`. Only exact equivalents cross the bridge: any
 config or architecture without one (RMSNorm, rope scaling, other activations...) is a one-line error.
+A folder is checked before any model is built: config.json's fields, then its sizes against the weight
+files' tensor shapes (only the safetensors headers are read), so a broken or hostile folder (a million
+layers, a truncated file) is one line, never a large allocation.
 
 GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py packs them per kind
 ((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name.
@@ -14,13 +17,18 @@ GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py p
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import math
 import os
+import re
 import shutil
+import stat
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
@@ -30,6 +38,71 @@ from model import GPT, PRESETS, GPTConfig
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+MAX_POSITIONS = 1 << 20  # max_position_embeddings has no weight to check it against: a sane bound instead
+MAX_SIZE = 1 << 48  # any other size in config.json (checked against the weights' shapes after this bound)
+MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: read whole, so bounded
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header (JSON); real ones are a few hundred kB at most
+# Bytes per element of each safetensors dtype
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+                      "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                      "F64": 8}
+
+
+# ----------------------------------------------------------------------------------------------
+# Files from outside: every problem is one line naming the file
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a plain file (missing, a dangling link, a folder, a device...), or None.
+    Checked before opening it: opening a FIFO blocks, and reading /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a dangling symbolic link" if os.path.islink(path) else "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a file"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file (a device, pipe or socket)"
+    return None
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    """The JSON in a file, with a one-line error for a file that is not one (the caller checks the type)."""
+    if problem := file_problem(path):
+        raise UserError(f"{path} {problem}; pass a folder whose {what} is a JSON file")
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise UserError(f"{path} is {path.stat().st_size} bytes, too big for a {what}")
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text, so not a {what}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}), so not a "
+                        f"{what}") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise UserError(f"{path} is not a {what}: {_short(e, 80)}") from None
+    except RecursionError:
+        raise UserError(f"{path} is JSON nested too deeply to be a {what}") from None
+
+
+def _short(e: BaseException, limit: int = 200) -> str:
+    text = first_line(e)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """repr(value) cut short, for a value from a file in a one-line message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more than 4300 digits
+        return f"a {type(value).__name__} too long to show"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,6 +126,8 @@ class HFTokenizer:
         # ... here it is plain text, as tiktoken's encode_ordinary
         self._ordinary.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise UserError(f"tokenizer {name} has an empty vocabulary; use another tokenizer")
         self.n_vocab = max(vocab.values()) + 1
         eot = next((vocab[t] for t in _EOT_NAMES if t in vocab), None)
         if eot is None:
@@ -88,44 +163,101 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
         except Exception as e:  # offline, no such repository, or no tokenizer.json in it
             raise UserError(f"could not get the tokenizer of {name[3:]!r} from the Hugging Face hub "
                             f"(offline?): {first_line(e)}; pass a local tokenizer.json instead") from None
-    if not Path(path).is_file():
-        raise UserError(f"tokenizer file {path} not found; pass an existing tokenizer.json or hf:ORG/NAME")
+    if problem := file_problem(Path(path)):
+        problem = "not found" if problem == "does not exist" else problem
+        raise UserError(f"tokenizer file {path} {problem}; pass an existing tokenizer.json or hf:ORG/NAME")
     try:
         return HFTokenizer(name, Tokenizer.from_file(str(path)))
-    except Exception as e:
-        raise UserError(f"{path} is not a Hugging Face tokenizer.json: {first_line(e)}") from None
+    except (UserError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the Rust library's errors, panics (BaseExceptions) included
+        raise UserError(f"{path} is not a Hugging Face tokenizer.json: {_short(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------------
 # Configs
 
 
-def config_from_hf(hf: dict, source: str) -> GPTConfig:
-    """The GPTConfig equal to a transformers GPT-NeoX config.json; UserError for anything else."""
+def config_from_hf(hf: Any, source: str) -> GPTConfig:
+    """The GPTConfig equal to a transformers GPT-NeoX config.json; UserError for anything else: another
+    architecture, or a field of the wrong type or out of range (checked before anything is built)."""
     def refuse(why: str) -> UserError:
         return UserError(f"{source}: {why}; only exact GPT-NeoX equivalents are imported")
 
+    def bad(key: str, value: Any, expected: str) -> UserError:
+        return UserError(f"{source}: config.json {key} is {_brief(value)}, not {expected}; fix config.json")
+
+    def get(key: str, default: Any = None) -> Any:  # null is absent, as transformers reads it
+        value = hf.get(key)
+        return default if value is None else value
+
+    def size(key: str, default: int | None = None, high: int = MAX_SIZE) -> int:
+        value = get(key, default)
+        if value is None:
+            raise UserError(f"{source}: config.json has no {key}; is it a complete GPT-NeoX config?")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(key, value, "a positive whole number")
+        if value > high:
+            raise bad(key, value, f"at most {high}")
+        return value
+
+    def number(key: str, value: Any, high: float | None = None) -> float:
+        try:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(float(value))
+        except OverflowError:  # an integer beyond any float
+            ok = False
+        if not ok or value <= 0 or (high is not None and value > high):
+            raise bad(key, value, f"a number in (0, {high:g}]" if high is not None else "a positive number")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = get(key, default)
+        if not isinstance(value, bool):
+            raise bad(key, value, "true or false")
+        return value
+
+    if not isinstance(hf, dict):
+        raise UserError(f"{source}: config.json holds a JSON {type(hf).__name__}, not an object; is it a "
+                        "Hugging Face config.json?")
     if hf.get("model_type") != "gpt_neox":
-        raise refuse(f"model_type {hf.get('model_type')!r} is not gpt_neox (Pythia)")
-    if hf.get("hidden_act", "gelu") not in ACTIVATIONS:
-        raise refuse(f"hidden_act {hf.get('hidden_act')!r} is not one of {', '.join(ACTIVATIONS)}")
-    rope = hf.get("rope_parameters") or {}  # transformers 5 nests the rotary settings here
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise refuse(f"rope scaling {hf.get('rope_scaling') or rope.get('rope_type')!r} is not supported")
-    if not hf.get("attention_bias", True):
+        raise refuse(f"model_type {_brief(hf.get('model_type'))} is not gpt_neox (Pythia)")
+    act = get("hidden_act", "gelu")
+    if not isinstance(act, str) or act not in ACTIVATIONS:
+        raise refuse(f"hidden_act {_brief(act)} is not one of {', '.join(ACTIVATIONS)}")
+    rope = get("rope_parameters", {})  # transformers 5 nests the rotary settings here
+    if not isinstance(rope, dict):
+        raise bad("rope_parameters", rope, "an object")
+    rope_type = rope.get("rope_type") or "default"
+    if hf.get("rope_scaling") or rope_type != "default":
+        raise refuse(f"rope scaling {_brief(hf.get('rope_scaling') or rope_type)} is not supported")
+    if not flag("attention_bias", True):
         raise refuse("attention_bias=false (attention without biases) is not supported")
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if d % heads or hf.get("head_dim", d // heads) != d // heads:
-        raise refuse(f"head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads")
+    d, heads = size("hidden_size"), size("num_attention_heads")
+    head_dim = get("head_dim", d // heads)
+    if d % heads or head_dim != d // heads:
+        raise refuse(f"head_dim {_brief(head_dim)} is not hidden_size / num_attention_heads "
+                     f"({d} / {heads})")
+
+    def rotary(key: str, old_key: str, default: float) -> tuple[str, Any]:  # transformers 5 or 4 spelling
+        if rope.get(key) is not None:
+            return f"rope_parameters.{key}", rope[key]
+        return old_key, get(old_key, default)
+
+    pct_key, pct = rotary("partial_rotary_factor", "rotary_pct", 0.25)
+    pct = number(pct_key, pct, 1.0)
+    if int(d // heads * pct) % 2:
+        raise bad(pct_key, pct, f"a fraction giving an even number of rotary channels of the {d // heads} "
+                  "per head")
+    base_key, base = rotary("rope_theta", "rotary_emb_base", 10000)
     return GPTConfig(
-        vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-        n_layer=hf["num_hidden_layers"], n_head=heads, d_model=d,
-        mlp_hidden=hf.get("intermediate_size", 4 * d),
-        norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True,
-        parallel_residual=hf.get("use_parallel_residual", True),
-        rotary_pct=rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)),
-        rope_base=float(rope.get("rope_theta", hf.get("rotary_emb_base", 10000))),
-        gelu=ACTIVATIONS[hf.get("hidden_act", "gelu")], lm_head=not hf.get("tie_word_embeddings", False))
+        vocab_size=size("vocab_size"), block_size=size("max_position_embeddings", 2048, MAX_POSITIONS),
+        n_layer=size("num_hidden_layers"), n_head=heads, d_model=d,
+        mlp_hidden=size("intermediate_size", 4 * d),
+        norm="layernorm", norm_eps=number("layer_norm_eps", get("layer_norm_eps", 1e-5)), bias=True,
+        parallel_residual=flag("use_parallel_residual", True), rotary_pct=pct,
+        rope_base=number(base_key, base),
+        gelu=ACTIVATIONS[act], lm_head=not flag("tie_word_embeddings", False))
 
 
 def hf_config(c: GPTConfig, eot_token: int) -> dict:
@@ -184,11 +316,15 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], model: GPT, source: str) ->
     """model.py's state dict from a GPT-NeoX one, in fp32 (Pythia ships fp16)."""
     hf_state = {k.replace("lm_head.", "embed_out.", 1): v for k, v in hf_state.items()}  # transformers 5 name
     state = {}
-    for name in model.state_dict():
+    for name, target in model.state_dict().items():
         key = hf_name(name)
         if key not in hf_state:
             raise UserError(f"{source} has no weight {key}; is it a complete GPT-NeoX checkpoint?")
-        w = hf_state[key].float()
+        w = hf_state[key]
+        if w.shape != target.shape:
+            raise UserError(f"{source}: tensor {key} has shape {list(w.shape)} but the model config.json "
+                            f"describes needs {list(target.shape)}; the weights do not match config.json")
+        w = w.float()
         state[name] = _per_kind(w, model.config.n_head) if ".attn.qkv." in name else w
     return state
 
@@ -206,18 +342,176 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _is_count(x: Any) -> bool:
+    """A size or byte offset as safetensors stores them (u64)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a .safetensors file declares, from its header alone (no tensor is read), once the
+    header is checked to be one: a sane length, a JSON object, and each tensor's dtype, shape and byte range
+    consistent with each other and inside the file. Layout: a little-endian u64 header length, the header
+    (JSON: name -> {dtype, shape, data_offsets}), then the tensors' bytes."""
+    if problem := file_problem(path):
+        raise UserError(f"weight file {path} {problem}; pass a folder with a real model.safetensors")
+
+    def broken(why: str) -> UserError:
+        return UserError(f"{path} is not a valid safetensors file: {why}; download or export it again")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise broken("it is empty" if size == 0 else f"it is only {size} bytes long")
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise broken(f"its header length {length} exceeds the "
+                             + ("100 MB limit" if length > MAX_HEADER_BYTES else f"file's {size} bytes"))
+            raw = f.read(length)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) != length:
+        raise broken("it is shorter than its header says (truncated?)")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise broken("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise broken(f"its header is a JSON {type(header).__name__}, not an object")
+    data_bytes = size - 8 - length
+    shapes = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+                and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)):
+            raise broken(f"the entry of tensor {_brief(name, 80)} is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        tensor = f"tensor {_brief(name, 80)}"
+        if dtype not in SAFETENSORS_DTYPES:
+            raise broken(f"{tensor} has unknown dtype {_brief(dtype, 20)}")
+        if len(shape) > 64 or not all(_is_count(n) for n in shape):
+            raise broken(f"{tensor} has shape {_brief(shape, 40)}, not a list of sizes")
+        if len(offsets) != 2 or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]:
+            raise broken(f"{tensor} has data_offsets {_brief(offsets, 40)}, not [begin, end]")
+        if offsets[1] > data_bytes:
+            raise broken(f"{tensor} ends at byte {_brief(offsets[1], 40)} of the {data_bytes} data bytes "
+                         "(truncated?)")
+        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
+            raise broken(f"{tensor} has {offsets[1] - offsets[0]} bytes, not the "
+                         f"{_brief(math.prod(shape) * SAFETENSORS_DTYPES[dtype], 40)} of shape "
+                         f"{_brief(shape, 40)} in {dtype}")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in a pytorch_model.bin (a pickle, read with weights_only=True: tensors and plain data
+    only), as a whole: its size is bounded by the file's."""
+    if problem := file_problem(path):
+        raise UserError(f"weight file {path} {problem}; pass a folder with a real pytorch_model.bin")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a refused pickle is an UnpicklingError whose message runs over many lines
+        text = str(e)
+        if refused := re.search(r"GLOBAL (\S+) was not an allowed global", text):
+            raise UserError(f"{path} holds a {_brief(refused[1])} object, which "
+                            "torch.load(weights_only=True) refuses to unpickle; convert it to "
+                            "model.safetensors") from None
+        detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        detail = _short(detail[1]) if detail else f"{type(e).__name__}: {_short(e)}"
+        raise UserError(f"cannot read {path} as PyTorch weights ({detail}); is it a complete "
+                        "pytorch_model.bin?") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise UserError(f"{path} is not a state dict (tensor names to tensors); is it a pytorch_model.bin?")
+    return state
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's weight files: model.safetensors (or its shards), else pytorch_model.bin (or its)."""
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise UserError(f"{folder} has no {' or '.join(WEIGHT_FILES)}; is it a Hugging Face model folder?")
+    return files
+
+
+def weight_shapes(files: list[Path]) -> tuple[dict[str, tuple[tuple[int, ...], Path]], dict | None]:
+    """{GPT-NeoX name: (shape, file)} of every tensor in the weight files, and the tensors themselves for
+    pickles (read whole) or None for safetensors (only their headers are read)."""
+    shapes, state = {}, None
+    for f in files:
+        if f.suffix == ".safetensors":
+            found = safetensors_shapes(f)
+        else:
+            state = {**(state or {}), **(part := load_bin(f))}
+            found = {name: tuple(w.shape) for name, w in part.items()}
+        for name, shape in found.items():
+            shapes[name.replace("lm_head.", "embed_out.", 1)] = (shape, f)  # transformers 5's name
+    return shapes, state
+
+
+def neox_shapes(c: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The name and shape of every GPT-NeoX tensor a config describes, layer by layer."""
+    d, m, v = c.d_model, c.mlp_hidden, c.vocab_size
+    yield "gpt_neox.embed_in.weight", (v, d)
+    for i in range(c.n_layer):
+        for name, shape in (("input_layernorm", (d,)), ("post_attention_layernorm", (d,)),
+                            ("attention.query_key_value", (3 * d, d)), ("attention.dense", (d, d)),
+                            ("mlp.dense_h_to_4h", (m, d)), ("mlp.dense_4h_to_h", (d, m))):
+            yield f"gpt_neox.layers.{i}.{name}.weight", shape
+            yield f"gpt_neox.layers.{i}.{name}.bias", shape[:1]
+    yield "gpt_neox.final_layer_norm.weight", (d,)
+    yield "gpt_neox.final_layer_norm.bias", (d,)
+    if c.lm_head:
+        yield "embed_out.weight", (v, d)
+
+
+_LAYER = re.compile(r"gpt_neox\.layers\.(\d{1,9})\.")
+
+
+def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, source: str) -> None:
+    """config.json against the weight files' shapes, before any model is built: sizes no weight backs
+    (num_hidden_layers: 1000000) are refused here rather than allocated."""
+    def shape(name: str) -> str:
+        return f"{name} of shape {_brief(list(shapes[name][0]), 80)} in {shapes[name][1].name}"
+
+    embed = "gpt_neox.embed_in.weight"
+    if embed in shapes and shapes[embed][0] != (c.vocab_size, c.d_model):
+        raise UserError(f"{source}: config.json vocab_size {c.vocab_size} and hidden_size {c.d_model} do not "
+                        f"match {shape(embed)}; fix config.json")
+    present = 1 + max((int(m[1]) for name in shapes if (m := _LAYER.match(name))), default=-1)
+    if present != c.n_layer:
+        raise UserError(f"{source}: config.json num_hidden_layers is {c.n_layer} but the weights hold "
+                        f"{present} layers; fix config.json")
+    up = "gpt_neox.layers.0.mlp.dense_h_to_4h.weight"
+    if up in shapes and shapes[up][0] != (c.mlp_hidden, c.d_model):
+        raise UserError(f"{source}: config.json intermediate_size {c.mlp_hidden} (and hidden_size "
+                        f"{c.d_model}) do not match {shape(up)}; fix config.json")
+    for name, expected in neox_shapes(c):
+        if name not in shapes:
+            raise UserError(f"{source} has no weight {name}; is it a complete GPT-NeoX checkpoint?")
+        if shapes[name][0] != expected:
+            raise UserError(f"{source}: tensor {shape(name)} but config.json describes {list(expected)}; the "
+                            "weights do not match config.json")
+
+
+def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint folder: model.safetensors or pytorch_model.bin, whole or sharded."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("model*.safetensors"))
-    bins = sorted(folder.glob("pytorch_model*.bin"))
-    if not files and not bins:
-        raise UserError(f"{folder} has no {' or '.join(WEIGHT_FILES)}; is it a Hugging Face model folder?")
     state = {}
-    for f in files or bins:
-        state.update(load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
-                                                                                      weights_only=True))
+    for f in files or weight_files(folder):
+        if f.suffix == ".bin":
+            state.update(load_bin(f))
+            continue
+        if problem := file_problem(f):
+            raise UserError(f"weight file {f} {problem}; pass a folder with a real model.safetensors")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # SafetensorError, OSError: one line
+            raise UserError(f"cannot read {f} as safetensors: {_short(e)}; download or export it again"
+                            ) from None
     return state
 
 
@@ -247,11 +541,16 @@ def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
     tokenizer.json is GPT-2's BPE (so exported models come back to data prepared with gpt2), else hf:ID
     for a hub model or the tokenizer.json's path; None when the folder has none."""
     path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    model = json.loads(path.read_text(encoding="utf-8")).get("model", {})
+    tokenizer = read_json_file(path, "tokenizer.json")
+    model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
+    if not isinstance(model, dict):
+        raise UserError(f"{path} is not a Hugging Face tokenizer.json (no \"model\" object); remove it or "
+                        "replace it with the model's tokenizer.json")
     vocab = json.loads(gpt2_vocab_files()["vocab"].read_text(encoding="utf-8"))
-    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
+    merges = model.get("merges")
+    merges = [" ".join(m) if isinstance(m, list) else m for m in merges] if isinstance(merges, list) else None
     if model.get("vocab") == vocab and merges == _gpt2_merges():
         return "gpt2"
     return f"hf:{source}" if hub else str(path.resolve())
@@ -268,15 +567,17 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     elif not folder.is_dir():
         raise UserError(f"{source} is not a folder or a Hugging Face hub id (ORG/NAME); pass a folder with "
                         "config.json and model.safetensors, or e.g. EleutherAI/pythia-70m")
-    if not (folder / "config.json").is_file():
+    config = folder / "config.json"
+    if not os.path.lexists(config):
         raise UserError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    try:
-        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
-    model = GPT(config_from_hf(hf, source))
-    model.load_state_dict(state_from_hf(read_hf_weights(folder), model, source))
-    return model.eval(), tokenizer_name(folder, source, hub)
+    c = config_from_hf(read_json_file(config, "config.json"), source)
+    tokenizer = tokenizer_name(folder, source, hub)
+    files = weight_files(folder)
+    shapes, state = weight_shapes(files)  # safetensors: headers only
+    check_shapes(shapes, c, source)  # before any allocation the config asks for
+    model = GPT(c)
+    model.load_state_dict(state_from_hf(state or read_hf_weights(folder, files), model, source))
+    return model.eval(), tokenizer
 
 
 def hf_checkpoint(source: str) -> dict:
@@ -335,33 +636,135 @@ def save_tokenizer(name: str, out: Path, max_length: int) -> int:
     return enc.eot_token
 
 
+def export_target(out: str) -> Path:
+    """The folder `--out` names, as an absolute path (symbolic links in it unresolved), refused with one line
+    before any work when an export could never be renamed into place there."""
+    given = Path(out)
+    path = Path(os.path.abspath(given))
+    cwd = Path.cwd()
+    if given.name in ("", ".", "..") or path == cwd or path in cwd.parents:
+        raise UserError(f"--out={out} is the current folder or one above it, which an export cannot replace; "
+                        "pass a new folder such as --out=hf")
+    if given.is_symlink():
+        raise UserError(f"--out={out} is a symbolic link; pass a new folder (an export is renamed into "
+                        "place, which would replace the link, not fill the folder it points to)")
+    parent = next(p for p in path.parents if os.path.lexists(p))
+    if not parent.is_dir():
+        raise UserError(f"--out={out}: {parent} is a file, not a folder; pass --out in a folder")
+    try:
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise UserError(f"{given} already exists and is not empty; pass a new --out or remove it")
+    except OSError as e:
+        raise UserError(f"cannot look into --out={out}: {e.strerror}") from None
+    return path
+
+
+def _make_folders(folder: Path, created: list[Path]) -> None:
+    """Create `folder` and its missing parents, recording each one created (to remove them on failure)."""
+    missing = []
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+            created.append(folder)
+        except FileExistsError:  # made meanwhile by another export into the same new folder
+            if not folder.is_dir():
+                raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _os_error(e: BaseException) -> int | None:
+    """The errno behind a failed write: an OSError in the chain, or the "os error N" / "code: N" a Rust
+    library (safetensors, tokenizers) writes into its message."""
+    chained: BaseException | None = e
+    while chained is not None:
+        if isinstance(chained, OSError) and chained.errno:
+            return chained.errno
+        chained = chained.__cause__ or chained.__context__
+    m = re.search(r"os error (\d+)|code: (\d+)", str(e))
+    return int(m[1] or m[2]) if m else None
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished temporary folder to `out_dir` (absent, or the empty folder checked before); one
+    line when another process has put something there meanwhile (a second export), left as it is."""
+    conflict = UserError(f"{out_dir} was written by another process (another export?) while this one ran; "
+                         "it was left as it is and this export's copy removed; pass another --out")
+    try:
+        out_dir.rmdir()  # the empty folder given as --out: a folder is renamed only over an empty one
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise conflict from None
+        raise
+    try:
+        os.replace(tmp, out_dir)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise conflict from None
+        raise
+
+
 def export(ckpt: str, out: str) -> Path:
     """Write a checkpoint as a transformers GPT-NeoX folder (config.json, model.safetensors, tokenizer),
-    into a temporary folder renamed at the end: `out` is complete or absent."""
+    into a temporary folder (named with the process id) renamed at the end: `out` is complete or absent.
+    A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
+    parent folder the export created."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} already exists and is not empty; pass a new --out or remove it")
+    out_dir = export_target(out)
     payload = load_checkpoint(ckpt)
     model = checkpoint_model(payload, ckpt).eval()
-    tokenizer = payload.get("data_meta", {}).get("tokenizer", "gpt2")
+    meta = payload.get("data_meta") or {}
+    tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None
+    if not isinstance(tokenizer, str):
+        raise UserError(f"{ckpt}: data_meta's tokenizer is {_brief(tokenizer)}, not a tokenizer name; is it "
+                        "a train.py checkpoint?")
     c = model.config
     hf_config(c, 0)  # refuse an architecture without a transformers class before writing anything
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    created: list[Path] = []
+    done = False
     try:
+        _make_folders(out_dir.parent, created)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         eot = save_tokenizer(tokenizer, tmp, c.block_size)
         (tmp / "config.json").write_text(json.dumps(hf_config(c, eot), indent=2) + "\n", encoding="utf-8")
         save_file(state_to_hf(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
+        readable = 0o666 & ~_umask()  # as any new file (safetensors writes 0600)
+        for f in tmp.iterdir():
+            f.chmod(readable)
+        _move_into_place(tmp, out_dir)
+        done = True
+    except UserError:
+        raise
+    except Exception as e:
+        code = _os_error(e)
+        if code is None:
+            raise
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"no space left on device while exporting to {out}; the partial export was "
+                            "removed and nothing was written; free some space and export again") from None
+        raise UserError(f"cannot write the export to {out}: {os.strerror(code)}; nothing was written; pass "
+                        "--out in a writable folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        if not done:
+            for folder in reversed(created):  # the deepest first; only while empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+    return Path(out)
 
 
 @dataclass

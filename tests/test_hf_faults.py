@@ -1,0 +1,601 @@
+"""Fault injection for the Hugging Face bridge (hf.py) and glue.py: hostile or broken configs, weight files,
+tokenizers, export targets and GLUE rows are each one line (a UserError naming the file or field), fast,
+and never a large allocation. Errors the test user (root) cannot provoke through file modes (EROFS, EACCES,
+ENOSPC) are injected by monkeypatching."""
+import dataclasses
+import errno
+import importlib
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import glue
+import hf
+from common import UserError
+from model import GPT, GPTConfig
+from test_hf import random_neox
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def one_line(e: pytest.ExceptionInfo, *words: str) -> str:
+    message = str(e.value)
+    assert "\n" not in message and "Traceback" not in message
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+@pytest.fixture(scope="module")
+def valid_folder(tmp_path_factory) -> Path:
+    """A tiny untied GPT-NeoX folder as transformers saves it: 2 layers, hidden 64, 4 heads, MLP 96,
+    vocabulary 96."""
+    folder = tmp_path_factory.mktemp("neox") / "model"
+    random_neox(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(valid_folder, tmp_path) -> Path:
+    """A fresh copy of the valid folder, to corrupt."""
+    return Path(shutil.copytree(valid_folder, tmp_path / "model"))
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is DELETE]:
+        del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+DELETE = object()
+
+
+def load_fails(source: Path, *words: str, seconds: float = 1.0) -> str:
+    start = time.perf_counter()
+    with pytest.raises(UserError) as e:
+        hf.load_hf(str(source))
+    assert time.perf_counter() - start < seconds
+    return one_line(e, *words)
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json fields
+
+
+def write(text: str | bytes):
+    def apply(folder: Path) -> None:
+        path = folder / "config.json"
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return apply
+
+
+def change(**changes):
+    return lambda folder: edit_config(folder, **changes)
+
+
+def rope(**changes):
+    def apply(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(folder, rope_parameters={**config["rope_parameters"], **changes})
+    return apply
+
+
+def replace_by(kind: str):
+    def apply(folder: Path) -> None:
+        path = folder / "config.json"
+        path.unlink()
+        if kind == "folder":
+            path.mkdir()
+        elif kind == "dangling":
+            path.symlink_to(folder / "nowhere.json")
+        elif kind == "device":
+            path.symlink_to("/dev/zero")
+    return apply
+
+
+CONFIG_FAULTS = {
+    "a list": (write("[1, 2]"), ["config.json", "list", "not an object"]),
+    "not JSON": (write("{\"model_type\": "), ["config.json", "not valid JSON"]),
+    "binary": (write(os.urandom(64) + b"\xff"), ["config.json", "not UTF-8"]),
+    "deeply nested": (write("[" * 100000), ["config.json", "nested too deeply"]),
+    "a folder": (replace_by("folder"), ["config.json", "folder"]),
+    "dangling link": (replace_by("dangling"), ["config.json", "dangling"]),
+    "a device": (replace_by("device"), ["config.json", "not a regular file"]),
+    "no hidden_size": (change(hidden_size=DELETE), ["hidden_size", "has no"]),
+    "no vocab_size": (change(vocab_size=DELETE), ["vocab_size", "has no"]),
+    "string size": (change(hidden_size="64"), ["hidden_size", "'64'", "positive whole number"]),
+    "float size": (change(num_hidden_layers=2.0), ["num_hidden_layers", "2.0", "whole number"]),
+    "zero heads": (change(num_attention_heads=0), ["num_attention_heads", "positive"]),
+    "negative vocab": (change(vocab_size=-96), ["vocab_size", "-96"]),
+    "bool layers": (change(num_hidden_layers=True), ["num_hidden_layers", "True"]),
+    "string intermediate": (change(intermediate_size="96"), ["intermediate_size"]),
+    "head_dim": (change(head_dim=7), ["head_dim 7"]),
+    "rope_parameters list": (change(rope_parameters=[0.25]), ["rope_parameters", "not an object"]),
+    "rotary factor 0": (rope(partial_rotary_factor=0), ["partial_rotary_factor", "(0, 1]"]),
+    "rotary factor 1.5": (rope(partial_rotary_factor=1.5), ["partial_rotary_factor", "(0, 1]"]),
+    "rotary odd channels": (rope(partial_rotary_factor=0.2), ["partial_rotary_factor", "even"]),
+    "rotary_pct string": (change(rope_parameters=DELETE, rotary_pct="0.25"), ["rotary_pct", "(0, 1]"]),
+    "rope_theta NaN": (rope(rope_theta=math.nan), ["rope_theta", "nan", "positive"]),
+    "eps NaN": (change(layer_norm_eps=math.nan), ["layer_norm_eps", "nan"]),
+    "eps 0": (change(layer_norm_eps=0), ["layer_norm_eps", "positive"]),
+    "eps negative": (change(layer_norm_eps=-1e-5), ["layer_norm_eps", "positive"]),
+    "huge context": (change(max_position_embeddings=(1 << 20) + 1), ["max_position_embeddings", "at most"]),
+    "flag string": (change(tie_word_embeddings="false"), ["tie_word_embeddings", "true or false"]),
+    "activation list": (change(hidden_act=["gelu"]), ["hidden_act"]),
+    "rope scaling": (change(rope_scaling={"type": "linear", "factor": 2.0}), ["rope scaling"]),
+    "4000-digit size": (change(hidden_size=10**4000), ["hidden_size", "at most"]),
+    "4000-digit eps": (change(layer_norm_eps=10**4000), ["layer_norm_eps", "positive number"]),
+    "5000-digit number": (write('{"hidden_size": ' + "1" * 5000 + "}"), ["config.json", "Exceeds the limit"]),
+    "long value": (change(model_type="x" * 100000), ["model_type", "..."]),
+}
+
+
+@pytest.mark.parametrize("fault", CONFIG_FAULTS)
+def test_config_faults_are_one_line(folder, fault):
+    corrupt, words = CONFIG_FAULTS[fault]
+    corrupt(folder)
+    load_fails(folder, *words)
+
+
+def resave(folder: Path, fn) -> None:
+    """Rewrite model.safetensors with fn(state) (a valid file, but other tensors)."""
+    state = load_file(folder / "model.safetensors")
+    fn(state)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def misshape(state):
+    state["gpt_neox.layers.1.attention.dense.weight"] = torch.zeros(64, 32)
+
+
+# Small wrong sizes only: the hostile ones (a million layers...) run in a memory-bounded subprocess below,
+# so that a regression fails there instead of allocating gigabytes in the test process.
+SHAPE_FAULTS = {
+    "more layers": (change(num_hidden_layers=3), ["num_hidden_layers is 3", "hold 2 layers"]),
+    "fewer layers": (change(num_hidden_layers=1), ["num_hidden_layers is 1", "hold 2 layers"]),
+    "vocab": (change(vocab_size=97), ["vocab_size 97", "gpt_neox.embed_in.weight", "[96, 64]"]),
+    "hidden": (change(hidden_size=128), ["hidden_size 128", "embed_in", "[96, 64]"]),
+    "intermediate": (change(intermediate_size=128), ["intermediate_size 128", "dense_h_to_4h", "[96, 64]"]),
+    "misshaped tensor": (lambda f: resave(f, misshape),
+                         ["gpt_neox.layers.1.attention.dense.weight", "[64, 32]", "[64, 64]"]),
+    "missing layer tensor": (lambda f: resave(f, lambda s: s.pop("gpt_neox.layers.1.mlp.dense_4h_to_h.bias")),
+                             ["no weight gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]),
+    "untied without embed_out": (lambda f: resave(f, lambda s: s.pop("embed_out.weight")),
+                                 ["no weight embed_out.weight"]),
+    "gap in layers": (lambda f: resave(f, lambda s: s.update({"gpt_neox.layers.7.attention.dense.bias":
+                                                               torch.zeros(64)})), ["hold 8 layers"]),
+}
+
+
+@pytest.mark.parametrize("fault", SHAPE_FAULTS)
+def test_config_is_checked_against_the_weight_shapes_before_building(folder, fault):
+    corrupt, words = SHAPE_FAULTS[fault]
+    corrupt(folder)
+    load_fails(folder, *words)
+
+
+def to_bin(folder: Path) -> None:
+    """The same weights as a pytorch_model.bin (a pickled state dict) instead of model.safetensors."""
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+def test_pytorch_model_bin_shapes_are_checked_too(folder):
+    to_bin(folder)
+    model, _ = hf.load_hf(str(folder))  # a valid .bin loads
+    assert model.config.n_layer == 2
+    edit_config(folder, num_hidden_layers=3)
+    load_fails(folder, "num_hidden_layers is 3", "2 layers")
+    edit_config(folder, num_hidden_layers=2, vocab_size=97)
+    load_fails(folder, "vocab_size 97", "embed_in")
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight files
+
+
+def header_bytes(header) -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def edit_header(folder: Path, fn) -> None:
+    """Rewrite model.safetensors's header with fn(header), keeping the tensor bytes."""
+    data = (folder / "model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    fn(header)
+    (folder / "model.safetensors").write_bytes(header_bytes(header) + data[8 + length:])
+
+
+def weights(content=None, kind: str = "file", name: str = "model.safetensors"):
+    def apply(folder: Path) -> None:
+        data = content(folder) if callable(content) else content
+        (folder / "model.safetensors").unlink()
+        path = folder / name
+        if kind == "file":
+            path.write_bytes(data)
+        elif kind == "folder":
+            path.mkdir()
+        elif kind == "dangling":
+            path.symlink_to(folder / "gone.safetensors")
+        elif kind == "device":
+            path.symlink_to("/dev/zero")
+        elif kind == "fifo":
+            os.mkfifo(path)
+    return apply
+
+
+def truncated(folder: Path) -> bytes:
+    return (folder / "model.safetensors").read_bytes()[:-1000]
+
+
+def entry(name: str, **changes):
+    return lambda folder: edit_header(folder, lambda h: h[name].update(changes))
+
+
+class NotAllowed:  # a pickled object torch.load(weights_only=True) refuses
+    pass
+
+
+def pickled(obj):
+    def content(folder: Path) -> bytes:
+        torch.save(obj, folder / "obj.pt")
+        return (folder / "obj.pt").read_bytes()
+    return content
+
+
+EMBED = "gpt_neox.embed_in.weight"
+WEIGHT_FAULTS = {
+    "garbage": (weights(b"\x93NUMPY garbage " * 100), ["not a valid safetensors file", "header length"]),
+    "empty": (weights(b""), ["model.safetensors", "empty"]),
+    "short": (weights(b"\x01\x02\x03"), ["only 3 bytes"]),
+    "truncated": (weights(truncated), ["truncated"]),
+    "huge header": (weights(struct.pack("<Q", 1 << 60) + b"{}" * 10), ["header length", "100 MB"]),
+    "header past the end": (weights(struct.pack("<Q", 100) + b"{}"),
+                            ["header length 100", "file's 10 bytes"]),
+    "header not JSON": (weights(header_bytes(b"{nope")), ["header is not JSON"]),
+    "header nested": (weights(header_bytes(b"[" * 100000)), ["header is not JSON"]),
+    "header a list": (weights(header_bytes([1, 2])), ["header is a JSON list"]),
+    "entry not a dict": (lambda f: edit_header(f, lambda h: h.update({EMBED: [1]})), [EMBED, "data_offsets"]),
+    "offsets past the end": (entry(EMBED, data_offsets=[0, 10**12]), [EMBED, "ends at byte 1000000000000"]),
+    "offsets reversed": (entry(EMBED, data_offsets=[8, 4]), [EMBED, "not [begin, end]"]),
+    "offsets negative": (entry(EMBED, data_offsets=[-4, 8]), [EMBED, "not [begin, end]"]),
+    "dtype x shape": (entry(EMBED, dtype="F16"), [EMBED, "bytes, not the", "F16"]),
+    "unknown dtype": (entry(EMBED, dtype="Q7"), [EMBED, "unknown dtype"]),
+    "bad shape": (entry(EMBED, shape=[96, "64"]), [EMBED, "not a list of sizes"]),
+    "huge shape": (entry(EMBED, shape=[10**4000, 64]), [EMBED, "not a list of sizes"]),
+    "many huge dims": (entry(EMBED, shape=[(1 << 64) - 1] * 64), [EMBED, "bytes, not the"]),
+    "holes": (weights(lambda f: (f / "model.safetensors").read_bytes() + b"x" * 8),  # bytes no tensor covers
+              ["cannot read", "model.safetensors", "safetensors"]),
+    "a folder": (weights(kind="folder"), ["model.safetensors", "is a folder"]),
+    "a device": (weights(kind="device"), ["model.safetensors", "not a regular file"]),
+    "dangling link": (weights(kind="dangling"), ["model.safetensors", "dangling symbolic link"]),
+    "bin garbage": (weights(b"garbage" * 100, name="pytorch_model.bin"),
+                    ["cannot read", "pytorch_model.bin", "PyTorch weights"]),
+    "bin truncated": (weights(lambda f: pickled({"w": torch.zeros(1000)})(f)[:-500],
+                              name="pytorch_model.bin"),
+                      ["cannot read", "pytorch_model.bin"]),
+    "bin refused pickle": (weights(pickled({"w": NotAllowed()}), name="pytorch_model.bin"),
+                           ["pytorch_model.bin", "NotAllowed", "weights_only"]),
+    "bin a list": (weights(pickled([torch.zeros(2)]), name="pytorch_model.bin"), ["not a state dict"]),
+    "bin a folder": (weights(kind="folder", name="pytorch_model.bin"), ["pytorch_model.bin", "is a folder"]),
+}
+
+
+@pytest.mark.parametrize("fault", WEIGHT_FAULTS)
+def test_weight_file_faults_are_one_line(folder, fault):
+    corrupt, words = WEIGHT_FAULTS[fault]
+    corrupt(folder)
+    load_fails(folder, *words)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer files
+
+
+def tokenizer_file(content: bytes | None, kind: str = "file"):
+    def apply(path: Path) -> None:
+        if kind == "folder":
+            path.mkdir()
+        elif kind == "dangling":
+            path.symlink_to(path.parent / "gone.json")
+        else:
+            path.write_bytes(content)
+    return apply
+
+
+TOKENIZER_FAULTS = {  # fault: (corrupt, words in load_hf's message, words in load_hf_tokenizer's)
+    "not JSON": (tokenizer_file(b"{\"model\": "), ["tokenizer.json", "not valid JSON"],
+                 ["tokenizer.json", "not a Hugging Face tokenizer.json"]),
+    "empty": (tokenizer_file(b""), ["tokenizer.json", "not valid JSON"],
+              ["not a Hugging Face tokenizer.json"]),
+    "a list": (tokenizer_file(b"[1, 2]"), ["tokenizer.json", "no \"model\" object"],
+               ["not a Hugging Face tokenizer.json"]),
+    "no model": (tokenizer_file(b"{\"model\": 3}"), ["no \"model\" object"],
+                 ["not a Hugging Face tokenizer.json"]),
+    "binary": (tokenizer_file(os.urandom(200) + b"\xff\xfe"), ["tokenizer.json", "not UTF-8"],
+               ["not a Hugging Face tokenizer.json"]),
+    "nested": (tokenizer_file(b"[" * 100000), ["tokenizer.json", "nested too deeply"],
+               ["not a Hugging Face tokenizer.json"]),
+    "a folder": (tokenizer_file(None, "folder"), ["tokenizer.json", "is a folder"], ["is a folder"]),
+    "dangling": (tokenizer_file(None, "dangling"), ["tokenizer.json", "dangling"], ["dangling"]),
+}
+
+
+@pytest.mark.parametrize("fault", TOKENIZER_FAULTS)
+def test_tokenizer_file_faults_are_one_line(folder, fault):
+    corrupt, in_folder, alone = TOKENIZER_FAULTS[fault]
+    corrupt(folder / "tokenizer.json")
+    load_fails(folder, *in_folder)
+    with pytest.raises(UserError) as e:
+        hf.load_hf_tokenizer(str(folder / "tokenizer.json"))
+    one_line(e, *alone)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16))
+    path = tmp_path_factory.mktemp("export") / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "gpt2"}}, path)
+    return path
+
+
+def fail_with(code: int, rust: bool = False):
+    def fail(*args, **kwargs):
+        if rust:  # how safetensors reports an OS error: its own exception, the errno only in the message
+            raise Exception(f"Error while serializing: IoError(Os {{ code: {code}, kind: StorageFull, "
+                            f"message: \"{os.strerror(code)}\" }})")
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+def patch(target: str, code: int, rust: bool = False):
+    def apply(monkeypatch, tmp_path) -> str:
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, fail_with(code, rust))
+        return str(tmp_path / "new" / "deeper" / "hf")
+    return apply
+
+
+def out_is(kind: str):
+    def apply(monkeypatch, tmp_path) -> str:
+        if kind == "parent a file":
+            (tmp_path / "file").write_text("x")
+            return str(tmp_path / "file" / "hf")
+        if kind == "dot":
+            (tmp_path / "empty").mkdir()
+            monkeypatch.chdir(tmp_path / "empty")
+            return "."
+        if kind == "symlink":
+            (tmp_path / "target").mkdir()
+            (tmp_path / "link").symlink_to(tmp_path / "target")
+            return str(tmp_path / "link")
+        if kind == "dangling":
+            (tmp_path / "link").symlink_to(tmp_path / "gone")
+            return str(tmp_path / "link")
+        if kind == "a file":
+            (tmp_path / "hf").write_text("x")
+            return str(tmp_path / "hf")
+        raise AssertionError(kind)
+    return apply
+
+
+EXPORT_FAULTS = {
+    "disk full": (patch("safetensors.torch.save_file", errno.ENOSPC),
+                  ["no space left", "nothing was written"]),
+    "disk full (safetensors' error)": (patch("safetensors.torch.save_file", errno.ENOSPC, rust=True),
+                                       ["no space left"]),
+    "quota": (patch("safetensors.torch.save_file", errno.EDQUOT), ["no space left"]),
+    "read-only parent": (patch("os.mkdir", errno.EROFS), ["Read-only file system", "writable folder"]),
+    "permission denied": (patch("os.replace", errno.EACCES), ["Permission denied", "nothing was written"]),
+    "parent a file": (out_is("parent a file"), ["is a file, not a folder"]),
+    "out=.": (out_is("dot"), ["--out=.", "current folder"]),
+    "out a symlink": (out_is("symlink"), ["symbolic link"]),
+    "out a dangling symlink": (out_is("dangling"), ["symbolic link"]),
+    "out a file": (out_is("a file"), ["already exists"]),
+}
+
+
+@pytest.mark.parametrize("fault", EXPORT_FAULTS)
+def test_export_faults_are_one_line_and_leave_nothing(small_ckpt, tmp_path, monkeypatch, fault):
+    setup, words = EXPORT_FAULTS[fault]
+    out = setup(monkeypatch, tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(UserError) as e:
+        hf.main(["export", f"--ckpt={small_ckpt}", f"--out={out}"])
+    one_line(e, *words)
+    assert sorted(tmp_path.rglob("*")) == before  # no temporary folder, no parent folder left behind
+
+
+def test_two_exports_at_once_keep_one_complete_folder(small_ckpt, tmp_path, monkeypatch):
+    """Each export writes its own temporary folder (named with its process id) and renames it: the one
+    that finishes second fails with one line, and the first one's folder stays complete."""
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    out = tmp_path / "hf"
+
+    def save_then_race(*args, **kwargs):
+        real_save(*args, **kwargs)
+        monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+        with monkeypatch.context() as m:
+            m.setattr(os, "getpid", lambda: 4242)  # the other export's process
+            hf.export(str(small_ckpt), str(out))  # ... finishes first
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_race)
+    with pytest.raises(UserError) as e:
+        hf.export(str(small_ckpt), str(out))
+    one_line(e, "another", str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # neither temporary folder is left
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert load_file(out / "model.safetensors")  # complete
+
+
+def test_exported_files_are_readable_like_any_new_file(small_ckpt, tmp_path):
+    (tmp_path / "hf").mkdir()  # an empty folder is replaced by the export
+    mask = os.umask(0o022)
+    try:
+        out = hf.export(str(small_ckpt), str(tmp_path / "hf"))
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o644)}, modes
+
+
+# ----------------------------------------------------------------------------------------------
+# glue.py rows and checkpoints
+
+
+STSB = glue.TASKS["stsb"]
+
+
+@pytest.mark.parametrize("label", [math.nan, math.inf, -math.inf, 1e300, -0.5, 5.5, "3", None, True])
+def test_stsb_labels_must_be_finite_and_on_the_0_to_5_scale(label):
+    rows = [{"sentence1": "a", "sentence2": "b", "label": 2.5},
+            {"sentence1": "a", "sentence2": "b", "label": label}]
+    with pytest.raises(UserError) as e:
+        glue.check_rows(rows, STSB, "stsb/train.jsonl")
+    one_line(e, "stsb/train.jsonl example 2", "label", "[0, 5]")
+    assert glue.check_rows(rows[:1] + [{**rows[1], "label": 5}], STSB, "x").tolist() == [2.5, 5.0]
+
+
+@pytest.fixture(scope="module")
+def glue_ckpt(tmp_path_factory) -> Path:
+    """A tiny encoder over GPT-2's vocabulary."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
+    path = tmp_path_factory.mktemp("glue") / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "gpt2"}}, path)
+    return path
+
+
+def with_meta(ckpt: Path, tmp_path: Path, **meta) -> Path:
+    payload = torch.load(ckpt, weights_only=True)
+    payload["data_meta"] = {**payload["data_meta"], **meta}
+    torch.save(payload, tmp_path / "meta.pt")
+    return tmp_path / "meta.pt"
+
+
+GOOD_ROW = '{"sentence1": "a b", "sentence2": "c", "label": 3.0}\n'
+GLUE_FAULTS = {  # fault: (train.jsonl text, data_meta changes, words)
+    "NaN label": (GOOD_ROW * 2 + '{"sentence1": "a", "sentence2": "b", "label": NaN}\n', {},
+                  ["train.jsonl example 3", "nan", "[0, 5]"]),
+    "Infinity label": (GOOD_ROW + '{"sentence1": "a", "sentence2": "b", "label": -Infinity}\n', {},
+                       ["train.jsonl example 2", "-inf"]),
+    "huge label": ('{"sentence1": "a", "sentence2": "b", "label": 1e300}\n', {},
+                   ["example 1", "1e+300", "[0, 5]"]),
+    "nested line": (GOOD_ROW + "[" * 100000 + "\n", {}, ["train.jsonl line 2", "nested too deeply"]),
+    "4000-digit label": (GOOD_ROW + '{"sentence1": "a", "sentence2": "b", "label": 1%s}\n' % ("0" * 4000), {},
+                         ["train.jsonl example 2", "[0, 5]"]),
+    "5000-digit label": ('{"sentence1": "a", "sentence2": "b", "label": 1%s}\n' % ("0" * 5000), {},
+                         ["train.jsonl line 1", "too long"]),
+    "eot beyond the vocabulary": (GOOD_ROW, {"eot_token": 60000}, ["eot_token 60000", "0..50303"]),
+    "negative eot": (GOOD_ROW, {"eot_token": -1}, ["eot_token -1"]),
+    "eot not a number": (GOOD_ROW, {"eot_token": "50256"}, ["eot_token '50256'"]),
+}
+
+
+@pytest.mark.parametrize("fault", GLUE_FAULTS)
+def test_glue_faults_are_one_line(glue_ckpt, tmp_path, fault):
+    train_text, meta, words = GLUE_FAULTS[fault]
+    data = tmp_path / "stsb"
+    data.mkdir()
+    (data / "train.jsonl").write_text(train_text)
+    (data / "validation.jsonl").write_text(GOOD_ROW)
+    ckpt = with_meta(glue_ckpt, tmp_path, **meta) if meta else glue_ckpt
+    with pytest.raises(UserError) as e:
+        glue.main([f"--ckpt={ckpt}", "--task=stsb", f"--data={data}", "--device=cpu"])
+    one_line(e, *words)
+
+
+def test_glue_refuses_a_tokenizer_larger_than_the_model(tmp_path):
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "gpt2", "eot_token": 0}}, tmp_path / "small.pt")
+    data = tmp_path / "stsb"
+    data.mkdir()
+    (data / "train.jsonl").write_text(GOOD_ROW)
+    (data / "validation.jsonl").write_text(GOOD_ROW)
+    with pytest.raises(UserError) as e:
+        glue.main([f"--ckpt={tmp_path / 'small.pt'}", "--task=stsb", f"--data={data}", "--device=cpu"])
+    one_line(e, "50257 tokens", "only 64")
+
+
+# ----------------------------------------------------------------------------------------------
+# No large allocation, no hang: hostile folders load in a subprocess whose address space may grow by 1 GiB
+# only, and which a timeout ends (a FIFO in place of the weights blocks whoever opens it)
+
+
+CHILD = textwrap.dedent("""
+    import json, resource, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import hf
+    from common import UserError
+
+    vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    for folder in sys.argv[2:]:
+        start = time.perf_counter()
+        try:
+            hf.load_hf(folder)
+            outcome = "loaded"
+        except UserError as e:
+            outcome = str(e)
+        except BaseException as e:  # MemoryError, RuntimeError from a refused allocation...
+            outcome = f"CRASH {type(e).__name__}: {e}"
+        print(json.dumps([outcome, time.perf_counter() - start]), flush=True)
+""")
+
+HOSTILE = {  # case: (corrupt, words)
+    "a million layers": (change(num_hidden_layers=1000000), ["num_hidden_layers is 1000000", "2 layers"]),
+    "huge hidden_size": (change(hidden_size=1 << 24), ["hidden_size 16777216", "embed_in", "[96, 64]"]),
+    "huge vocab_size": (change(vocab_size=1 << 40), ["vocab_size 1099511627776", "embed_in"]),
+    "huge intermediate_size": (change(intermediate_size=1 << 30), ["intermediate_size 1073741824"]),
+    "huge context": (change(max_position_embeddings=1 << 40), ["max_position_embeddings", "at most 1048576"]),
+    "a million layers in a .bin": (lambda f: (to_bin(f), edit_config(f, num_hidden_layers=1000000)),
+                                   ["num_hidden_layers is 1000000"]),
+    "a FIFO as the weights": (weights(kind="fifo"), ["model.safetensors", "not a regular file"]),
+}
+
+
+def test_hostile_folders_allocate_nothing_and_never_hang(valid_folder, tmp_path):
+    folders = []
+    for i, (corrupt, _) in enumerate(HOSTILE.values()):
+        folders.append(Path(shutil.copytree(valid_folder, tmp_path / f"case{i}")))
+        corrupt(folders[-1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        run = subprocess.run([sys.executable, "-c", CHILD, str(REPO), *map(str, folders), str(valid_folder)],
+                             capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired as e:
+        done = len((e.stdout or b"").splitlines())
+        raise AssertionError(f"loading hung on case {list(HOSTILE)[done] if done < len(HOSTILE) else done}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("[")]
+    for (case, (_, words)), (outcome, seconds) in zip(HOSTILE.items(), results):
+        assert "\n" not in outcome and all(w in outcome for w in words), (case, outcome)
+        assert seconds < 1.0, (case, seconds)
+    assert results[-1][0] == "loaded"  # the same limit leaves room for a real (tiny) model
