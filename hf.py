@@ -28,13 +28,13 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
 from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
 from data import gpt2_vocab_files, load_tokenizer
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -451,22 +451,6 @@ def weight_shapes(files: list[Path]) -> tuple[dict[str, tuple[tuple[int, ...], P
     return shapes, state
 
 
-def neox_shapes(c: GPTConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The name and shape of every GPT-NeoX tensor a config describes, layer by layer."""
-    d, m, v = c.d_model, c.mlp_hidden, c.vocab_size
-    yield "gpt_neox.embed_in.weight", (v, d)
-    for i in range(c.n_layer):
-        for name, shape in (("input_layernorm", (d,)), ("post_attention_layernorm", (d,)),
-                            ("attention.query_key_value", (3 * d, d)), ("attention.dense", (d, d)),
-                            ("mlp.dense_h_to_4h", (m, d)), ("mlp.dense_4h_to_h", (d, m))):
-            yield f"gpt_neox.layers.{i}.{name}.weight", shape
-            yield f"gpt_neox.layers.{i}.{name}.bias", shape[:1]
-    yield "gpt_neox.final_layer_norm.weight", (d,)
-    yield "gpt_neox.final_layer_norm.bias", (d,)
-    if c.lm_head:
-        yield "embed_out.weight", (v, d)
-
-
 _LAYER = re.compile(r"gpt_neox\.layers\.(\d{1,9})\.")
 
 
@@ -488,12 +472,15 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
     if up in shapes and shapes[up][0] != (c.mlp_hidden, c.d_model):
         raise UserError(f"{source}: config.json intermediate_size {c.mlp_hidden} (and hidden_size "
                         f"{c.d_model}) do not match {shape(up)}; fix config.json")
-    for name, expected in neox_shapes(c):
-        if name not in shapes:
-            raise UserError(f"{source} has no weight {name}; is it a complete GPT-NeoX checkpoint?")
-        if shapes[name][0] != expected:
-            raise UserError(f"{source}: tensor {shape(name)} but config.json describes {list(expected)}; the "
-                            "weights do not match config.json")
+    # Every tensor: the same check as a checkpoint's (common.checkpoint_model), against a model built on
+    # the meta device, so no memory is used; the names are translated to GPT-NeoX's in the message.
+    with torch.device("meta"):
+        ours = list(GPT(c).state_dict())
+    state = {n: torch.empty(shapes[hf_name(n)][0], device="meta") for n in ours if hf_name(n) in shapes}
+    if problem := weights_problem(c, state):
+        name = re.search(r"tensor (\S+)", problem)
+        problem = problem.replace(name[1], hf_name(name[1])) if name else problem
+        raise UserError(f"{source}: {problem}; the weights do not match config.json")
 
 
 def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:

@@ -40,9 +40,9 @@ import torch
 from tqdm import tqdm
 
 import glue
-from common import (UserError, check_output_path, first_line, load_checkpoint, parse_flags, pick_device,
-                    pick_dtype, run_main, write_json)
+from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
 from data import load_tokenizer
+from results import check_output_path, write_json
 
 XNLI_HUB = "facebook/xnli"
 XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")

@@ -28,7 +28,7 @@ ROUND_TRIPS = ["Hello, world!", "  leading and trailing spaces  ", "\n\nnew\nlin
 @pytest.fixture(scope="module")
 def corpus() -> list[str]:
     """Three plays (~400 kB) and some text beyond ASCII."""
-    return [data.clean_play(p.read_text(encoding="utf-8")) for p in data._play_files()[:3]] + UNICODE
+    return [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()[:3]] + UNICODE
 
 
 @pytest.fixture(scope="module")

@@ -172,9 +172,9 @@ SHAPE_FAULTS = {
     "misshaped tensor": (lambda f: resave(f, misshape),
                          ["gpt_neox.layers.1.attention.dense.weight", "[64, 32]", "[64, 64]"]),
     "missing layer tensor": (lambda f: resave(f, lambda s: s.pop("gpt_neox.layers.1.mlp.dense_4h_to_h.bias")),
-                             ["no weight gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]),
+                             ["gpt_neox.layers.1.mlp.dense_4h_to_h.bias missing from the weights"]),
     "untied without embed_out": (lambda f: resave(f, lambda s: s.pop("embed_out.weight")),
-                                 ["no weight embed_out.weight"]),
+                                 ["embed_out.weight", "missing from the weights"]),
     "gap in layers": (lambda f: resave(f, lambda s: s.update({"gpt_neox.layers.7.attention.dense.bias":
                                                                torch.zeros(64)})), ["hold 8 layers"]),
 }

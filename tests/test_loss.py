@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from loss import ce_loss, ce_cwt_loss, contrastive_accuracy, cwt_loss, nce_loss, training_loss
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
 import train
 from common import UserError
 from model import load_model
