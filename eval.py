@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
-from data import ensure_dataset, load_tokenizer, open_split
+from data import dataset_tokenizer, ensure_dataset, open_split, token_byte_lengths
 from results import check_output_path, format_metric, write_json
 from train import contrastive_table, evaluate
 
@@ -202,8 +202,8 @@ def load_lambada(data: str | None) -> list[str]:
 # Command line
 
 
-def run_lambada(cfg: EvalConfig, model, meta: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+def run_lambada(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    tokenizer = dataset_tokenizer(ckpt)
     texts = load_lambada(cfg.data)[:cfg.max_examples]
     r = score_lambada(model, tokenizer, texts, cfg.batch_size, device, dtype, progress=True)
     print(f"lambada_openai: acc {r['acc']:.4f} | ppl {format_metric(r['ppl'], 2)} | n {r['n']} | "
@@ -228,9 +228,10 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
 
         mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
     start = time.time()
+    token_bytes = None if mask else torch.tensor(token_byte_lengths(dataset_tokenizer(ckpt)), device=device)
     metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
                        contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
-                       train_cfg.get("temperature", 1.0), None, mask)
+                       train_cfg.get("temperature", 1.0), None, mask, token_bytes)
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
@@ -262,7 +263,7 @@ def main(argv: list[str]) -> dict:
     if cfg.task == "lambada":
         if not model.config.causal:
             raise UserError(f"{cfg.ckpt} is a masked-LM encoder: LAMBADA needs a causal model; use glue.py")
-        result = run_lambada(cfg, model, ckpt.get("data_meta") or {}, device, dtype)
+        result = run_lambada(cfg, model, ckpt, device, dtype)
     else:
         result = run_val(cfg, model, ckpt, device, dtype)
     result = {**result, "checkpoint": cfg.ckpt, "device": device.type,

@@ -21,7 +21,7 @@ import torch
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, repeatable, run_main)
-from data import load_tokenizer
+from data import dataset_tokenizer
 from model import GPT, KVCache
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
     if not model.config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "
                         "fine-tune it with glue.py, or train a decoder (--objective=causal)")
-    tokenizer = load_tokenizer(ckpt.get("data_meta", {}).get("tokenizer", "gpt2"))
+    tokenizer = dataset_tokenizer(ckpt)
     if tokenizer.n_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.ckpt} has {model.config.vocab_size} tokens but its tokenizer {tokenizer.name} has "
                         f"{tokenizer.n_vocab}: the checkpoint's data_meta names the wrong tokenizer")

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
-from data import load_tokenizer
+from data import dataset_tokenizer
 from results import check_output_path, write_json
 from train import optimizer_step
 from model import GPT
@@ -354,7 +354,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)
     meta = ckpt.get("data_meta") or {}
-    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+    tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
     check_token_ids(cfg.ckpt, ckpt, tokenizer, separator)
     max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])

@@ -17,6 +17,7 @@ GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import errno
 import json
 import math
@@ -33,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
-from data import gpt2_vocab_files, load_tokenizer
+from data import dataset_tokenizer, gpt2_vocab_files
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
@@ -109,7 +110,7 @@ def _brief(value: Any, limit: int = 60) -> str:
 # Tokenizers
 
 # Names of the end-of-text token in Hugging Face tokenizers (GPT-2 / GPT-NeoX first).
-_EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+_EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # [SEP]: WordPiece (BERT)
 
 
 class HFTokenizer:
@@ -134,6 +135,23 @@ class HFTokenizer:
             raise UserError(f"tokenizer {name} has no end-of-text token ({', '.join(_EOT_NAMES)}) to "
                             "separate documents; use another tokenizer")
         self.eot_token = eot
+        self.mask_token = vocab.get("[MASK]", vocab.get("<mask>"))  # an encoder's own [MASK], if it has one
+        self.json = tokenizer.to_str()  # travels with datasets and checkpoints; compared by its sha256
+        self.sha256 = hashlib.sha256(self.json.encode()).hexdigest()
+
+    def token_byte_lengths(self) -> list[int]:
+        """The UTF-8 bytes each id stands for (special tokens: 0), for bits per byte. A byte-level token is
+        written one character per byte; any other (WordPiece) is measured by decoding it."""
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        alphabet, special = set(ByteLevel.alphabet()), set(self._special.get_added_tokens_decoder())
+        lengths = []
+        for i in range(self.n_vocab):
+            token = self._special.id_to_token(i)
+            byte_level = token is not None and set(token) <= alphabet
+            lengths.append(0 if token is None or i in special else len(token) if byte_level else
+                           len(self._special.decode([i]).encode()))
+        return lengths
 
     def encode_ordinary(self, text: str) -> list[int]:
         return self._ordinary.encode(text, add_special_tokens=False).ids
@@ -148,6 +166,18 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._special.decode(ids, skip_special_tokens=False)
+
+
+def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
+    """The tokenizer a checkpoint carries (its tokenizer.json's text)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return HFTokenizer(name, Tokenizer.from_str(text))
+    except UserError:
+        raise
+    except BaseException as e:  # the Rust library's errors
+        raise UserError(f"the checkpoint's tokenizer ({name}) cannot be read: {_short(e)}") from None
 
 
 def load_hf_tokenizer(name: str) -> HFTokenizer:
@@ -576,8 +606,12 @@ def hf_checkpoint(source: str) -> dict:
     c = model.config
     preset = next((name for name, shape in PRESETS.items()
                    if all(getattr(c, k) == v for k, v in shape.items() if k != "block_size")), None)
-    return {"model": model.state_dict(), "model_config": dataclasses.asdict(c),
-            "data_meta": {"tokenizer": tokenizer} if tokenizer else {},
+    meta, carried = ({"tokenizer": tokenizer} if tokenizer else {}), None
+    if tokenizer and tokenizer != "gpt2":  # carried, and compared by its sha256, as a trained checkpoint's
+        carried = load_hf_tokenizer(tokenizer)
+        meta["tokenizer_sha256"] = carried.sha256
+    return {"model": model.state_dict(), "model_config": dataclasses.asdict(c), "data_meta": meta,
+            "tokenizer_json": carried.json if carried else None,
             "train_config": {"preset": preset} if preset else {}, "source": source}
 
 
@@ -604,9 +638,8 @@ def gpt2_tokenizer() -> Any:
     return tok
 
 
-def save_tokenizer(name: str, out: Path, max_length: int) -> int:
-    """Write the tokenizer named in a checkpoint's data_meta for AutoTokenizer; returns its EOT id."""
-    enc = load_tokenizer(name)
+def save_tokenizer(enc: Any, name: str, out: Path, max_length: int) -> int:
+    """Write a checkpoint's tokenizer for AutoTokenizer; returns its EOT id."""
     if name == "gpt2":
         tok = gpt2_tokenizer()
     elif isinstance(enc, HFTokenizer):  # already a tokenizers.Tokenizer
@@ -724,7 +757,7 @@ def export(ckpt: str, out: str) -> Path:
         _make_folders(out_dir.parent, created)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        eot = save_tokenizer(tokenizer, tmp, c.block_size)
+        eot = save_tokenizer(dataset_tokenizer(payload), tokenizer, tmp, c.block_size)
         (tmp / "config.json").write_text(json.dumps(hf_config(c, eot), indent=2) + "\n", encoding="utf-8")
         save_file(state_to_hf(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         readable = 0o666 & ~_umask()  # as any new file (safetensors writes 0600)

@@ -29,7 +29,8 @@ from common import (DeviceName, DtypeName, UserError, all_reduce_sum, atomic_fil
                     checkpoint_model, hold_lock, in_range, init_distributed, is_main_process, last_good_checkpoint,
                     load_checkpoint, need_extra, parse_flags, pick_device, pick_dtype, rank, remove_stale_temps,
                     run_main, save_checkpoint, world_size)
-from data import BatchSampler, ensure_dataset, load_meta, open_split, sequential_batches
+from data import (BatchSampler, dataset_tokenizer, ensure_dataset, load_meta, open_split, sequential_batches,
+                  token_byte_lengths)
 from loss import LossName, contrastive_accuracy, ce_loss, cwt_loss, masked_rows, scored_columns, training_loss
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 
@@ -209,9 +210,11 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
                             f"resume with the same --{key}, or use another --out_dir for another experiment")
     if resuming and cfg.max_iters < start["step"]:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
-    if start.get("data_meta", {}).get("tokenizer") not in (None, meta.get("tokenizer")):
-        raise UserError(f"{source} was trained with tokenizer {start['data_meta']['tokenizer']!r} but the dataset "
-                        f"uses {meta.get('tokenizer')!r}; prepare the data with the same --tokenizer")
+    theirs = start.get("data_meta", {})  # tokenizers compare by their tokenizer.json's sha256, else by name
+    if theirs.get("tokenizer") and (theirs.get("tokenizer_sha256") or theirs["tokenizer"]) != \
+            (meta.get("tokenizer_sha256") or meta["tokenizer"]):
+        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
+                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
     if encoder != (cfg.objective == "mlm"):
         raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
                         f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune it "
@@ -256,12 +259,13 @@ def contrastive_table(model: GPT, loss: str, encoder: bool = False) -> torch.Ten
 def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
-             mask: Any = None) -> dict[str, float]:
+             mask: Any = None, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
     """Validation on the split's first batches, comparable across losses: val_ce scores through the LM head
     or the tied E, as model(idx) does; given a contrastive table, also the CWT loss (in-batch negatives)
-    and its top-1 accuracy; in chunks when the run's loss is. An encoder (`mask`, a masking.Masking) is
-    scored on fixed masks. Each rank scores every world_size-th batch, and the sums are added up."""
-    was_training, sums = model.training, torch.zeros(5, dtype=torch.float64, device=device)
+    and its top-1 accuracy; in chunks when the run's loss is. Given each id's UTF-8 bytes, bits per byte:
+    comparable across tokenizers (special tokens count neither bits nor bytes). An encoder (`mask`, a
+    masking.Masking) is scored on fixed masks. Each rank scores every world_size-th batch; the sums add up."""
+    was_training, sums = model.training, torch.zeros(7, dtype=torch.float64, device=device)
     model.eval()
     for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
         x, y = mask.validation_batch(x, i) if mask else (x, y)
@@ -272,15 +276,20 @@ def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch
             if contrastive is not None:
                 sums[2] += cwt_loss(h, contrastive[y], temperature, chunk_size).double()
                 sums[3] += contrastive_accuracy(h, contrastive[y], y, chunk_size).double()
+            if token_bytes is not None and (special := token_bytes[y] == 0).any():
+                sums[5] += ce_loss(h[special], model.output_weight, y[special]).double() * special.sum()
         sums[1] += y.numel()
         sums[4] += 1
+        sums[6] += token_bytes[y].sum() if token_bytes is not None else 0
     model.train(was_training)
-    ce_sum, n_tokens, cwt_sum, acc_sum, n_batches = all_reduce_sum(sums).tolist()
+    ce_sum, n_tokens, cwt_sum, acc_sum, n_batches, special_ce, n_bytes = all_reduce_sum(sums).tolist()
     if n_batches == 0:
         raise UserError("the validation split is shorter than one block; use a smaller --block_size")
     metrics = {"val_ce": ce_sum / n_tokens, "val_ppl": math.exp(min(ce_sum / n_tokens, 700.0))}
     if contrastive is not None:
         metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
+    if token_bytes is not None:
+        metrics["val_bpb"] = (ce_sum - special_ce) / math.log(2) / max(n_bytes, 1)
     return metrics
 
 
@@ -376,6 +385,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     barrier()  # rank 0 prepares the built-in data; the others then read it
     data_dir = data_dir or ensure_dataset(cfg.dataset, cfg.data_root)
     meta, out_dir = load_meta(data_dir), Path(cfg.out_dir)
+    tokenizer_json = (data_dir / "tokenizer.json").read_text() if (data_dir / "tokenizer.json").is_file() else None
     cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt")
     for name, p in model.named_parameters():
         p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -417,6 +427,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         warn_if_every_negative(cfg.num_negatives, candidates)
     table = contrastive_table(model, cfg.loss, encoder=mask is not None)
+    token_bytes = None if mask else torch.tensor(token_byte_lengths(dataset_tokenizer(data_dir)), device=device)
     peak = peak_flops(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     note(f"model {cfg.preset or 'of ' + cfg.init_from}: {model.num_params(False) / 1e6:.2f}M parameters without "
@@ -426,7 +437,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     def validate() -> None:  # printed and logged; a non-finite metric stops the run before any save
         val = evaluate(model, val_tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
-                       cfg.temperature, cfg.loss_chunk_size or None, mask)
+                       cfg.temperature, cfg.loss_chunk_size or None, mask, token_bytes)
         if not math.isfinite(val["val_ce"]):
             raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without saving "
                             f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
@@ -445,7 +456,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "state": dataclasses.asdict(state), "train_config": dataclasses.asdict(cfg), "data_meta": meta,
                     "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
                     "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
-                    "mask_spec": dataclasses.asdict(mask.spec) if mask else None,
+                    "mask_spec": dataclasses.asdict(mask.spec) if mask else None, "tokenizer_json": tokenizer_json,
                     "rng": {"torch": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
 

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import glue
 from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
-from data import load_tokenizer
+from data import dataset_tokenizer
 from results import check_output_path, write_json
 
 XNLI_HUB = "facebook/xnli"
@@ -257,7 +257,7 @@ def run_xnli(cfg: XnliConfig) -> dict:
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)  # read lazily: cheap, and a wrong path fails before any download
     meta = ckpt.get("data_meta") or {}
-    tokenizer = load_tokenizer(meta.get("tokenizer", "gpt2"))
+    tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
     max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
     # Every test set, and with --data every later training file, is read and checked before the first

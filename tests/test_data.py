@@ -37,7 +37,7 @@ def expected_splits(texts: list[str], val_fraction: float) -> tuple[list[int], l
 def prepare_files(tmp_path: Path, **settings) -> Path:
     cfg = PrepareConfig(data_root=str(tmp_path / "out"), **settings)
     prepare(cfg)
-    return data.dataset_dir(cfg.dataset, cfg.data_root, cfg.subset)
+    return data.dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
 
 
 def assert_one_line_error(excinfo: pytest.ExceptionInfo, *words: str) -> None:
