@@ -217,7 +217,8 @@ def prepare(cfg: PrepareConfig) -> dict:
                 (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
             meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None),
                     "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
-                    "mask_token": getattr(enc, "mask_token", None), "documents": n_docs, "split_rule": SPLIT_RULE,
+                    "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
+                    "documents": n_docs, "split_rule": SPLIT_RULE,
                     "source": source, "source_id": source_id(cfg), "skipped_rows": getattr(items, "skipped", 0),
                     **{f"{s}_tokens": w.tokens for s, w in shards.items()},
                     "checksums": {s: w.sha256.hexdigest() for s, w in shards.items()},

@@ -136,6 +136,7 @@ class HFTokenizer:
                             "separate documents; use another tokenizer")
         self.eot_token = eot
         self.mask_token = vocab.get("[MASK]", vocab.get("<mask>"))  # an encoder's own [MASK], if it has one
+        self.special_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self.json = tokenizer.to_str()  # travels with datasets and checkpoints; compared by its sha256
         self.sha256 = hashlib.sha256(self.json.encode()).hexdigest()
 

@@ -27,9 +27,11 @@ class MaskSpec:
 
 
 def mask_spec(meta: dict) -> MaskSpec:
-    """The masking of a prepared dataset's tokenizer: [MASK] is the first id past its vocabulary."""
-    return MaskSpec(mask_token=meta["vocab_size"], vocab_size=meta["vocab_size"],
-                    special_tokens=(meta["eot_token"],))
+    """The masking of a prepared dataset's tokenizer: its own [MASK] if it has one (a WordPiece tokenizer),
+    else the first id past its vocabulary (GPT-2 has none); its special tokens are never masked nor drawn."""
+    mask = meta.get("mask_token")
+    return MaskSpec(mask_token=meta["vocab_size"] if mask is None else mask, vocab_size=meta["vocab_size"],
+                    special_tokens=tuple(meta.get("special_tokens") or [meta["eot_token"]]))
 
 
 def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,

@@ -38,8 +38,9 @@ from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 @dataclass
 class TrainConfig:
     # data and model
-    dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py)
+    dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py); A,B,C: a mix (mixing.py)
     data_root: str = "data"
+    mix_alpha: float = 0.3  # a mix draws each micro-batch's source with p ~ tokens^alpha (XLM-R's 0.3)
     preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
     block_size: int | None = None  # context length; default: the preset's
     dropout: float = 0.0
@@ -108,6 +109,9 @@ def check_config(cfg: TrainConfig) -> None:
     in_range(cfg, "min_lr", 0, cfg.lr)
     in_range(cfg, "eps", 0, ends="(]")
     in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
+    in_range(cfg, "mix_alpha", 0, ends="(]")
+    if "," in cfg.dataset:
+        need_extra("mixing", "--dataset=A,B,...")
     if cfg.loss_chunk_size:
         need_extra("chunked", "--loss_chunk_size")
     if cfg.negatives != "all" or cfg.num_negatives is not None or cfg.negatives_scope != "local":
@@ -381,10 +385,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-    data_dir = ensure_dataset(cfg.dataset, cfg.data_root) if is_main_process() else None
+    prepared = lambda: [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]  # noqa: E731
+    data_dirs = prepared() if is_main_process() else None
     barrier()  # rank 0 prepares the built-in data; the others then read it
-    data_dir = data_dir or ensure_dataset(cfg.dataset, cfg.data_root)
-    meta, out_dir = load_meta(data_dir), Path(cfg.out_dir)
+    data_dirs = data_dirs or prepared()
+    data_dir, out_dir = data_dirs[0], Path(cfg.out_dir)
+    meta = load_meta(data_dir)
     tokenizer_json = (data_dir / "tokenizer.json").read_text() if (data_dir / "tokenizer.json").is_file() else None
     cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt")
     for name, p in model.named_parameters():
@@ -415,7 +421,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
         objective = torch.nn.parallel.DistributedDataParallel(objective, gradient_as_bucket_view=True)
     sampler = BatchSampler(open_split(data_dir, "train", vocab), cfg.batch_size, block, cfg.seed, device)
-    val_tokens = open_split(data_dir, "val", vocab)
+    if len(data_dirs) > 1:
+        from mixing import MixedSampler  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
+
+        sampler = MixedSampler(data_dirs, cfg, block, vocab, device)
+        note(sampler.describe())
+    val_splits = {d.name: open_split(d, "val", vocab) for d in data_dirs}
     micro_per_step = cfg.grad_accum * world_size()
     tokens_per_step = micro_per_step * cfg.batch_size * block
     scored = mask.rate if mask else 1.0  # an encoder scores its masked positions only
@@ -436,8 +447,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
          f"{str(dtype).removeprefix('torch.')} | {tokens_per_step:,} tokens/step")
 
     def validate() -> None:  # printed and logged; a non-finite metric stops the run before any save
-        val = evaluate(model, val_tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
-                       cfg.temperature, cfg.loss_chunk_size or None, mask, token_bytes)
+        per_source = {name: evaluate(model, tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
+                                     cfg.temperature, cfg.loss_chunk_size or None, mask, token_bytes)
+                      for name, tokens in val_splits.items()}
+        val = sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
         if not math.isfinite(val["val_ce"]):
             raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without saving "
                             f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
@@ -457,6 +470,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
                     "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
                     "mask_spec": dataclasses.asdict(mask.spec) if mask else None, "tokenizer_json": tokenizer_json,
+                    "mix": dict(zip(sampler.names, sampler.probabilities)) if len(data_dirs) > 1 else None,
                     "rng": {"torch": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
 

@@ -46,3 +46,23 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
+
+
+def refused_before_any_work(main, argv: list[str], message: str, root: Path) -> None:
+    """main(argv) refuses in one line naming `message`, and writes nothing under root. In argv, OUT is root,
+    CKPT a stand-in checkpoint and LATIN1 a file that is not UTF-8."""
+    import torch
+
+    from common import UserError
+
+    torch.save({"model": {}, "model_config": {}, "train_config": {"batch_size": 8, "preset": "tiny"}},
+               root / "base.pt")
+    (root / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    subs = {"OUT": str(root), "CKPT": str(root / "base.pt"), "LATIN1": str(root / "latin1.txt")}
+    argv = [a.replace("CKPT", subs["CKPT"]).replace("LATIN1", subs["LATIN1"]).replace("OUT", subs["OUT"])
+            for a in argv]
+    before = sorted(root.iterdir())
+    with pytest.raises(UserError) as e:
+        main(argv)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert sorted(root.iterdir()) == before  # no output folder, no temp file

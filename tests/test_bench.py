@@ -8,7 +8,9 @@ import sys
 import pytest
 
 import bench
+import common
 from common import UserError
+from conftest import refused_before_any_work
 
 
 def test_variant_names():
@@ -76,3 +78,25 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
         bench.import_pyplot()
     with pytest.raises(UserError, match="optional extra"):  # refused before any measurement
         bench.main(["--quick", f"--plot={tmp_path / 'b.png'}"])
+
+
+def test_bench_quick_fills_only_unset_flags():
+    cfg = common.parse_flags(bench.BenchConfig, ["--quick", "--repeats=5", "--vocab=1024"], quick=bench.QUICK)
+    assert (cfg.repeats, cfg.vocab, cfg.preset, cfg.tokens) == (5, [1024], "tiny", [512])
+    assert common.parse_flags(bench.BenchConfig, ["--repeats=5"], quick=bench.QUICK).preset == "pythia-70m"
+
+
+def test_too_many_negatives_are_reported_once(capsys):
+    cfg = bench.BenchConfig(variants=["ce", "cwt-k256", "cwt-k64"], tokens=[128, 1024])
+    bench.warn_if_every_negative(cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cwt-k256 at 128 tokens" in err and "k64" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repeats=0"], "--repeats must be at least 1, got 0"),
+    (["--tokens=256,0"], "--tokens must be at least 1, got 0"),
+    (["--json=OUT"], "is a directory"),
+])
+def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
+    refused_before_any_work(bench.main, flags, message, tmp_path)

@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 import chunked
 from loss import training_loss
+import train
+from common import UserError
+from test_train import tiny_config
 from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
 
 
@@ -154,3 +157,13 @@ def test_the_tolerance_covers_another_cpus_rounding_and_nothing_more():
     tol = rounding_tolerance(h, cand, 0.3)
     assert 4.1e-10 < tol < 1e-6
     assert rounding_tolerance(h / 100, cand / 100, 1.0) < 1e-11  # ordinary scores keep a tight bound
+
+
+@pytest.mark.usefixtures("small_tiny_preset")
+def test_loss_chunk_size_trains_like_the_plain_loss(tiny_data_dir, tmp_path):
+    # ce+cwt: both chunked paths; 8 x 32 = 256 rows in chunks of 100, CE's 50304 columns in 2 tiles
+    runs = {chunk: train.train(tiny_config(tiny_data_dir, tmp_path / str(chunk), loss="ce+cwt", max_iters=3,
+                                           eval_interval=3, loss_chunk_size=chunk)) for chunk in (0, 100)}
+    assert runs[100]["loss"] == pytest.approx(runs[0]["loss"], rel=1e-4)
+    with pytest.raises(UserError, match="--loss_chunk_size must be at least 0"):
+        train.train(tiny_config(tiny_data_dir, tmp_path / "bad", loss_chunk_size=-1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import compare
+from conftest import refused_before_any_work
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
@@ -32,3 +33,8 @@ def test_compare_end_to_end(tiny_data_dir, tmp_path):
         assert curve and all(x2 >= x1 for (x1, _), (x2, _) in zip(curve, curve[1:]))
     assert result["curves"]["cwt-ft"][0][0] == pytest.approx(runs["cwt"]["flops"])
     assert "skipped" in runs["ce"]["lambada"]["note"]
+
+
+def test_bad_numbers_are_refused_before_any_work(tmp_path):
+    refused_before_any_work(compare.main, ["--out_dir=OUT/out", "--ce_iters=0"], "--ce_iters must be at least 1, got 0",
+                            tmp_path)

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import eval as evaluation
+import train
 from common import UserError
+from conftest import refused_before_any_work
+from test_train import read_log, tiny_config
 from data import load_tokenizer, open_split
 from train import contrastive_table, evaluate
 from model import GPT, GPTConfig
@@ -269,3 +272,24 @@ def test_validation_builds_no_autograd_graph(tiny_data_dir):
     tokens = open_split(tiny_data_dir, "val", 50304)
     evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight)
     assert seen == [False, False]
+
+
+@pytest.mark.usefixtures("small_tiny_preset")
+def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, batch_size=4, eval_batches=3)
+    train.train(cfg)
+    logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
+    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
+                              "--device=cpu"])
+    assert result["batch_size"] == 4 and result["dtype"] == "float32"
+    for key in ("val_ce", "val_cwt", "val_acc"):
+        assert result[key] == pytest.approx(logged[key], rel=1e-6), key
+    assert evaluation.EvalConfig().dtype == "float32"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ckpt=CKPT", "--batch_size=0"], "--batch_size must be at least 1, got 0"),
+    (["--ckpt=CKPT", "--json=OUT"], "is a directory; pass a file path"),
+])
+def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
+    refused_before_any_work(evaluation.main, flags, message, tmp_path)

@@ -12,6 +12,7 @@ from data import load_tokenizer
 import model as model_module
 import train
 from common import UserError
+from conftest import refused_before_any_work
 from train import save_checkpoint
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig
@@ -104,3 +105,12 @@ def test_regression_head_and_causal_checkpoint_warning(tmp_path, capsys):
                         "--batch_size=8", "--lr=3e-3", "--device=cpu"])
     assert result["causal_checkpoint"] and "warning" in capsys.readouterr().err
     assert result["pearson"] > 0.7 and result["spearman"] > 0.9  # chance: 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr=inf"], "--lr must be a finite number, got inf"),
+    (["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),
+    (["--json=OUT"], "is a directory"),
+])
+def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
+    refused_before_any_work(glue.main, ["--ckpt=CKPT", *flags], message, tmp_path)

@@ -77,3 +77,32 @@ def test_subset_is_deterministic_with_a_seeded_generator():
     assert a.item() == b.item()
     # asking for at least as many negatives as there are rows is the full loss
     assert contrastive_loss(h, e, num_negatives=50).item() == pytest.approx(cwt_loss(h, e).item(), abs=1e-12)
+
+
+def test_too_many_negatives_are_reported_once(capsys):
+    from negatives import warn_if_every_negative
+
+    warn_if_every_negative(300, candidates=256)
+    warn_if_every_negative(255, candidates=256)
+    assert capsys.readouterr().err.count("--num_negatives=300 is not below the 256 candidates") == 1
+
+
+@pytest.mark.usefixtures("small_tiny_preset")
+def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
+    """The sampled candidates of micro-batch i are drawn from a generator seeded by i: an interrupted run
+    resumed gives the same losses as a straight one."""
+    import json
+
+    import train
+    from test_train import tiny_config
+
+    for name, stop in (("straight", None), ("resumed", 3)):
+        cfg = tiny_config(tiny_data_dir, tmp_path / name, max_iters=6, grad_accum=2, num_negatives=50,
+                          eval_interval=3)
+        if stop:
+            train.train(train.TrainConfig(**{**cfg.__dict__, "max_iters": stop}))
+            cfg = train.TrainConfig(**{**cfg.__dict__, "resume": True})
+        train.train(cfg)
+    losses = [{json.loads(line)["step"]: json.loads(line).get("loss")
+               for line in (tmp_path / name / "log.jsonl").read_text().splitlines()} for name in ("straight", "resumed")]
+    assert losses[0] == losses[1]

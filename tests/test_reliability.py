@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import json
 import math
 import os
 import re
@@ -17,17 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
 import common
-import compare
 import data
-import eval as evaluation
 import finetune
 import generate
-import glue
-import negatives
-import results
 import train
+from conftest import refused_before_any_work
 from common import UserError
 from test_train import read_log
 from test_train import tiny_config as train_tiny_config
@@ -235,11 +229,6 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
 # ---------------------------------------------------------------------- 5, 6. bad numbers, one line each
 
 
-def fake_checkpoint(path: Path) -> str:
-    torch.save({"model": {}, "model_config": {}, "train_config": {"batch_size": 8, "preset": "tiny"}}, path)
-    return str(path)
-
-
 @pytest.mark.parametrize("script, flags, message", [
     ("train", ["--beta1=2"], "--beta1 must be in [0, 1), got 2.0"),
     ("train", ["--beta2=1"], "--beta2 must be in [0, 1), got 1.0"),
@@ -253,39 +242,17 @@ def fake_checkpoint(path: Path) -> str:
     ("train", ["--warmup_iters=-1"], "--warmup_iters must be at least 0, got -1"),
     ("finetune", ["--ckpt=CKPT", "--batch_size=0"], "--batch_size must be at least 1, got 0"),
     ("finetune", ["--ckpt=CKPT", "--budget_fraction=2"], "--budget_fraction must be in (0, 1], got 2.0"),
-    ("eval", ["--batch_size=0"], "--batch_size must be at least 1, got 0"),
-    ("eval", ["--json=OUT"], "is a directory; pass a file path"),
     ("generate", ["--prompt=Hi", "--temperature=nan"], "--temperature must be a finite number, got nan"),
     ("generate", ["--prompt=Hi", "--temperature=1e-40"], "too small to mean anything but greedy"),
     ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 text (byte 3)"),
-    ("bench", ["--repeats=0"], "--repeats must be at least 1, got 0"),
-    ("bench", ["--tokens=256,0"], "--tokens must be at least 1, got 0"),
-    ("bench", ["--json=OUT"], "is a directory"),
-    ("compare", ["--ce_iters=0"], "--ce_iters must be at least 1, got 0"),
-    ("glue", ["--lr=inf"], "--lr must be a finite number, got inf"),
-    ("glue", ["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),
-    ("glue", ["--json=OUT"], "is a directory"),
     ("data", ["--val_fraction=nan"], "--val_fraction must be a finite number, got nan"),
     ("data", ["--num_proc=0"], "--num_proc must be at least 1, got 0"),
 ])
 def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_path):
-    (tmp_path / "latin1.txt").write_bytes("café crème".encode("latin-1"))
-    subs = {"CKPT": fake_checkpoint(tmp_path / "base.pt"), "OUT": str(tmp_path),
-            "LATIN1": str(tmp_path / "latin1.txt")}
-    flags = [re.sub("CKPT|OUT|LATIN1", lambda m: subs[m[0]], f) for f in flags]
-    out = tmp_path / "out"
-    common_flags = {"train": [f"--out_dir={out}"], "finetune": [f"--out_dir={out}"],
-                    "compare": [f"--out_dir={out}"], "eval": [f"--ckpt={subs['CKPT']}"],
-                    "generate": [f"--ckpt={subs['CKPT']}"], "bench": [], "glue": [f"--ckpt={subs['CKPT']}"],
-                    "data": [f"--data_root={out}"]}[script]
-    mains = {"train": train.main, "finetune": finetune.main, "eval": evaluation.main, "data": data.main,
-             "generate": generate.main, "bench": bench.main, "compare": compare.main, "glue": glue.main}
-    main = mains[script]
-    before = sorted(tmp_path.iterdir())
-    with pytest.raises(UserError) as e:
-        main(common_flags + flags)
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-    assert sorted(tmp_path.iterdir()) == before  # no output folder, no temp file
+    mains = {"train": train.main, "finetune": finetune.main, "data": data.main, "generate": generate.main}
+    out = {"train": "--out_dir=OUT/out", "finetune": "--out_dir=OUT/out", "data": "--data_root=OUT/out",
+           "generate": "--ckpt=CKPT"}[script]
+    refused_before_any_work(mains[script], [out, *flags], message, tmp_path)
 
 
 def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_path, monkeypatch, capsys):
@@ -358,37 +325,6 @@ def test_finetune_recipe_of_a_shape_without_one():
 # ---------------------------------------------------------------------- 8, 10. data: skipped rows, hints
 
 
-def test_rows_without_text_are_counted_and_reported(tmp_path, capsys):
-    src = tmp_path / "src"
-    src.mkdir()
-    rows = [{"text": f"{i} one two three " * 20} for i in range(8)] + [{"title": "no text"}, {"text": ""}]
-    (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d"), val_fraction=0.5))
-    assert meta["documents"] == 8 and meta["skipped_rows"] == 2
-    assert "skipped 2 rows of" in capsys.readouterr().err
-
-
-def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("some words to train on\n" * 40)
-    root = str(tmp_path / "d")
-    with pytest.raises(UserError) as e:
-        data.ensure_dataset(str(corpus), root)
-    command = re.search(r"run: python data.py (.*)$", str(e.value))[1]
-    data.main(command.split(" "))  # exactly what the hint says
-    assert data.load_meta(data.ensure_dataset(str(corpus), root))["documents"] == 1
-    # A folder with shards but no meta.json (an interrupted preparation) holds nothing data.py can read.
-    broken = tmp_path / "d" / "broken"
-    broken.mkdir()
-    (broken / "train.bin").write_bytes(b"\0\0")
-    with pytest.raises(UserError, match="holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus"):
-        data.ensure_dataset(str(broken), root)
-    with pytest.raises(UserError) as e:
-        data.load_meta(broken)
-    assert "..." not in str(e.value) and f"--data_root={tmp_path / 'd'}" in str(e.value)
-
-
 # ---------------------------------------------------------------------- 9. weights that don't fit the config
 
 
@@ -411,42 +347,3 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     huge = {"model": model.state_dict(), "model_config": {**config, "n_layer": 10**6, "d_model": 10**6}}
     with pytest.raises(UserError, match="the weights hold 1 layers but the config says 1000000"):
         common.checkpoint_model(huge, "ckpt.pt")
-
-
-# ------------------------------------------------------------------------------ 11. bench
-
-
-def test_bench_quick_fills_only_unset_flags():
-    cfg = common.parse_flags(bench.BenchConfig, ["--quick", "--repeats=5", "--vocab=1024"], quick=bench.QUICK)
-    assert (cfg.repeats, cfg.vocab, cfg.preset, cfg.tokens) == (5, [1024], "tiny", [512])
-    assert common.parse_flags(bench.BenchConfig, ["--repeats=5"], quick=bench.QUICK).preset == "pythia-70m"
-
-
-def test_too_many_negatives_are_reported_once(capsys):
-    cfg = bench.BenchConfig(variants=["ce", "cwt-k256", "cwt-k64"], tokens=[128, 1024])
-    bench.warn_if_every_negative(cfg)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cwt-k256 at 128 tokens" in err and "k64" not in err
-    negatives.warn_if_every_negative(300, candidates=256)
-    negatives.warn_if_every_negative(255, candidates=256)
-    assert capsys.readouterr().err.count("--num_negatives=300 is not below the 256 candidates") == 1
-
-
-def test_a_capped_perplexity_prints_short():
-    assert results.format_metric(math.exp(700)) == "1.014e+304"
-    assert results.format_metric(12.345678) == "12.3457"
-
-
-# ---------------------------------------------------------------------- 12, 13. eval.py matches train.py
-
-
-def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
-    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, batch_size=4, eval_batches=3)
-    train.train(cfg)
-    logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
-    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
-                              "--device=cpu"])
-    assert result["batch_size"] == 4 and result["dtype"] == "float32"
-    for key in ("val_ce", "val_cwt", "val_acc"):
-        assert result[key] == pytest.approx(logged[key], rel=1e-6), key
-    assert evaluation.EvalConfig().dtype == "float32"

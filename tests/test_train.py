@@ -56,8 +56,7 @@ def test_ablation_losses_train(tiny_data_dir, tmp_path, loss):
 
 def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
-    train.train(tiny_config(tiny_data_dir, straight, max_iters=8, grad_accum=2, dropout=0.1, num_negatives=50,
-                      eval_interval=3))
+    train.train(tiny_config(tiny_data_dir, straight, max_iters=8, grad_accum=2, dropout=0.1, eval_interval=3))
 
     # Second run: a real SIGINT arrives while step 4 is being logged; the loop saves and stops.
     resumed = tmp_path / "resumed"
@@ -69,8 +68,7 @@ def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
             signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(train, "append_log", log_then_interrupt)
-    cfg = tiny_config(tiny_data_dir, resumed, max_iters=8, grad_accum=2, dropout=0.1, num_negatives=50,
-                      eval_interval=3)
+    cfg = tiny_config(tiny_data_dir, resumed, max_iters=8, grad_accum=2, dropout=0.1, eval_interval=3)
     summary = train.train(cfg)
     assert summary["interrupted"] and summary["step"] == 4
     monkeypatch.setattr(train, "append_log", original_log)
@@ -163,12 +161,3 @@ def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
     assert "tok/s" in result.stderr and "ETA" in result.stderr
     result = run_train(f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}")
     assert result.returncode == 2 and "not found" in result.stderr
-
-
-def test_loss_chunk_size_trains_like_the_plain_loss(tiny_data_dir, tmp_path):
-    # ce+cwt: both chunked paths; 8 x 32 = 256 rows in chunks of 100, CE's 50304 columns in 2 tiles
-    runs = {chunk: train.train(tiny_config(tiny_data_dir, tmp_path / str(chunk), loss="ce+cwt", max_iters=3,
-                                           eval_interval=3, loss_chunk_size=chunk)) for chunk in (0, 100)}
-    assert runs[100]["loss"] == pytest.approx(runs[0]["loss"], rel=1e-4)
-    with pytest.raises(UserError, match="--loss_chunk_size must be at least 0"):
-        train.train(tiny_config(tiny_data_dir, tmp_path / "bad", loss_chunk_size=-1))

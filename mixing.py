@@ -1,0 +1,58 @@
+"""Training on several datasets at once (train.py --dataset=A,B,C), as multilingual models are trained.
+
+Each micro-batch comes from one source, drawn with probability proportional to (tokens in the source)^alpha
+(--mix_alpha: 0.3 as XLM-R, 0.5 as XLM, 1.0 by size): small languages are seen more often than their size
+alone would give them. The draw is a pure function of (seed, micro-batch index), like every batch, so a
+resumed run goes on exactly. Validation scores each source and reports their unweighted mean.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import UserError
+from data import BatchSampler, load_meta, open_split
+
+_MIX_STREAM = 11  # keeps the source draws apart from the batches' and the masks', which share (seed, index)
+
+
+def mix_probabilities(tokens: list[int], alpha: float) -> list[float]:
+    """p_i = n_i^alpha / sum_j n_j^alpha."""
+    weights = [n ** alpha for n in tokens]
+    return [w / sum(weights) for w in weights]
+
+
+class MixedSampler:
+    """BatchSampler's interface over several prepared datasets of one tokenizer."""
+
+    def __init__(self, data_dirs: list[Path], cfg, block_size: int, vocab_size: int, device):
+        metas = [load_meta(d) for d in data_dirs]
+        ids = {m.get("tokenizer_sha256") or m["tokenizer"] for m in metas}
+        if len(ids) > 1:
+            raise UserError(f"--dataset={cfg.dataset} mixes datasets of different tokenizers "
+                            f"({', '.join(sorted({m['tokenizer'] for m in metas}))}); prepare them all with one "
+                            "--tokenizer")
+        self.names = [Path(d).name for d in data_dirs]
+        self.samplers = [BatchSampler(open_split(d, "train", vocab_size), cfg.batch_size, block_size, cfg.seed,
+                                      device) for d in data_dirs]
+        self.probabilities = mix_probabilities([m["train_tokens"] for m in metas], cfg.mix_alpha)
+        self.cumulative, self.seed = np.cumsum(self.probabilities), cfg.seed
+
+    def source(self, index: int) -> int:
+        """Which source micro-batch `index` comes from."""
+        u = np.random.default_rng([self.seed, index, _MIX_STREAM]).random()
+        return min(int(np.searchsorted(self.cumulative, u, side="right")), len(self.samplers) - 1)
+
+    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.samplers[self.source(index)].get(index)
+
+    def describe(self) -> str:
+        return "mixing " + ", ".join(f"{n} {p:.3f}" for n, p in zip(self.names, self.probabilities))
+
+    def combine(self, per_source: dict[str, dict[str, float]]) -> dict[str, float]:
+        """Validation: each source's metrics (val_ce_NAME, ...) and, as val_*, their unweighted mean."""
+        first = next(iter(per_source.values()))
+        mean = {k: sum(m[k] for m in per_source.values()) / len(per_source) for k in first}
+        return {**mean, **{f"{k}_{name}": v for name, m in per_source.items() for k, v in m.items()}}

@@ -1,0 +1,153 @@
+"""Where two features meet: a checkpoint's head and the next run's loss, an imported model's fine-tune budget,
+the validation split, chunked validation, and resuming with another split of each step."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import data
+import finetune
+import train
+from common import UserError
+from test_train import tiny_config
+
+pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+
+
+@pytest.fixture(scope="module")
+def untied_ce(tiny_data_dir, tmp_path_factory):
+    """A CE checkpoint with an untied head (as Pythia's), 4 steps."""
+    out = tmp_path_factory.mktemp("untied")
+    with pytest.MonkeyPatch.context() as mp:
+        import model
+        mp.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=64))
+        train.train(tiny_config(tiny_data_dir, out, loss="ce", untied_head=True, max_iters=4, eval_interval=4))
+    return out / "ckpt.pt"
+
+
+def test_cwt_from_a_checkpoint_with_a_head_drops_it_and_says_so(untied_ce, tiny_data_dir, tmp_path, capsys):
+    train.train(tiny_config(tiny_data_dir, tmp_path, loss="cwt", init_from=str(untied_ce), max_iters=2))
+    assert "has an untied LM head, but --loss=cwt trains a headless model: the head is dropped" in \
+        capsys.readouterr().err
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert "lm_head.weight" not in ckpt["model"] and ckpt["model_config"]["lm_head"] is False
+
+
+def test_ce_from_a_checkpoint_with_a_head_keeps_and_trains_it(untied_ce, tiny_data_dir, tmp_path):
+    before = torch.load(untied_ce, weights_only=True)["model"]["lm_head.weight"]
+    train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", init_from=str(untied_ce), max_iters=2))
+    after = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]["lm_head.weight"]
+    assert not torch.equal(before, after)
+
+
+def test_untied_head_with_init_from_makes_a_head_from_the_embeddings(tiny_data_dir, tmp_path):
+    train.train(tiny_config(tiny_data_dir, tmp_path / "tied", loss="ce", max_iters=2))
+    tied = torch.load(tmp_path / "tied" / "ckpt.pt", weights_only=True)["model"]
+    cfg = tiny_config(tiny_data_dir, tmp_path / "untied", loss="ce", untied_head=True, max_iters=1, lr=1e-9,
+                      init_from=str(tmp_path / "tied" / "ckpt.pt"))
+    train.train(cfg)
+    head = torch.load(tmp_path / "untied" / "ckpt.pt", weights_only=True)["model"]["lm_head.weight"]
+    torch.testing.assert_close(head, tied["wte.weight"], rtol=0, atol=1e-6)  # E, barely moved by lr 1e-9
+
+
+def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_dir, tmp_path):
+    train.train(tiny_config(tiny_data_dir, tmp_path / "base", max_iters=2))
+    ckpt = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=True)
+    for key in ("tokens_seen", "base_tokens", "state"):  # as an imported (hf:) model records none
+        ckpt.pop(key)
+    torch.save(ckpt, tmp_path / "imported.pt")
+    cfg = finetune.FinetuneConfig(ckpt=str(tmp_path / "imported.pt"), out_dir=str(tmp_path / "ft"))
+    with pytest.raises(UserError, match=r"records no pre-training tokens .* pass --tokens=N or --max_iters=N "
+                                        r"\(Pythia: 2% of 300B is --tokens=6e9\)"):
+        finetune.finetune(cfg)
+    assert not (tmp_path / "ft").exists()
+    summary = finetune.finetune(dataclasses.replace(cfg, tokens=3 * 8 * 32, eval_batches=1))
+    assert summary["step"] == 3
+
+
+def test_a_dataset_of_the_old_split_rule_is_refused_and_shakespeare_is_prepared_again(tmp_path, capsys):
+    for name in ("books", "shakespeare"):
+        folder = tmp_path / name
+        folder.mkdir()
+        meta = {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_token": 50256,
+                "train_tokens": 0, "val_tokens": 0, "checksums": {}, "settings": {"dataset": name}}
+        (folder / "meta.json").write_text(json.dumps(meta))  # no split_rule: written by the old rule
+    with pytest.raises(UserError, match="prepared by an older rule that cut every document into train and val; "
+                                        "prepare its corpus again with python data.py --dataset=books"):
+        data.load_meta(tmp_path / "books")
+    out = data.ensure_dataset("shakespeare", str(tmp_path))
+    assert "preparing the built-in shakespeare dataset" in capsys.readouterr().err
+    assert data.load_meta(out)["split_rule"] == data.SPLIT_RULE and data.load_meta(out)["documents"] == 38
+
+
+def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
+    from model import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny", 50304, block_size=32)
+    tokens = data.open_split(tiny_data_dir, "val", 50304)
+    token_bytes = torch.tensor(data.token_byte_lengths(data.load_tokenizer("gpt2")) + [0] * 47)
+    runs = [train.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight,
+                           chunk_size=chunk, token_bytes=token_bytes) for chunk in (None, 7)]
+    assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
+    for key in runs[0]:
+        assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key
+
+
+def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
+    # Two sequences over a toy vocabulary: id 3 is special (no bytes, no bits); the others stand for 1-3 bytes.
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, d_model=8)).double()
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6, 3, 7, 1, 2, 5, 3, 6]).numpy()
+    lengths = torch.tensor([1, 2, 3, 0, 1, 2, 3, 1])
+    got = train.evaluate(model, tokens, 2, 6, torch.device("cpu"), token_bytes=lengths)["val_bpb"]
+    bits = n_bytes = 0.0
+    with torch.no_grad():
+        for start in (0, 6):  # the two non-overlapping windows of 6 + 1 tokens
+            x, y = torch.tensor(tokens[start:start + 6]), torch.tensor(tokens[start + 1:start + 7])
+            logp = torch.log_softmax(model(x[None])[0].double(), dim=-1)
+            for t, target in enumerate(y.tolist()):
+                if lengths[target] > 0:
+                    bits -= logp[t, target].item() / torch.log(torch.tensor(2.0, dtype=torch.float64)).item()
+                    n_bytes += lengths[target].item()
+    assert got == pytest.approx(bits / n_bytes, rel=1e-9)
+
+
+def record_batches(monkeypatch) -> list[int]:
+    seen, real = [], data.BatchSampler.get
+
+    def get(self, index):
+        seen.append(index)
+        return real(self, index)
+    monkeypatch.setattr(data.BatchSampler, "get", get)
+    return seen
+
+
+def test_resuming_with_another_grad_accum_continues_with_the_next_unseen_batch(tiny_data_dir, tmp_path,
+                                                                              monkeypatch):
+    seen = record_batches(monkeypatch)
+    cfg = tiny_config(tiny_data_dir, tmp_path, grad_accum=2, max_iters=3, eval_interval=10)
+    train.train(cfg)
+    assert seen == [0, 1, 2, 3, 4, 5]
+    seen.clear()
+    summary = train.train(dataclasses.replace(cfg, grad_accum=1, max_iters=5, resume=True))
+    assert seen == [6, 7]  # not 3, 4: the data position is the count of micro-batches consumed
+    assert summary["tokens"] == (6 + 2) * 8 * 32  # summed as spent, not steps x today's tokens per step
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["state"]
+    assert (state["micro_batches"], state["tokens"]) == (8, 8 * 8 * 32)
+
+
+def test_a_checkpoint_from_before_the_count_resumes_at_its_derived_position(tiny_data_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(tiny_data_dir, tmp_path, grad_accum=2, max_iters=3, eval_interval=10)
+    train.train(cfg)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    del ckpt["state"]  # as written before: step x world size x grad_accum micro-batches
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    seen = record_batches(monkeypatch)
+    train.train(dataclasses.replace(cfg, max_iters=4, resume=True))
+    assert seen == [6, 7]
