@@ -232,13 +232,13 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        while e is not None and not (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+        while e is not None and not isinstance(e, OSError):
             e = e.__cause__ or e.__context__  # torch.save wraps the OSError in a RuntimeError
         if e is None:
             raise
         kept = f"{path} is unchanged" if path.exists() else f"no {path} was written"
-        raise UserError(f"no space left on device while saving {path}; the partial file was removed and {kept}"
-                        ) from None
+        why = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write ({e.strerror})"
+        raise UserError(f"{why} while saving {path}; the partial file was removed and {kept}") from None
 
 
 def remove_stale_temps(folder: str | Path) -> None:
@@ -254,7 +254,10 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
     """An exclusive flock on the folder for the block's life; a second holder is refused in one line naming
     the first (from folder/.lock). The kernel drops a dead process's lock: a crash leaves no stale lock."""
     folder, info = Path(folder), Path(folder) / ".lock"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {folder} ({e.strerror}); pass a folder you can write") from None
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -8,18 +8,21 @@ CE trains for --ce_iters steps; that sets the FLOP budget (GPT.flops_per_token).
 many steps as fit in the same budget once its LM-head fine-tune (2% of its tokens, at CE's cost per token)
 is paid for. All three models are scored on validation CE and, with --lambada, on LAMBADA, in this process
 with train.py's, finetune.py's and eval.py's own functions.
+
+The runs live in out_dir/ce, out_dir/cwt and out_dir/cwt-ft. A second compare.py into an out_dir that holds
+them is refused: --resume skips the runs that finished and continues an interrupted one (Ctrl-C stops
+compare.py, with the run's checkpoint saved), --overwrite starts every run over.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import (DeviceName, DtypeName, checkpoint_model, in_range, init_distributed, is_main_process,
-                    load_checkpoint, parse_flags, pick_device, run_main)
+from common import (DeviceName, DtypeName, UserError, checkpoint_model, in_range, init_distributed,
+                    is_main_process, load_checkpoint, parse_flags, pick_device, run_main)
 from results import check_output_path, format_metric, import_pyplot, save_figure, save_results
 from data import dataset_tokenizer, ensure_dataset, load_meta
 from eval import load_lambada, score_lambada
@@ -50,6 +53,14 @@ class CompareConfig:
     json: str = ""
     plot: str = ""
     quick: bool = False  # a few steps, for tests
+    resume: bool = False  # skip the runs in out_dir that finished; continue an interrupted one
+    overwrite: bool = False  # start every run in out_dir over
+
+
+RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
+# What makes a run in out_dir the one this compare.py plans (data_root, device and dtype may change).
+SAME_RUN = ("dataset", "preset", "block_size", "batch_size", "loss", "lr", "min_lr", "warmup_iters", "seed",
+            "max_iters")
 
 
 def check_config(cfg: CompareConfig) -> None:
@@ -59,6 +70,44 @@ def check_config(cfg: CompareConfig) -> None:
     in_range(cfg, "finetune_fraction", 0, 1, "(]")
     in_range(cfg, "lr", 0, ends="(]")
     in_range(cfg, "warmup_fraction", 0, 1)
+    if cfg.resume and cfg.overwrite:
+        raise UserError("--resume continues the runs in --out_dir and --overwrite starts them over: pass one")
+
+
+def check_out_dir(cfg: CompareConfig) -> None:
+    """Before any work: an out_dir holding an earlier compare.py's runs is continued (--resume) or started
+    over (--overwrite) only when asked, never replaced by default."""
+    root = Path(cfg.out_dir)
+    if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
+        raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
+    held = [name for name in RUNS if (root / name / "ckpt.pt").exists() or (root / name / "log.jsonl").exists()]
+    if held and not (cfg.resume or cfg.overwrite):
+        raise UserError(f"{root} holds the runs of an earlier compare.py ({', '.join(held)}); continue them with "
+                        "--resume (same settings), start every run over with --overwrite, or pick another --out_dir")
+
+
+def finished_run(run_cfg: TrainConfig) -> dict | None:
+    """With --resume: the summary of a run in its folder that reached its planned steps (read from its
+    checkpoint: it is skipped), else None (train.py's --resume continues it, or it starts). A run of other
+    settings is another experiment: refused."""
+    path = Path(run_cfg.out_dir) / "ckpt.pt"
+    if not path.is_file():
+        return None
+    ckpt = load_checkpoint(path)
+    before = ckpt.get("train_config") or {}
+    for key in SAME_RUN:
+        planned = getattr(run_cfg, key)
+        if planned is not None and key in before and before[key] != planned:
+            raise UserError(f"{path.parent} holds a run with {key}={before[key]!r} but this compare.py plans "
+                            f"{key}={planned!r}; resume with that run's settings, start over with --overwrite, or "
+                            "pick another --out_dir")
+    if ckpt.get("step") != run_cfg.max_iters:
+        return None
+    note(f"{path.parent}: finished earlier ({ckpt['step']} steps); skipped")
+    return {"step": ckpt["step"], "val": ckpt.get("val"), "first_val": ckpt.get("first_val"),
+            "loss": ckpt.get("loss"), "ckpt": str(path), "interrupted": False, "seconds": None,
+            "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
+            "flops": ckpt.get("base_flops", 0.0) + ckpt.get("flops", 0.0)}
 
 
 def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
@@ -72,6 +121,18 @@ def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_toke
     while n > 1 and cost(n) > budget:
         n -= 1
     return n, max(1, math.ceil(fraction * n))
+
+
+def run_once(name: str, run_cfg: TrainConfig, cfg: CompareConfig, start_over: bool = False) -> dict:
+    """One run in its folder: with --resume, continued from its checkpoint (train.py's --resume=auto: a
+    folder without one starts); with --overwrite or `start_over`, started over; else a fresh folder."""
+    resume = "auto" if cfg.resume and not start_over else False
+    run_cfg = dataclasses.replace(run_cfg, resume=resume, overwrite=cfg.overwrite or start_over)
+    summary = finetune(run_cfg) if isinstance(run_cfg, FinetuneConfig) else train(run_cfg)
+    if summary["interrupted"]:  # Ctrl-C or SIGTERM: the run saved its checkpoint; the next ones wait
+        note(f"compare.py stopped during {name}; continue it with the same settings and --resume")
+        raise KeyboardInterrupt
+    return summary
 
 
 def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
@@ -91,6 +152,7 @@ def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict
 
 def run_compare(cfg: CompareConfig) -> dict:
     """Train CE, then CWT and its head fine-tune on the same FLOP budget; score all three."""
+    check_out_dir(cfg)
     texts = load_lambada(cfg.lambada) if cfg.lambada else None  # a bad file fails before any training
     if cfg.quick:
         cfg = dataclasses.replace(cfg, block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1,
@@ -110,18 +172,21 @@ def run_compare(cfg: CompareConfig) -> dict:
     shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
                   batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device,
                   dtype=cfg.dtype, seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
-    runs = {}
-    for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters)):
-        shutil.rmtree(root / name, ignore_errors=True)
-        run_cfg = TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
+    plan = {name: TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
                               warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
                               eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **shared)
-        runs[name] = train(run_cfg)
-    shutil.rmtree(root / "cwt-ft", ignore_errors=True)
-    ft_cfg = FinetuneConfig(ckpt=runs["cwt"]["ckpt"], max_iters=ft_iters,
-                            warmup_iters=max(1, min(10, ft_iters // 5)), eval_interval=max(1, ft_iters // 2),
-                            out_dir=str(root / "cwt-ft"), **shared)
-    runs["cwt-ft"] = finetune(ft_cfg)
+            for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters))}
+    plan["cwt-ft"] = FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.pt"), max_iters=ft_iters,
+                                    warmup_iters=max(1, min(10, ft_iters // 5)),
+                                    eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **shared)
+    done = {name: finished_run(run_cfg) for name, run_cfg in plan.items()} if cfg.resume else {}
+    runs = {}
+    for name, run_cfg in plan.items():
+        held = any((root / name / f).exists() for f in ("ckpt.pt", "log.jsonl"))
+        stale = name == "cwt-ft" and cfg.resume and not done["cwt"] and held
+        if stale:  # it fine-tuned an earlier state of cwt, trained further just now
+            note(f"{root / name}: it fine-tuned an earlier state of {root / 'cwt'}; starting it over")
+        runs[name] = done.get(name) if done.get(name) and not stale else run_once(name, run_cfg, cfg, stale)
     curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
               "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
               "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", per_token["ce"], runs["cwt"]["flops"])}
@@ -149,11 +214,15 @@ def compare_table(result: dict) -> str:
         lam = run["lambada"]
         lam = f"{100 * lam['acc']:.1f}% / {format_metric(lam['ppl'], 0)}" if "acc" in lam else "-"
         lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
-                     f"{run['flops'] / result['budget_flops']:.3f} | {run['seconds']:.0f} | "
+                     f"{run['flops'] / result['budget_flops']:.3f} | {seconds(run['seconds'])} | "
                      f"{run['val_ce']:.4f} | {lam} |")
     notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
     lines += [f"\nLAMBADA: {note}" for note in sorted(notes)]
     return "\n".join(lines)
+
+
+def seconds(value: float | None) -> str:
+    return "- (earlier)" if value is None else f"{value:.0f}"  # a run --resume skipped was timed before
 
 
 def plot_compare(result: dict, path: str) -> None:

@@ -300,7 +300,7 @@ def check_same_source(out: Path, cfg: PrepareConfig) -> None:
     """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
     try:
         old = json.loads((out / "meta.json").read_text())["source_id"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return  # no dataset, or a broken meta.json that vouches for nothing
     if old != source_id(cfg):
         raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {source_id(cfg)} would "
@@ -331,8 +331,7 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
     tokens) is prepared on first use, and again when an older split rule prepared it."""
     out, builtin = dataset_dir(dataset, data_root), re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
-    if builtin and (not (out / "meta.json").is_file() or
-                    json.loads((out / "meta.json").read_text()).get("split_rule") != SPLIT_RULE):
+    if builtin and (not (out / "meta.json").is_file() or prepared_rule(out) != SPLIT_RULE):
         print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
         prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     if not (out / "meta.json").is_file():
@@ -342,6 +341,13 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
                     f"again with python data.py --dataset=SOURCE --data_root={Path(dataset).parent}")
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); {hint}")
     return out
+
+
+def prepared_rule(out: Path) -> int | None:
+    try:
+        return json.loads((out / "meta.json").read_text()).get("split_rule")
+    except (ValueError, RecursionError, AttributeError):  # damaged: prepared again
+        return None
 
 
 def load_meta(data_dir: str | Path) -> dict:

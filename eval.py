@@ -171,6 +171,11 @@ def read_jsonl(path: str) -> list[str]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
+                except ValueError:  # an integer of more than 4300 digits
+                    raise UserError(f"{path} line {number} holds a number too long to read") from None
+                except RecursionError:
+                    raise UserError(f"{path} line {number} is JSON nested too deeply to be an example; "
+                                    "expected one {\"text\": \"...\"} object per line") from None
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                     raise UserError(f"{path} line {number} has no \"text\" field; "
                                     f"expected {{\"text\": \"...\"}}")

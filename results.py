@@ -23,9 +23,15 @@ def check_output_path(path: str | Path, flag: str) -> None:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """A results file (--json=PATH), written atomically."""
-    with atomic_file(path, "w") as f:
-        f.write(json.dumps(obj, indent=1, default=str) + "\n")
+    """A results file (--json=PATH), written atomically. When the write fails all the same (a disk that
+    filled up or went read-only during the run), the results go to stdout, not lost with the run."""
+    text = json.dumps(obj, indent=1, default=str) + "\n"
+    try:
+        with atomic_file(path, "w") as f:
+            f.write(text)
+    except UserError as e:  # atomic_file's one line: a full disk, a read-only folder...
+        sys.stdout.write(text)
+        raise UserError(f"{e}; the results were printed on stdout instead") from None
     print(f"results written to {path}", file=sys.stderr)
 
 
@@ -43,7 +49,7 @@ def import_pyplot():
 
 def save_figure(fig: Any, path: str | Path) -> None:
     """A figure as an image file (the format from its extension), written atomically."""
-    with atomic_file(path) as f:
+    with atomic_file(path) as f:  # a failed write is atomic_file's one line
         fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
     print(f"plot written to {path}", file=sys.stderr)
 

@@ -309,8 +309,8 @@ def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iter
         yield
         return
     log, ckpt = out_dir / "log.jsonl", out_dir / "ckpt.pt"
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out_dir={out_dir} is a file; pass a folder")
+    if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
+        raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
     if not resumed and not cfg.overwrite and (ckpt.exists() or (log.exists() and cfg.resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")

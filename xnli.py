@@ -146,6 +146,11 @@ def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{where} is not valid JSON ({e.msg})") from None
+                except ValueError:  # an integer of more than 4300 digits
+                    raise UserError(f"{where} holds a number too long to read") from None
+                except RecursionError:
+                    raise UserError(f"{where} is JSON nested too deeply to be an example; pass one flat "
+                                    "object per line") from None
 
 
 def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:
