@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import corpora  # noqa: F401  (the extra under test: data.py reaches it for any source but shakespeare)
 import data
 from common import UserError
 from data import open_split
@@ -153,3 +154,21 @@ def test_one_text_file_is_split_once_at_a_line_break_near_its_end(tmp_path):
     assert 50256 not in train and val.count(50256) == 1 and val[-1] == 50256  # end-of-text: the document's end
     assert enc.decode(train + val[:-1]) == "\n".join(lines) + "\n"
     assert enc.decode(val[:-1]).startswith("line 9") and enc.decode(val[:-1]).count("\n") == 10
+
+
+def test_a_second_source_never_replaces_a_dataset_of_the_same_name(tmp_path):
+    import dataclasses
+
+    out = tmp_path / "data" / "books"
+    # Two local folders both called `books` map to data/books: the second must not replace the first.
+    for name in ("a", "b"):
+        (tmp_path / name / "books").mkdir(parents=True)
+        (tmp_path / name / "books" / "x.txt").write_text(f"{name} words\n" * 50)
+    cfg = data.PrepareConfig(dataset=str(tmp_path / "a" / "books"), data_root=str(tmp_path / "data"))
+    data.prepare(cfg)
+    first = (out / "train.bin").read_bytes()
+    with pytest.raises(UserError, match=f"already holds a dataset prepared from {tmp_path / 'a' / 'books'}"):
+        data.prepare(dataclasses.replace(cfg, dataset=str(tmp_path / "b" / "books")))
+    assert (out / "train.bin").read_bytes() == first
+    data.prepare(dataclasses.replace(cfg, val_fraction=0.2))  # the same source again: replaced, as asked
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]

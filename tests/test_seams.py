@@ -83,20 +83,6 @@ def test_a_dataset_of_the_old_split_rule_is_refused_and_shakespeare_is_prepared_
     assert data.load_meta(out)["split_rule"] == data.SPLIT_RULE and data.load_meta(out)["documents"] == 38
 
 
-def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
-    from model import build_model
-
-    torch.manual_seed(0)
-    model = build_model("tiny", 50304, block_size=32)
-    tokens = data.open_split(tiny_data_dir, "val", 50304)
-    token_bytes = torch.tensor(data.token_byte_lengths(data.load_tokenizer("gpt2")) + [0] * 47)
-    runs = [train.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight,
-                           chunk_size=chunk, token_bytes=token_bytes) for chunk in (None, 7)]
-    assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
-    for key in runs[0]:
-        assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key
-
-
 def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
     # Two sequences over a toy vocabulary: id 3 is special (no bytes, no bits); the others stand for 1-3 bytes.
     from model import GPT, GPTConfig
