@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -30,6 +31,7 @@ class UserError(Exception):
 
 
 def run_main(main: Callable[[list[str]], Any]) -> None:
+    """Run a script's main(argv): a user mistake is one line on stderr and exit code 2."""
     try:
         main(sys.argv[1:])
         if torch.distributed.is_initialized():
@@ -43,22 +45,16 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
 
 
 def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]  # a library's error, in a one-line message
 
 
 def need_extra(module: str, flag: str) -> None:
-    """A flag whose extra file a fork deleted gets one line, before any work."""
+    """A flag whose extra file a fork deleted is one line, before any work."""
     if importlib.util.find_spec(module) is None:
         raise UserError(f"{flag} needs {module}.py, which is not in this checkout; restore it or drop {flag}")
 
 
-# ----------------------------------------------------------------------------------------------
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags
-
-
-def repeatable(**kwargs: Any) -> Any:
-    """A list setting given by repeating its flag (--prompt=a --prompt=b), never split on commas."""
-    return dataclasses.field(default_factory=list, metadata={"repeatable": True}, **kwargs)
 
 
 def _coerce(key: str, raw: Any, kind: Any) -> Any:
@@ -92,8 +88,8 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
 
 
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
-    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file, read as plain
-    data (never executed); --help lists the settings. --quick's values replace defaults, never flags."""
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
+    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
     hints = typing.get_type_hints(cls)
     if "--help" in argv or "-h" in argv:
         print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
@@ -116,14 +112,14 @@ def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None)
             close = difflib.get_close_matches(key, hints, n=1)
             raise UserError(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
                             f"valid settings: {', '.join(hints)}")
-    if quick and _coerce("quick", values.get("quick", False), bool):
+    if quick and _coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
         values = {**quick, **values}
     return cls(**{k: _coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
                   for k, v in values.items()})
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
+    p = Path(path)  # read as plain data: never executed
     if not p.is_file() or p.suffix not in (".json", ".toml"):
         raise UserError(f"config file {path} not found (or not .json/.toml); pass --config=PATH to one")
     try:
@@ -148,7 +144,6 @@ def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf
             raise UserError(f"--{name} must be {shown}, got {v}")
 
 
-# ----------------------------------------------------------------------------------------------
 # Device, precision, and processes (torchrun starts one per GPU; without it, this is rank 0 of 1)
 
 
@@ -194,8 +189,7 @@ def world_size() -> int:
 
 
 def is_main_process() -> bool:
-    """Rank 0: the one process that prints progress and writes logs and checkpoints."""
-    return rank() == 0
+    return rank() == 0  # the one process that prints progress and writes logs and checkpoints
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -209,7 +203,6 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-# ----------------------------------------------------------------------------------------------
 # Files: written whole or not at all, under temp names no user would choose (so only ours are swept)
 
 TEMP_MARK = ".headless-lm-"
@@ -217,8 +210,7 @@ TEMP_MARK = ".headless-lm-"
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Write `path` through a temp file beside it, fsync'd and renamed when the block succeeds, removed when
-    it fails: readers never see half a file."""
+    """Write `path` through a temp file, fsync'd and renamed when the block succeeds: never half a file."""
     path = Path(path)
     if path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents):
         raise UserError(f"cannot write {path}: it is a folder, or a folder above it is a file")
@@ -274,13 +266,85 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
         os.close(fd)
 
 
-# ----------------------------------------------------------------------------------------------
+# A training run's folder: its own while it runs, its log, and Ctrl-C or SIGTERM (rank 0 alone writes)
+
+
+@contextlib.contextmanager
+def claim_out_dir(out_dir: Path, resumed_step: int | None, overwrite: bool, auto: bool) -> Iterator[None]:
+    """out_dir for this run alone. A new run never replaces another's checkpoint or log (but with --overwrite,
+    or a log without a checkpoint with --resume=auto); a resumed one keeps the log up to its checkpoint."""
+    if not is_main_process():
+        yield
+        return
+    log, ckpt = out_dir / "log.jsonl", out_dir / "ckpt.pt"
+    if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
+        raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
+    if resumed_step is None and not overwrite and (ckpt.exists() or (log.exists() and not auto)):
+        raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
+                        "it with --resume, start over with --overwrite, or pick another --out_dir")
+    with hold_lock(out_dir, "training run"):
+        remove_stale_temps(out_dir)
+        if resumed_step is not None and log.is_file():  # a line cut short by a crash does not end in "}"
+            kept = [line + "\n" for line in log.read_text().splitlines()
+                    if line.endswith("}") and json.loads(line).get("step", 0) <= resumed_step]
+            with atomic_file(log, "w") as f:
+                f.writelines(kept)
+        elif resumed_step is None:
+            log.unlink(missing_ok=True)
+        yield
+
+
+def append_log(out_dir: Path, record: dict) -> None:
+    record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    try:  # valid JSON always: a null, never NaN or Infinity
+        with open(out_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot append to {out_dir / 'log.jsonl'} ({e.strerror}); free some space or fix the "
+                        "folder, then continue with --resume") from None
+
+
+def note(message: str) -> None:
+    if is_main_process():  # a status line on stderr, once
+        print(message, file=sys.stderr)
+
+
+class StopFlag:
+    """Ctrl-C or SIGTERM: the loop stops at the next agreed step, saves and exits. A second one stops at
+    once, but never in the middle of a save: it waits for the save to end."""
+
+    def __enter__(self):
+        self.requested, self.saving, self.pending = False, False, False
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def handle(self, signum, frame):
+        if self.requested and not self.saving:
+            raise KeyboardInterrupt
+        self.pending, self.requested = self.requested, True  # a second one during a save: once it is done
+        if not self.pending:
+            note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 # Checkpoints: plain data and tensors, read back with weights_only=True (never unpickled code)
 
 
 def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write atomically; refused (the previous file untouched) when a weight, the training loss or a
-    validation metric is not finite, or when the disk is full."""
+    """Write atomically; refused, the previous file untouched, when a weight or a metric is not finite."""
     values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
     problem = next((f"weight {k} is not finite" for k, t in payload["model"].items()
                     if t.is_floating_point() and not bool(torch.isfinite(t).all())), None) or \
@@ -297,15 +361,14 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
 
 
 def last_good_checkpoint(path: str | Path) -> str:
-    try:
+    try:  # what a user can continue from after a refused or failed save
         return f"the last good checkpoint is {path} (step {torch.load(path, weights_only=True)['step']})"
     except Exception:  # none yet, or unreadable
         return "there is no earlier checkpoint"
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint dict (tensors on CPU, read lazily); hf:ORG/NAME or hf:FOLDER reads a Hugging Face
-    GPT-NeoX model through hf.py."""
+    """A checkpoint dict (tensors read lazily); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
     if str(path).startswith("hf:"):
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint
@@ -324,17 +387,10 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):
-    """The model of a loaded checkpoint, its weights first checked against its config (no memory used)."""
-    from model import GPT, GPTConfig, weights_problem
+    """The model of a loaded checkpoint, its weights checked against its config first (model.from_checkpoint)."""
+    from model import from_checkpoint
 
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # torch.compile's prefix
     try:
-        config = GPTConfig(**{**ckpt["model_config"], **overrides})
-        problem = weights_problem(config, state)
+        return from_checkpoint(ckpt, **overrides)
     except (TypeError, ValueError) as e:
-        problem = first_line(e)
-    if problem:
-        raise UserError(f"{path} does not match this model code: {problem}")
-    model = GPT(config)
-    model.load_state_dict(state)
-    return model
+        raise UserError(f"{path} does not match this model code: {first_line(e)}") from None

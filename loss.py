@@ -109,3 +109,24 @@ def masked_rows(h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
     objective runs over those alone (for CWT, the negatives are the other masked positions' tokens)."""
     keep = targets != ignore_index
     return h[keep], targets[keep]
+
+
+@torch.no_grad()
+def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch.Tensor,
+                    contrastive: torch.Tensor | None = None, temperature: float = 1.0,
+                    chunk_size: int | None = None, token_bytes: torch.Tensor | None = None) -> torch.Tensor:
+    """One validation batch's sums (float64): [CE summed over tokens, tokens, the CWT loss (in-batch
+    negatives) and its top-1 accuracy against `contrastive`, the CE of special tokens, their bytes]. CE
+    scores through the LM head or the tied E, as the model's logits do; bits per byte leave out special
+    tokens (0 bytes), whose CE is subtracted, so that any tokenizer compares (nanochat's measure)."""
+    h, y = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    sums = torch.zeros(6, dtype=torch.float64, device=h.device)
+    sums[0], sums[1] = ce_loss(h, output_weight, y, chunk_size).double() * y.numel(), y.numel()
+    if contrastive is not None:
+        sums[2] = cwt_loss(h, contrastive[y], temperature, chunk_size)
+        sums[3] = contrastive_accuracy(h, contrastive[y], y, chunk_size)
+    if token_bytes is not None:
+        special = token_bytes[y] == 0
+        sums[4] = ce_loss(h[special], output_weight, y[special]).double() * special.sum() if special.any() else 0
+        sums[5] = token_bytes[y].sum()
+    return sums

@@ -266,12 +266,21 @@ def weights_problem(config: GPTConfig, state: dict[str, torch.Tensor]) -> str | 
     return next((f"tensor {k} is not in the model" for k in state if k not in expected), None)
 
 
+def from_checkpoint(ckpt: dict, **overrides) -> GPT:
+    """The model of a checkpoint dict (its model_config, any field overridden), its weights checked first."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # torch.compile's prefix
+    config = GPTConfig(**{**ckpt["model_config"], **overrides})
+    if problem := weights_problem(config, state):
+        raise ValueError(problem)
+    model = GPT(config)
+    model.load_state_dict(state)
+    return model
+
+
 def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
     """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs (the
     scripts load through common.load_checkpoint, which turns every bad file into one line)."""
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path} is not a headless-lm checkpoint (no model weights or model_config)")
-    model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
-    return model.to(device).eval()
+    return from_checkpoint(ckpt).to(device).eval()

@@ -13,26 +13,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import re
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, atomic_file, autocast_context, barrier,
-                    checkpoint_model, hold_lock, in_range, init_distributed, is_main_process, last_good_checkpoint,
-                    load_checkpoint, need_extra, parse_flags, pick_device, pick_dtype, rank, remove_stale_temps,
+from common import (DeviceName, DtypeName, StopFlag, UserError, all_reduce_sum, append_log, autocast_context, barrier,
+                    claim_out_dir, in_range, init_distributed, is_main_process, last_good_checkpoint,
+                    need_extra, note, parse_flags, pick_device, pick_dtype, rank,
                     run_main, save_checkpoint, world_size)
-from data import (BatchSampler, dataset_tokenizer, ensure_dataset, load_meta, open_split, sequential_batches,
-                  token_byte_lengths)
-from loss import LossName, contrastive_accuracy, ce_loss, cwt_loss, masked_rows, scored_columns, training_loss
-from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
+from data import BatchSampler, dataset_tokenizer, ensure_dataset, load_meta, open_split, sequential_batches
+from loss import LossName, masked_rows, scored_columns, training_loss, validation_sums
+from model import GPT, PresetName
 
 
 @dataclass
@@ -88,11 +84,6 @@ class TrainConfig:
 # betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
-# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
-RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
-               "init_from")
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}  # dense bf16 FLOP/s, for MFU
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -137,101 +128,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-# ----------------------------------------------------------------------------------------------
-# Where the weights come from: fresh, this run's checkpoint (--resume), or another's (--init_from)
-
-
-@dataclass
-class State:
-    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
-    step: int = 0
-    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
-    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
-    flops: float = 0.0
-    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
-    earlier_flops: float = 0.0
-    loss: float | None = None
-    first_val: dict | None = None
-    val: dict | None = None
-
-
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[TrainConfig, GPT, dict | None, State]:
-    """(the settings, unset ones filled in; the model; the checkpoint resumed, if any; the state)."""
-    resuming = ckpt_path.is_file() if cfg.resume == "auto" else cfg.resume
-    if resuming and not ckpt_path.is_file():
-        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
-    source = ckpt_path if resuming else cfg.init_from
-    start = load_checkpoint(source) if source else None
-    before = start.get("train_config", {}) if start else {}
-    if start:
-        check_continuation(cfg, meta, start, source, resuming)
-    cfg = dataclasses.replace(cfg, preset=cfg.preset or (before.get("preset") if start else "tiny"))
-    if resuming:  # a resumed run keeps its own schedule
-        cfg = dataclasses.replace(cfg, **{k: before.get(k) for k in ("warmup_iters", "min_lr")
-                                          if getattr(cfg, k) is None})
-    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
-    cfg = dataclasses.replace(cfg, min_lr=recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr,
-                              warmup_iters=max(1, round(recipe["warmup"] * cfg.max_iters))
-                              if cfg.warmup_iters is None else cfg.warmup_iters)
-    if not start:  # a fresh model; an encoder gets room for the [MASK] id past the tokenizer's ids
-        mlm = cfg.objective == "mlm"
-        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), dropout=cfg.dropout,
-                                block_size=cfg.block_size or PRESETS[cfg.preset]["block_size"], causal=not mlm,
-                                lm_head=cfg.loss == "nce" or cfg.untied_head), None, State()
-    model = checkpoint_model(start, source, dropout=cfg.dropout)
-    if resuming:
-        old = before.get("max_iters", cfg.max_iters)
-        if old != cfg.max_iters and cfg.lr_schedule == "cosine":
-            note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
-                 f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
-                 f"{lr_at(start['step'], dataclasses.replace(cfg, max_iters=old)):.2e})")
-        if "state" in start:
-            return cfg, model, start, State(**start["state"])
-        per_micro = before["batch_size"] * (before.get("block_size") or model.config.block_size)
-        return cfg, model, start, State(  # written before the data position was counted: derived
-            step=start["step"], micro_batches=start["tokens_seen"] // per_micro, tokens=start["tokens_seen"],
-            flops=start["flops"], earlier_tokens=start["base_tokens"], earlier_flops=start["base_flops"],
-            first_val=start.get("first_val"), val=start.get("val"))
-    if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
-        model.add_lm_head()  # a head made from E
-    elif cfg.loss == "cwt" and model.lm_head is not None:  # nothing would train it: it would go stale
-        model.drop_lm_head()
-        note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
-             "(finetune.py adds a fresh one)")
-    if cfg.loss == "nce" and model.lm_head is None:
-        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
-    return cfg, model, None, State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
-                                   earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
-
-
-def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
-    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
-    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
-    before, encoder = start.get("train_config", {}), not start["model_config"].get("causal", True)
-    for key in RESUME_SAME if resuming else ():
-        if key in before and before[key] != getattr(cfg, key):
-            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
-                            f"resume with the same --{key}, or use another --out_dir for another experiment")
-    if resuming and cfg.max_iters < start["step"]:
-        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
-    theirs = start.get("data_meta", {})  # tokenizers compare by their tokenizer.json's sha256, else by name
-    if theirs.get("tokenizer") and (theirs.get("tokenizer_sha256") or theirs["tokenizer"]) != \
-            (meta.get("tokenizer_sha256") or meta["tokenizer"]):
-        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
-                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
-    if encoder != (cfg.objective == "mlm"):
-        raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
-                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune it "
-                        "with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
-    if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
-        raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
-                        f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
-    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
-        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
-                        f"tokens of context of {source}")
-
-
-# ----------------------------------------------------------------------------------------------
 # The objective, and validation
 
 
@@ -259,121 +155,34 @@ def contrastive_table(model: GPT, loss: str, encoder: bool = False) -> torch.Ten
     return model.output_weight if table is None and encoder else table
 
 
-@torch.no_grad()
 def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
              mask: Any = None, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
-    """Validation on the split's first batches, comparable across losses: val_ce scores through the LM head
-    or the tied E, as model(idx) does; given a contrastive table, also the CWT loss (in-batch negatives)
-    and its top-1 accuracy; in chunks when the run's loss is. Given each id's UTF-8 bytes, bits per byte:
-    comparable across tokenizers (special tokens count neither bits nor bytes). An encoder (`mask`, a
-    masking.Masking) is scored on fixed masks. Each rank scores every world_size-th batch; the sums add up."""
+    """Validation on the split's first batches (loss.validation_sums): val_ce, and given a contrastive table
+    val_cwt and val_acc, and given each id's UTF-8 bytes val_bpb. An encoder (`mask`: a masking.Masking) is
+    scored on fixed masks, over its masked positions. Each rank scores every world_size-th batch."""
     was_training, sums = model.training, torch.zeros(7, dtype=torch.float64, device=device)
     model.eval()
-    for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
-        x, y = mask.validation_batch(x, i) if mask else (x, y)
-        with autocast_context(device, dtype):
-            h, y = masked_rows(model.hidden(x), y) if mask else (model.hidden(x), y)
-            h, y = h.reshape(-1, h.size(-1)), y.reshape(-1)
-            sums[0] += ce_loss(h, model.output_weight, y, chunk_size).double() * y.numel()
-            if contrastive is not None:
-                sums[2] += cwt_loss(h, contrastive[y], temperature, chunk_size).double()
-                sums[3] += contrastive_accuracy(h, contrastive[y], y, chunk_size).double()
-            if token_bytes is not None and (special := token_bytes[y] == 0).any():
-                sums[5] += ce_loss(h[special], model.output_weight, y[special]).double() * special.sum()
-        sums[1] += y.numel()
-        sums[4] += 1
-        sums[6] += token_bytes[y].sum() if token_bytes is not None else 0
+    with torch.no_grad():
+        for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
+            x, y = mask.validation_batch(x, i) if mask else (x, y)
+            with autocast_context(device, dtype):
+                h, y = masked_rows(model.hidden(x), y) if mask else (model.hidden(x), y)
+                sums += torch.cat([validation_sums(h, y, model.output_weight, contrastive, temperature, chunk_size,
+                                                   token_bytes), torch.ones(1, dtype=torch.float64, device=device)])
     model.train(was_training)
-    ce_sum, n_tokens, cwt_sum, acc_sum, n_batches, special_ce, n_bytes = all_reduce_sum(sums).tolist()
-    if n_batches == 0:
+    ce, n, cwt, acc, special_ce, n_bytes, batches = all_reduce_sum(sums).tolist()
+    if batches == 0:
         raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    metrics = {"val_ce": ce_sum / n_tokens, "val_ppl": math.exp(min(ce_sum / n_tokens, 700.0))}
+    metrics = {"val_ce": ce / n, "val_ppl": math.exp(min(ce / n, 700.0))}
     if contrastive is not None:
-        metrics.update(val_cwt=cwt_sum / n_batches, val_acc=acc_sum / n_batches)
+        metrics.update(val_cwt=cwt / batches, val_acc=acc / batches)
     if token_bytes is not None:
-        metrics["val_bpb"] = (ce_sum - special_ce) / math.log(2) / max(n_bytes, 1)
+        metrics["val_bpb"] = (ce - special_ce) / math.log(2) / max(n_bytes, 1)
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# Logs, and the run's hold on out_dir (rank 0 alone writes: every rank holds the same weights)
-
-
-@contextlib.contextmanager
-def claim_out_dir(out_dir: Path, cfg: TrainConfig, resumed: dict | None) -> Iterator[None]:
-    """out_dir for this run alone while it runs. A new run never replaces another's checkpoint or log (but
-    with --overwrite); a resumed one keeps the log up to its checkpoint, so it reads as one run."""
-    if not is_main_process():
-        yield
-        return
-    log, ckpt = out_dir / "log.jsonl", out_dir / "ckpt.pt"
-    if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
-        raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
-    if not resumed and not cfg.overwrite and (ckpt.exists() or (log.exists() and cfg.resume != "auto")):
-        raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
-                        "it with --resume, start over with --overwrite, or pick another --out_dir")
-    with hold_lock(out_dir, "training run"):
-        remove_stale_temps(out_dir)
-        if resumed and log.is_file():  # a line cut short by a crash does not end in "}": dropped
-            kept = [line + "\n" for line in log.read_text().splitlines()
-                    if line.endswith("}") and json.loads(line).get("step", 0) <= resumed["step"]]
-            with atomic_file(log, "w") as f:
-                f.writelines(kept)
-        elif not resumed:
-            log.unlink(missing_ok=True)
-        yield
-
-
-def append_log(out_dir: Path, record: dict) -> None:
-    record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-    try:  # valid JSON always: a null, never NaN or Infinity
-        with open(out_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot append to {out_dir / 'log.jsonl'} ({e.strerror}); free some space or fix the "
-                        "folder, then continue with --resume") from None
-
-
-def note(message: str) -> None:
-    """A status line on stderr, from rank 0 only."""
-    if is_main_process():
-        print(message, file=sys.stderr)
-
-
-class StopFlag:
-    """Ctrl-C or SIGTERM: the loop stops at the next agreed step, saves and exits. A second one stops at
-    once, but never in the middle of a save: it waits for the save to end."""
-
-    def __enter__(self):
-        self.requested, self.saving, self.pending = False, False, False
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def handle(self, signum, frame):
-        if self.requested and not self.saving:
-            raise KeyboardInterrupt
-        self.pending, self.requested = self.requested, True  # a second one during a save: once it is done
-        if not self.pending:
-            note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.saving = True
-        try:
-            yield
-        finally:
-            self.saving = False
-        if self.pending:
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-# ----------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -392,6 +201,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     data_dir, out_dir = data_dirs[0], Path(cfg.out_dir)
     meta = load_meta(data_dir)
     tokenizer_json = (data_dir / "tokenizer.json").read_text() if (data_dir / "tokenizer.json").is_file() else None
+    from finetune import starting_point  # fresh, --resume or --init_from (there: finetune.py imports this file)
+
     cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt")
     for name, p in model.named_parameters():
         p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -478,7 +289,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     t_start = t_log = time.time()
     step_at_log = start_step
     model.train()
-    with claim_out_dir(out_dir, cfg, resumed), StopFlag() as stop:
+    with claim_out_dir(out_dir, resumed and resumed["step"], cfg.overwrite, cfg.resume == "auto"), StopFlag() as stop:
         while state.step < cfg.max_iters and not stopping:
             if state.step % cfg.eval_interval == 0 and not (resumed and state.step == start_step):
                 eval_start = time.time()
@@ -540,10 +351,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "flops": state.earlier_flops + state.flops, "interrupted": stopping, "seconds": elapsed}
 
 
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}  # dense bf16 FLOP/s, for MFU
+
+
 def peak_flops(device: torch.device) -> float | None:
     """A GPU's peak, matched on whole words of its name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", name)), None)
+
+
+def token_byte_lengths(enc: Any) -> list[int]:
+    """The UTF-8 bytes each id stands for (0 for special tokens), for bits per byte."""
+    if hasattr(enc, "token_byte_lengths"):
+        return enc.token_byte_lengths()
+    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,

@@ -244,7 +244,8 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
 
 def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys):
     calls = []
-    meta = json.dumps({"split_rule": data.SPLIT_RULE})
+    meta = json.dumps({"split_rule": data.SPLIT_RULE, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
+                       "eot_token": 50256, "train_tokens": 0, "val_tokens": 0, "checksums": {}})
     monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or (tmp_path / "shakespeare").mkdir()
                         or (tmp_path / "shakespeare" / "meta.json").write_text(meta))
     assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"

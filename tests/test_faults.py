@@ -103,13 +103,14 @@ def test_ctrl_c_of_a_refused_run_writes_nothing(during, tiny_data_dir, finished,
     over the other run's checkpoint at once; now it exits 130 and out_dir is as it was."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    real = getattr(train, during)
+    module = finetune if during == "starting_point" else train  # where train() finds it
+    real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, during, interrupted)
+    monkeypatch.setattr(module, during, interrupted)
     code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
                            monkeypatch, capsys)
     assert (code, err) == (130, "interrupted")
@@ -211,7 +212,7 @@ def fail_log_appends(monkeypatch, after: int, code: int) -> None:
         count["n"] += 1
         return f if count["n"] <= after else FailingFile(f, code)
 
-    monkeypatch.setattr(train, "open", opener, raising=False)
+    monkeypatch.setattr(common, "open", opener, raising=False)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES], ids=errno.errorcode.get)
@@ -226,7 +227,7 @@ def test_a_failed_log_append_is_one_line_and_resume_continues(code, tiny_data_di
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "log.jsonl"]  # no .lock, no temp file
     if code == errno.ENOSPC:  # space freed: the half line is dropped and the run ends as if never stopped
-        monkeypatch.delattr(train, "open")
+        monkeypatch.delattr(common, "open")
         train.main(train_flags(tiny_data_dir, out, "--resume"))
         assert without_timing(read_log(out)) == without_timing(read_log(finished))
 
