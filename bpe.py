@@ -24,10 +24,11 @@ import itertools
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from common import UserError, atomic_file, first_line
+from common import UserError, atomic_file, first_line, parse_flags, run_main
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges
@@ -149,3 +150,42 @@ def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Pa
                           parse_bpe_name(cfg.tokenizer), progress=True)
     save_tokenizer_json(tokenizer, path)
     return str(path)
+
+
+@dataclass
+class MixConfig:
+    sources: str = "shakespeare"  # comma-separated sources, as data.py's --dataset takes them
+    vocab_size: int = 32768
+    mix_alpha: float = 0.3  # each source's share of the documents ~ its bytes^alpha (XLM-R's 0.3)
+    docs_per_source: int = 20_000  # read at most this many training documents of each source
+    text_field: str = "text"
+    out: str = "tokenizer.json"
+
+
+def mixed_documents(sources: list[list[str]], alpha: float) -> list[str]:
+    """Documents of several sources in shares ~ (the source's bytes)^alpha, the largest source's taken
+    whole: train.py --mix_alpha's sampling, for a tokenizer that serves every language in the mix."""
+    sizes = [sum(len(t.encode()) for t in docs) for docs in sources]
+    weights = [s ** alpha for s in sizes]
+    scale = min(len(docs) / w for docs, w in zip(sources, weights) if w)  # as many as the sources allow
+    return [t for docs, w in zip(sources, weights) for t in docs[:max(1, round(w * scale))]]
+
+
+def main(argv: list[str]) -> None:
+    """python bpe.py --sources=A,B,C --vocab_size=N --out=DIR/tokenizer.json: one byte-level BPE for a mix of
+    sources, then `python data.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
+    from data import PrepareConfig, documents
+
+    cfg = parse_flags(MixConfig, argv)
+    if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
+        raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")
+    per_source = []
+    for source in cfg.sources.split(","):
+        items = documents(PrepareConfig(dataset=source, text_field=cfg.text_field))[1]
+        per_source.append(sample_documents((t for s, t, _ in items if s == "train"), cfg.docs_per_source))
+    tokenizer = train_bpe(mixed_documents(per_source, cfg.mix_alpha), cfg.vocab_size, progress=True)
+    print(f"{cfg.out}: {cfg.vocab_size} tokens, sha256 {save_tokenizer_json(tokenizer, cfg.out)}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from common import (DeviceName, DtypeName, UserError, checkpoint_model, in_range, init_distributed, load_checkpoint,
-                    note, parse_flags, pick_device, run_main, world_size)
+import torch
+
+from common import (DeviceName, DtypeName, UserError, all_reduce_sum, checkpoint_model, in_range, init_distributed,
+                    load_checkpoint, note, parse_flags, pick_device, run_main, world_size)
 from loss import LossName
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 from train import DEFAULT_RECIPE, RECIPES, TrainConfig, lr_at, train
@@ -84,9 +86,14 @@ RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "nega
                "init_from")
 
 
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path) -> tuple[TrainConfig, GPT, dict | None, State]:
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
+                   device: torch.device) -> tuple[TrainConfig, GPT, dict | None, State]:
     """(the settings, unset ones filled in; the model; the checkpoint resumed, if any; the state)."""
-    resuming = ckpt_path.is_file() if cfg.resume == "auto" else cfg.resume
+    found = ckpt_path.is_file()
+    if all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, world_size()):
+        raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
+                        "every node shares")
+    resuming = found if cfg.resume == "auto" else cfg.resume
     if resuming and not ckpt_path.is_file():
         raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
     source = ckpt_path if resuming else cfg.init_from

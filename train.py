@@ -203,7 +203,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokenizer_json = (data_dir / "tokenizer.json").read_text() if (data_dir / "tokenizer.json").is_file() else None
     from finetune import starting_point  # fresh, --resume or --init_from (there: finetune.py imports this file)
 
-    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt")
+    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt", device)
     for name, p in model.named_parameters():
         p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
     model.to(device)

@@ -149,3 +149,26 @@ def test_progress_goes_to_stderr_only(capfd: pytest.CaptureFixture) -> None:
     assert bpe.train_bpe(["hello world"] * 3, 262, progress=True).get_vocab_size() == 262
     out, err = capfd.readouterr()
     assert out == "" and "documents" in err
+
+
+def test_a_tokenizer_for_a_mix_takes_each_source_in_its_alpha_share(tmp_path):
+    big = [f"big document {i} " * 50 for i in range(40)]  # 40 x ~800 bytes
+    small = [f"tiny {i} " * 50 for i in range(10)]  # 10 x ~350 bytes
+    mixed = bpe.mixed_documents([big, small], alpha=0.5)
+    sizes = [sum(len(t.encode()) for t in docs) for docs in (big, small)]
+    share = lambda docs: sum(t in docs for t in mixed)  # noqa: E731
+    # the small source is taken whole; the big one in proportion to the ratio of (bytes)^alpha
+    assert share(small) == 10 and share(big) == round(10 * (sizes[0] / sizes[1]) ** 0.5)
+    by_size = bpe.mixed_documents([big, small], alpha=1.0)  # alpha 1: by size, the big source whole
+    assert sum(t in big for t in by_size) == 40 and sum(t in small for t in by_size) == round(40 * sizes[1] / sizes[0])
+
+
+def test_the_mix_command_writes_a_tokenizer_data_py_then_uses(tmp_path, monkeypatch):
+    import data
+
+    monkeypatch.chdir(tmp_path)
+    bpe.main(["--sources=shakespeare", "--vocab_size=300", f"--out={tmp_path / 'mix' / 'tokenizer.json'}",
+              "--docs_per_source=4"])
+    meta = data.prepare(data.PrepareConfig(tokenizer=str(tmp_path / "mix" / "tokenizer.json"), max_docs=4,
+                                           val_fraction=0.25, data_root=str(tmp_path / "data")))
+    assert meta["vocab_size"] == 300 and (tmp_path / "data" / "shakespeare-mix" / "tokenizer.json").is_file()
