@@ -8,6 +8,9 @@
     python bench.py --mode=data         # tokenisation (1 and 2 processes) and batch throughput
     torchrun --standalone --nproc_per_node=8 bench.py --mode=ddp   # tokens/s per rank, scaling efficiency
     python bench.py --gpu_check         # a few minutes: everything CUDA-specific works, in one report
+    python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --json=sweep.json --plot=sweep.png
+    python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --quick   # tiny shape: minutes on a CPU
+    python bench.py --mode=val --preset=pythia-70m --vocab=50304 --step_tokens=16384 --block_size=2048
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
@@ -19,6 +22,13 @@ Memory: the extra memory one step needs once warmed up (inputs, weights and opti
 On CUDA, the peak allocated minus what was allocated before the step. On CPU, each configuration runs in a
 fresh subprocess that, for each variant, takes one warm-up step, resets its peak resident set (VmHWM, via
 /proc/self/clear_refs) and reports the peak during one more step minus the resident set before it.
+
+--vocab_sweep: the paper's vocabulary figure. CE and CWT (--step_variants) at each size V, with the same
+model body, the same --step_tokens per step and the same dtype: loss-layer rows and full-step rows, each
+time and memory also as a ratio to the smallest V. --json writes a list of rows (kind, loss, vocab_size,
+tokens, step_ms, peak_mib, ...); --plot draws time and memory against V.
+--mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
+for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step", "mlm", "data", "ddp"] = "both"  # both: loss, step and mlm rows
+    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val"] = "both"  # both: loss, step and mlm rows
     preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
@@ -76,17 +86,21 @@ class BenchConfig:
     plot: str = ""
     quick: bool = False  # a small grid: fills the settings not given on the command line
     gpu_check: bool = False  # run the GPU check instead (see gpu_check)
+    vocab_sweep: list[int] = field(default_factory=list)  # V sizes: CE vs CWT across vocabularies (run_vocab_sweep)
+    val_chunk: int = 1024  # --mode=val: rows scored at a time by the chunked validation pass
 
 
 def check_config(cfg: BenchConfig) -> None:
-    for name in ("tokens", "step_tokens", "block_size", "max_logits", "repeats"):
+    for name in ("tokens", "step_tokens", "block_size", "max_logits", "repeats", "val_chunk"):
         in_range(cfg, name, 1)
     in_range(cfg, "vocab", 2)
+    in_range(cfg, "vocab_sweep", 2)
     in_range(cfg, "warmup", 0)
 
 
 QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512],
              variants=["ce", "cwt", "cwt-unique", "cwt-k128"], step_tokens=[512], repeats=3)
+QUICK_SWEEP = dict(preset="tiny", step_tokens=[256], repeats=3)  # 256 x 262144 CE logits: max_logits exactly
 
 
 def parse_variant(name: str) -> dict:
@@ -140,6 +154,8 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(spec["seed"])
     vocab, tokens, variants = spec["vocab"], spec["tokens"], spec["variants"]
     loss_rng = torch.Generator()
+    if spec["kind"] == "val":
+        return val_case(spec, device, dtype, gen)
     if spec["kind"] == "loss":
         d = PRESETS[spec["preset"]]["d_model"]
         h = (torch.randn(tokens, d, generator=gen)).to(device).requires_grad_()
@@ -182,6 +198,48 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
              * columns(v, vocab, scored) for v in variants}
     return {v: make(v) for v in variants}, flops, {"d_model": model.config.d_model, "block_size": block,
                                                    "batch_size": tokens // block}
+
+
+def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
+    """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
+    bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
+    of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
+    from train import contrastive_table, evaluate
+
+    vocab, tokens = spec["vocab"], spec["tokens"]
+    block = min(spec["block_size"], tokens)
+    if tokens % block:
+        raise UserError(f"val tokens {tokens} must be a multiple of --block_size={block}")
+    torch.manual_seed(spec["seed"])
+    model = build_model(spec["preset"], vocab, block_size=block).to(device).eval()
+    val = zipf_tokens(tokens + 1, vocab, gen).numpy()  # sequential windows: exactly tokens // block of them
+    token_bytes = torch.ones(vocab, dtype=torch.long, device=device)
+
+    def make(variant):
+        kw = parse_variant(variant)
+        table = contrastive_table(model, kw["loss"])
+
+        def step():
+            evaluate(model, val, tokens // block, block, device, dtype, 1, table, 1.0, kw["chunk_size"],
+                     token_bytes=token_bytes)
+        return step
+    # forward only (a third of a training step); cwt also scores the tokens against each other, twice
+    flops = {v: tokens * model.flops_per_token(block, vocab + (2 * tokens if v.startswith("cwt") else 0)) // 3
+             for v in spec["variants"]}
+    return {v: make(v) for v in spec["variants"]}, flops, {"d_model": model.config.d_model, "block_size": block,
+                                                           "batch_size": tokens // block}
+
+
+def val_variants(variants: list[str], chunk: int) -> list[str]:
+    """--mode=val: each variant whole and in chunks of `chunk` rows (one given with -chunkN stays as it is)."""
+    out = []
+    for v in variants:
+        kw = parse_variant(v)
+        if kw["negatives"] != "all" or kw["num_negatives"] is not None:
+            raise UserError(f"--mode=val measures validation, which scores every in-batch candidate: use ce or cwt "
+                            f"(optionally -chunkN), not {v}")
+        out += [v] if kw["chunk_size"] else [v, f"{v}-chunk{chunk}"]
+    return list(dict.fromkeys(out))
 
 
 def sync(device: torch.device) -> None:
@@ -314,9 +372,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         grid += [("step", v, n, cfg.step_variants) for v in cfg.vocab for n in cfg.step_tokens]
     if cfg.mode in ("both", "mlm"):
         grid += [("mlm", v, n, cfg.step_variants) for v in cfg.vocab for n in cfg.step_tokens]
+    if cfg.mode == "val":  # not skipped above max_logits: the whole logits of a pass are what is measured
+        grid += [("val", v, n, val_variants(cfg.step_variants, cfg.val_chunk)) for v in cfg.vocab
+                 for n in cfg.step_tokens]
     rows, skipped = [], []
     for kind, vocab, tokens, variants in grid:
-        if tokens * vocab > cfg.max_logits:
+        if tokens * vocab > cfg.max_logits and kind != "val":
             skipped.append(f"{kind} V={vocab} N={tokens}")
             continue
         spec = dict(kind=kind, preset=cfg.preset, vocab=vocab, tokens=tokens, block_size=cfg.block_size,
@@ -329,6 +390,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             rows.append(summarize(dict(kind=kind, variant=v, preset=cfg.preset, vocab=vocab, tokens=tokens,
                                        **extra, times_s=times[v], flops=flops[v], memory_bytes=memory[v]),
                                   times[variants[0]], memory[variants[0]], peak))
+        if kind == "val":
+            add_unchunked_ratios(rows[-len(variants):])
         print(f"measured {kind} V={vocab} N={tokens}: " + ", ".join(
             f"{r['variant']} {1e3 * r['time_s']:.1f} ms" for r in rows[-len(variants):]), file=sys.stderr)
     meta = dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -339,6 +402,31 @@ def run_bench(cfg: BenchConfig) -> dict:
                        "of the same row",
                 skipped=skipped, config=dataclasses.asdict(cfg))
     return {"meta": meta, "rows": rows}
+
+
+def add_unchunked_ratios(rows: list[dict]) -> None:
+    """Validation rows: the chunk size, and time and memory relative to the same loss scored whole."""
+    for r in rows:
+        kw = parse_variant(r["variant"])
+        whole = next((b for b in rows if b["variant"] == kw["loss"]), None)
+        mem, base = r["memory_bytes"], whole and whole["memory_bytes"]
+        r.update(chunk_size=kw["chunk_size"], time_vs_unchunked=whole and r["time_s"] / whole["time_s"],
+                 memory_vs_unchunked=mem / base if mem is not None and base else None)
+
+
+def val_summary(result: dict) -> str:
+    """--mode=val: one line per chunked variant: peak extra memory whole vs in chunks."""
+    lines = []
+    for r in result["rows"]:
+        whole = next((b for b in result["rows"] if b["variant"] == parse_variant(r["variant"])["loss"]
+                      and (b["vocab"], b["tokens"]) == (r["vocab"], r["tokens"])), None)
+        if r.get("chunk_size") and whole and None not in (r["memory_bytes"], whole["memory_bytes"]):
+            lines.append(f"validation, {whole['variant']}, V={r['vocab']:,}, {r['tokens']:,} tokens "
+                         f"({r['batch_size']} x {r['block_size']}): {whole['memory_bytes'] / 2**20:,.0f} MiB whole vs "
+                         f"{r['memory_bytes'] / 2**20:,.0f} MiB in chunks of {r['chunk_size']} rows "
+                         f"(x{r['memory_vs_unchunked']:.3f}); {1e3 * whole['time_s']:,.0f} vs "
+                         f"{1e3 * r['time_s']:,.0f} ms")
+    return "\n".join(lines)
 
 
 def warn_if_every_negative(cfg: BenchConfig) -> None:
@@ -384,12 +472,13 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-TITLES = {"loss": "loss layer (fwd+bwd)", "step": "full training step", "mlm": "masked-LM training step"}
+TITLES = {"loss": "loss layer (fwd+bwd)", "step": "full training step", "mlm": "masked-LM training step",
+          "val": "one validation pass"}
 
 
 def plot_bench(result: dict, path: str) -> None:
     plt = import_pyplot()
-    kinds = [k for k in ("loss", "step", "mlm") if any(r["kind"] == k for r in result["rows"])]
+    kinds = [k for k in ("loss", "step", "mlm", "val") if any(r["kind"] == k for r in result["rows"])]
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         rows = [r for r in result["rows"] if r["kind"] == kind]
@@ -401,6 +490,83 @@ def plot_bench(result: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(result["meta"]["device_name"], fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocabulary sweep: CE's cost grows with V, CWT's does not (the paper's figure, 20k-200k)
+
+
+def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
+    """CE and CWT (cfg.step_variants) at each size of cfg.vocab_sweep: loss-layer and full-step rows over the
+    same --step_tokens, body and dtype, timed interleaved per size as run_bench does; returns one flat row per
+    (kind, loss, V, tokens), with ratios to the same row at the smallest V and to CE at the same V."""
+    if cfg.mode not in ("both", "loss", "step"):
+        raise UserError(f"--vocab_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or step)")
+    sizes, rows = sorted(set(cfg.vocab_sweep)), []
+    for kind in ("loss", "step") if cfg.mode == "both" else (cfg.mode,):
+        result = run_bench(dataclasses.replace(cfg, mode=kind, vocab=sizes, tokens=cfg.step_tokens,
+                                               variants=cfg.step_variants))
+        meta = result["meta"]
+        if meta["skipped"]:
+            print(f"skipped (tokens x V above --max_logits={cfg.max_logits}; raise it to measure them): "
+                  + ", ".join(meta["skipped"]), file=sys.stderr)
+        rows += [dict(kind=kind, loss=r["variant"], vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"],
+                      step_ms=1e3 * r["time_s"], best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
+                      peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
+                      device=meta["device_name"], dtype=meta["dtype"]) for r in result["rows"]]
+    for r in rows:
+        same = [b for b in rows if (b["kind"], b["loss"], b["tokens"]) == (r["kind"], r["loss"], r["tokens"])]
+        smallest = min(same, key=lambda b: b["vocab_size"])
+        ce = next((b for b in rows if (b["kind"], b["loss"], b["tokens"], b["vocab_size"])
+                   == (r["kind"], "ce", r["tokens"], r["vocab_size"])), None)
+        r.update(time_vs_smallest=r["step_ms"] / smallest["step_ms"],
+                 memory_vs_smallest=_ratio(r["peak_mib"], smallest["peak_mib"]),
+                 time_vs_ce=ce and r["step_ms"] / ce["step_ms"], memory_vs_ce=ce and _ratio(r["peak_mib"], ce["peak_mib"]))
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def sweep_table(rows: list[dict]) -> str:
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    lines = ["| kind | loss | V | tokens | ms/step | time ×smallest V | peak MiB | memory ×smallest V | time ×CE "
+             "| memory ×CE |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['loss']} | {r['vocab_size']:,} | {r['tokens']:,} | {r['step_ms']:,.1f} | "
+                     f"{r['time_vs_smallest']:.2f} | {fmt(r['peak_mib'], ',.1f')} | "
+                     f"{fmt(r['memory_vs_smallest'], '.2f')} | {fmt(r['time_vs_ce'], '.3f')} | "
+                     f"{fmt(r['memory_vs_ce'], '.3f')} |")
+    if rows:
+        r = rows[0]
+        lines += ["", f"{r['device']}, {r['dtype']}, shape {r['preset']}; loss: the objective alone (fwd+bwd), step: "
+                  "a whole training step; median of interleaved steps; peak MiB: the extra memory of one step "
+                  "(see --help)."]
+    return "\n".join(lines)
+
+
+def plot_vocab_sweep(rows: list[dict], path: str) -> None:
+    """Two panels, time and memory per step against V (log x), a line per (kind, loss)."""
+    plt = import_pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    losses = sorted({r["loss"] for r in rows})
+    for (key, label), ax in zip((("step_ms", "ms per step"), ("peak_mib", "peak extra memory (MiB)")), axes):
+        for kind, style in (("step", "-"), ("loss", "--")):
+            for i, loss in enumerate(losses):
+                pts = sorted((r["vocab_size"], r[key]) for r in rows
+                             if (r["kind"], r["loss"]) == (kind, loss) and r[key] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=f"C{i}",
+                            label=f"{loss.upper()}, {TITLES[kind]}")
+        ax.set(xscale="log", xlabel="vocabulary size V", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    if rows:
+        fig.suptitle(f"CE vs CWT across vocabulary sizes: {rows[0]['preset']}, {rows[0]['tokens']} tokens per step, "
+                     f"{rows[0]['device']}, {rows[0]['dtype']}", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -662,7 +828,8 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["_mem"]:  # internal: one memory measurement in this fresh process
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
-    cfg = parse_flags(BenchConfig, argv, quick=QUICK)
+    sweep = any(a.startswith(("--vocab_sweep=", "--vocab-sweep=")) for a in argv)
+    cfg = parse_flags(BenchConfig, argv, quick=QUICK_SWEEP if sweep else QUICK)
     if cfg.gpu_check:
         report, ok = gpu_check()
         print(report)
@@ -681,8 +848,15 @@ def main(argv: list[str]) -> None:
         return
     if cfg.plot:
         import_pyplot()
+    if cfg.vocab_sweep:
+        rows = run_vocab_sweep(cfg)
+        print(sweep_table(rows))
+        save_results(rows, cfg.json, cfg.plot, plot_vocab_sweep)
+        return
     result = run_bench(cfg)
     print(markdown_table(result))
+    if cfg.mode == "val":
+        print(val_summary(result))
     save_results(result, cfg.json, cfg.plot, plot_bench)
 
 

@@ -3,6 +3,7 @@
     python compare.py                   # tiny preset on Shakespeare: CE, then CWT + its LM-head fine-tune
     python compare.py --json=results/compare.json --plot=results/compare.png
     python compare.py --preset=pythia-70m --dataset=roneneldan/TinyStories --lambada=lambada.jsonl
+    python compare.py --vocab_sizes=1024,4096,16384 --json=results/vocab.json --plot=results/vocab.png
 
 CE trains for --ce_iters steps; that sets the FLOP budget (GPT.flops_per_token). CWT then trains for as
 many steps as fit in the same budget once its LM-head fine-tune (2% of its tokens, at CE's cost per token)
@@ -12,24 +13,36 @@ with train.py's, finetune.py's and eval.py's own functions.
 The runs live in out_dir/ce, out_dir/cwt and out_dir/cwt-ft. A second compare.py into an out_dir that holds
 them is refused: --resume skips the runs that finished and continues an interrupted one (Ctrl-C stops
 compare.py, with the run's checkpoint saved), --overwrite starts every run over.
+
+--vocab_sizes=N1,N2,...: the same experiment once per vocabulary size, each with a byte-level BPE of N tokens
+learned from the source's training split (the dataset prepared once, as data.py --tokenizer=bpe:N does it), in
+out_dir/bpeN/. Every model is then scored in bits per byte on the whole validation split, which holds out the
+same documents (chosen by a hash of their text) whatever the tokenizer: every size is scored on the same text.
+Budgets are equal within a size, not across sizes (CE's cost grows with V). A size whose out_dir/bpeN/result.json
+exists is skipped, so an interrupted sweep continues where it stopped. The paper compared vocabulary sizes on
+GLUE with encoders (glue.py on encoders trained per size is its version); this decoder sweep is our extension.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import (DeviceName, DtypeName, UserError, checkpoint_model, in_range, init_distributed,
-                    is_main_process, load_checkpoint, parse_flags, pick_device, run_main)
-from results import check_output_path, format_metric, import_pyplot, save_figure, save_results
-from data import dataset_tokenizer, ensure_dataset, load_meta
+import numpy as np
+import torch
+
+from common import (DeviceName, DtypeName, UserError, barrier, checkpoint_model, in_range, init_distributed,
+                    is_main_process, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from data import PrepareConfig, dataset_dir, dataset_tokenizer, ensure_dataset, load_meta, open_split, prepare
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from train import TrainConfig, note, train
+from results import check_output_path, format_metric, import_pyplot, save_figure, save_results, write_json
+from train import TrainConfig, evaluate, note, token_byte_lengths, train
 
 
 @dataclass
@@ -55,6 +68,7 @@ class CompareConfig:
     quick: bool = False  # a few steps, for tests
     resume: bool = False  # skip the runs in out_dir that finished; continue an interrupted one
     overwrite: bool = False  # start every run in out_dir over
+    vocab_sizes: list[int] = dataclasses.field(default_factory=list)  # BPE sizes: one experiment per size
 
 
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
@@ -241,6 +255,127 @@ def plot_compare(result: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+# ----------------------------------------------------------------------------------------------
+# --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
+
+# settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
+SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite")
+
+
+def run_vocab_sweep(cfg: CompareConfig) -> dict:
+    """run_compare on the source tokenised with a BPE of each size, in out_dir/bpeN; then every model scored on
+    the whole validation split (val_ce, val_bpb). A size whose result.json (written atomically once the size is
+    done) exists is skipped, if it was made with the same settings."""
+    from bpe import parse_bpe_name
+
+    sizes = sorted(set(cfg.vocab_sizes))
+    for n in sizes:
+        parse_bpe_name(f"bpe:{n}")  # a bad size is one line before any work
+    if cfg.dataset != "shakespeare" and (Path(cfg.dataset).expanduser() / "meta.json").is_file():
+        raise UserError(f"--vocab_sizes learns a tokenizer per size from a source's text; {cfg.dataset} is a prepared "
+                        "dataset: pass its source (shakespeare, a Hugging Face id or local text files)")
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SWEEP_UNCHECKED}
+    results = []
+    for n in sizes:
+        done = Path(cfg.out_dir) / f"bpe{n}" / "result.json"
+        if done.is_file():
+            results.append(finished_size(done, settings))
+            note(f"bpe:{n}: finished earlier, skipped ({done})")
+            continue
+        start = time.time()
+        data_dir = vocab_dataset(cfg, n)
+        result = run_compare(dataclasses.replace(cfg, dataset=str(data_dir), out_dir=str(done.parent), json="",
+                                                 plot="", vocab_sizes=[]))
+        result["full_val"] = {name: full_val_scores(done.parent / name / "ckpt.pt", data_dir, result["config"])
+                              for name in result["runs"]}
+        if stopped := [f"{name} at step {s['step']} of {result['iters'][name]}"
+                       for name, s in result["full_val"].items() if s["step"] < result["iters"][name]]:
+            raise UserError(f"bpe:{n} was interrupted ({', '.join(stopped)}); run the same command again to redo "
+                            "this size (finished sizes are skipped)")
+        result.update(bpe=n, data_dir=str(data_dir), sweep_settings=settings, seconds=time.time() - start)
+        if is_main_process():
+            write_json(done, result)
+        results.append(result)
+    sweep = {"config": dataclasses.asdict(cfg), "sizes": results}
+    if is_main_process():
+        print(vocab_table(sweep))
+    return sweep
+
+
+def finished_size(path: Path, settings: dict) -> dict:
+    """A size's result.json from an earlier run, refused when made with other settings."""
+    try:
+        result = json.loads(path.read_text())
+        old = result["sweep_settings"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise UserError(f"{path} is not a finished size's results; delete it to run that size again") from None
+    if changed := sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k)):
+        raise UserError(f"{path} was made with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
+                        f"pass them again, another --out_dir, or delete {path.parent}")
+    return result
+
+
+def vocab_dataset(cfg: CompareConfig, n: int) -> Path:
+    """The source tokenised with a BPE of n tokens learned from its training split, prepared on first use."""
+    if cfg.dataset == "shakespeare":
+        if is_main_process():
+            ensure_dataset(f"shakespeare-bpe{n}", cfg.data_root)
+        barrier()
+        return ensure_dataset(f"shakespeare-bpe{n}", cfg.data_root)
+    out = dataset_dir(cfg.dataset, cfg.data_root, tokenizer=f"bpe:{n}")
+    if is_main_process() and not (out / "meta.json").is_file():
+        prepare(PrepareConfig(dataset=cfg.dataset, tokenizer=f"bpe:{n}", data_root=cfg.data_root))
+    barrier()
+    return out
+
+
+def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
+    """val_ce and val_bpb of a checkpoint over every whole block of the validation split (the last partial
+    block aside), in batches of about 4096 tokens (which do not change the figures); the tokens and UTF-8
+    bytes scored, and the checkpoint's step."""
+    device = init_distributed(pick_device(run_cfg["device"]))
+    ckpt = load_checkpoint(ckpt_path)
+    model = checkpoint_model(ckpt, ckpt_path).to(device)
+    block, lengths = run_cfg["block_size"], token_byte_lengths(dataset_tokenizer(data_dir))
+    tokens = open_split(data_dir, "val", model.config.vocab_size)
+    val = evaluate(model, tokens, max(1, 4096 // block), block, device, pick_dtype(run_cfg["dtype"], device),
+                   token_bytes=torch.tensor(lengths, device=device))
+    scored = np.asarray(tokens[1:(len(tokens) - 1) // block * block + 1], dtype=np.int64)
+    return {**val, "tokens": len(scored), "bytes": int(np.asarray(lengths, dtype=np.int64)[scored].sum()),
+            "step": ckpt["step"]}
+
+
+def vocab_table(sweep: dict) -> str:
+    lines = ["| BPE V | val tokens | val bytes | bytes/token | steps CE / CWT + ft | val_bpb CE | val_bpb CWT raw "
+             "| val_bpb CWT + ft | CWT + ft − CE | minutes |", "|" + "---|" * 10]
+    for r in sweep["sizes"]:
+        bpb = {name: s["val_bpb"] for name, s in r["full_val"].items()}
+        ce = r["full_val"]["ce"]
+        lines.append(f"| {r['bpe']:,} | {ce['tokens']:,} | {ce['bytes']:,} | {ce['bytes'] / ce['tokens']:.2f} | "
+                     f"{r['iters']['ce']} / {r['iters']['cwt']} + {r['iters']['cwt-ft']} | {bpb['ce']:.4f} | "
+                     f"{bpb['cwt']:.4f} | {bpb['cwt-ft']:.4f} | {bpb['cwt-ft'] - bpb['ce']:+.4f} | "
+                     f"{r['seconds'] / 60:.1f} |")
+    return "\n".join(lines + ["", "Bits per byte on the whole validation split: the same held-out documents (chosen "
+                               "by a hash of their text) at every size. CE and CWT + fine-tune at equal training FLOPs "
+                               "within each size; budgets differ across sizes."])
+
+
+def plot_vocab_sweep(sweep: dict, path: str) -> None:
+    plt = import_pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, label, style in (("ce", "CE", "-"), ("cwt-ft", "CWT + LM-head fine-tune", "-"),
+                               ("cwt", "CWT (raw, tied E)", ":")):
+        pts = sorted((r["bpe"], r["full_val"][name]["val_bpb"]) for r in sweep["sizes"])
+        ax.plot(*zip(*pts), style, marker="o", label=label)
+    c = sweep["config"]
+    ax.set(xscale="log", xlabel="vocabulary size (BPE tokens)", ylabel="validation bits per byte",
+           title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute at each size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
     check_config(cfg)
@@ -249,9 +384,10 @@ def main(argv: list[str]) -> None:
             check_output_path(path, flag)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
-    result = run_compare(cfg)
+    sweep = bool(cfg.vocab_sizes)
+    result = run_vocab_sweep(cfg) if sweep else run_compare(cfg)
     if is_main_process():  # under torchrun every rank trains; one writes
-        save_results(result, cfg.json, cfg.plot, plot_compare)
+        save_results(result, cfg.json, cfg.plot, plot_vocab_sweep if sweep else plot_compare)
 
 
 if __name__ == "__main__":

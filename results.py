@@ -54,7 +54,7 @@ def save_figure(fig: Any, path: str | Path) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def save_results(result: dict, json_path: str, plot_path: str, plot: Callable[[dict, str], None]) -> None:
+def save_results(result: Any, json_path: str, plot_path: str, plot: Callable[[Any, str], None]) -> None:
     """The --json and --plot outputs of a measuring script."""
     if json_path:
         write_json(json_path, result)
