@@ -95,7 +95,8 @@ def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None)
         print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            print(f"  --{f.name:<18} {str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
+            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
+            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
         sys.exit(0)
     repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
     values: dict[str, Any] = {}

@@ -210,7 +210,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
               "flops_per_token": per_token, "budget_flops": budget,
               "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters, "cwt-ft": ft_iters},
-              "runs": {name: {"val_ce": run["val"]["val_ce"], "flops": run["flops"], "tokens": run["tokens"],
+              "runs": {name: {"val_ce": run["val"]["val_ce"], "val_bpb": run["val"].get("val_bpb"), "flops": run["flops"], "tokens": run["tokens"],
                               "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
               "curves": curves}
     if is_main_process():
@@ -221,15 +221,15 @@ def run_compare(cfg: CompareConfig) -> dict:
 def compare_table(result: dict) -> str:
     labels = {"ce": "CE (tied head)", "cwt": "CWT, raw (scored with tied E)",
               "cwt-ft": "CWT + head fine-tune"}
-    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE "
+    lines = ["| model | steps | tokens | training FLOPs | share of budget | wall-clock s | val CE | val bpb "
              "| LAMBADA acc / ppl |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, run in result["runs"].items():
         lam = run["lambada"]
         lam = f"{100 * lam['acc']:.1f}% / {format_metric(lam['ppl'], 0)}" if "acc" in lam else "-"
         lines.append(f"| {labels[name]} | {result['iters'][name]} | {run['tokens']:,} | {run['flops']:.3e} | "
                      f"{run['flops'] / result['budget_flops']:.3f} | {seconds(run['seconds'])} | "
-                     f"{run['val_ce']:.4f} | {lam} |")
+                     f"{run['val_ce']:.4f} | {format_metric(run.get('val_bpb'), 4)} | {lam} |")
     notes = {run["lambada"].get("note") for run in result["runs"].values()} - {None}
     lines += [f"\nLAMBADA: {note}" for note in sorted(notes)]
     return "\n".join(lines)

@@ -34,16 +34,6 @@ def naive_cwt(h, e, temperature=1.0):
     return total / h.size(0)
 
 
-def naive_cwt_unique(h, table, targets):
-    """Candidates are the distinct target tokens: each token's embedding appears once."""
-    distinct = sorted(set(targets.tolist()))
-    total = 0.0
-    for i in range(h.size(0)):
-        scores = {t: float(h[i] @ table[t]) for t in distinct}
-        total += -scores[int(targets[i])] + math.log(sum(math.exp(s) for s in scores.values()))
-    return total / h.size(0)
-
-
 def test_ce_matches_reference_and_gradients():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 5, generator=g, requires_grad=True)
