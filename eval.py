@@ -24,7 +24,6 @@ vocabulary. Batches are right-padded: under causal attention pads never reach a 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -40,7 +39,7 @@ from tqdm import tqdm
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
 from data import dataset_tokenizer, ensure_dataset, open_split
-from results import check_output_path, format_metric, write_json
+from results import check_output_path, format_metric, parse_jsonl_line, write_json
 from train import contrastive_table, evaluate, token_byte_lengths
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
@@ -167,15 +166,7 @@ def read_jsonl(path: str) -> list[str]:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
-                except ValueError:  # an integer of more than 4300 digits
-                    raise UserError(f"{path} line {number} holds a number too long to read") from None
-                except RecursionError:
-                    raise UserError(f"{path} line {number} is JSON nested too deeply to be an example; "
-                                    "expected one {\"text\": \"...\"} object per line") from None
+                row = parse_jsonl_line(line, f"{path} line {number}")
                 if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                     raise UserError(f"{path} line {number} has no \"text\" field; "
                                     f"expected {{\"text\": \"...\"}}")

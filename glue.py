@@ -22,7 +22,6 @@ task `score` is their mean, as on the GLUE leaderboard. Fractions in --json, per
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -39,7 +38,7 @@ from tqdm import tqdm
 from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
                     load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
 from data import dataset_tokenizer
-from results import check_output_path, write_json
+from results import check_output_path, parse_jsonl_line, write_json
 from train import optimizer_step
 from model import GPT
 
@@ -154,15 +153,7 @@ def read_rows(path: Path) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise UserError(f"{path} line {number} is not valid JSON ({e.msg})") from None
-                    except ValueError:  # an integer of more than 4300 digits
-                        raise UserError(f"{path} line {number} holds a number too long to read") from None
-                    except RecursionError:
-                        raise UserError(f"{path} line {number} is JSON nested too deeply to be an example; "
-                                        "pass one flat object per line") from None
+                    rows.append(parse_jsonl_line(line, f"{path} line {number}"))
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; pass .jsonl files") from None
     return rows

@@ -1,4 +1,5 @@
-"""Results files and plots, shared by the scripts that measure (eval.py, bench.py, compare.py, glue.py)."""
+"""Results files and plots, and the JSON rows evaluation reads: shared by the scripts that measure (eval.py,
+bench.py, compare.py, glue.py, xnli.py)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common import UserError, atomic_file
+
+
+def parse_jsonl_line(line: str, where: str) -> Any:
+    """One line of a .jsonl file this project did not write: any way it is broken is one line naming `where`."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise UserError(f"{where} holds a number too long to read") from None
+    except RecursionError:
+        raise UserError(f"{where} is JSON nested too deeply to be an example") from None
 
 
 def check_output_path(path: str | Path, flag: str) -> None:

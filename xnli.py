@@ -27,7 +27,6 @@ one folder per language (its name is the language code) holding train.jsonl and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -42,7 +41,7 @@ from tqdm import tqdm
 import glue
 from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
 from data import dataset_tokenizer
-from results import check_output_path, write_json
+from results import check_output_path, parse_jsonl_line, write_json
 
 XNLI_HUB = "facebook/xnli"
 XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")
@@ -142,15 +141,7 @@ def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
             except UnicodeDecodeError:
                 raise UserError(f"{where} is not UTF-8 text; save the file as UTF-8") from None
             if line.strip():
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where} is not valid JSON ({e.msg})") from None
-                except ValueError:  # an integer of more than 4300 digits
-                    raise UserError(f"{where} holds a number too long to read") from None
-                except RecursionError:
-                    raise UserError(f"{where} is JSON nested too deeply to be an example; pass one flat "
-                                    "object per line") from None
+                yield where, parse_jsonl_line(line, where)
 
 
 def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:

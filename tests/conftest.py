@@ -6,6 +6,7 @@ anything imports them (an unreachable hub otherwise costs ~25 s of retries per c
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flat layout: `im
 import pytest  # noqa: E402
 
 import data  # noqa: E402
+
+# A shell starts background jobs (`pytest ... &`) with SIGINT ignored, which Python keeps: the tests that press
+# Ctrl-C with signal.raise_signal need it to raise KeyboardInterrupt, as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import torch
 
 from loss import cwt_loss
 from negatives import contrastive_loss, unique_candidates
-from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
+from test_loss import float64_by_default  # noqa: F401  (the fixture applies to this file too)
 
 
 def naive_cwt_unique(h, table, targets):
