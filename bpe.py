@@ -156,19 +156,28 @@ def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Pa
 class MixConfig:
     sources: str = "shakespeare"  # comma-separated sources, as data.py's --dataset takes them
     vocab_size: int = 32768
-    mix_alpha: float = 0.3  # each source's share of the documents ~ its bytes^alpha (XLM-R's 0.3)
+    mix_alpha: float = 0.3  # each source's share of the text ~ its bytes^alpha (XLM-R's 0.3)
     docs_per_source: int = 20_000  # read at most this many training documents of each source
     text_field: str = "text"
     out: str = "tokenizer.json"
 
 
 def mixed_documents(sources: list[list[str]], alpha: float) -> list[str]:
-    """Documents of several sources in shares ~ (the source's bytes)^alpha, the largest source's taken
-    whole: train.py --mix_alpha's sampling, for a tokenizer that serves every language in the mix."""
+    """Each source's first documents, its bytes in the sample ~ (its bytes)^alpha: train.py --mix_alpha's
+    sampling, for a tokenizer that serves every language in the mix. As much text as the sources allow:
+    the source that limits the shares is taken whole."""
     sizes = [sum(len(t.encode()) for t in docs) for docs in sources]
     weights = [s ** alpha for s in sizes]
-    scale = min(len(docs) / w for docs, w in zip(sources, weights) if w)  # as many as the sources allow
-    return [t for docs, w in zip(sources, weights) for t in docs[:max(1, round(w * scale))]]
+    scale = min(s / w for s, w in zip(sizes, weights) if w)
+    picked = []
+    for docs, w in zip(sources, weights):
+        budget, taken = round(w * scale), 0  # bytes
+        for text in docs:
+            if taken >= budget:
+                break
+            picked.append(text)
+            taken += len(text.encode())
+    return picked
 
 
 def main(argv: list[str]) -> None:

@@ -216,6 +216,8 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     dataset = cfg.dataset or train_cfg.get("dataset")
     if not dataset:
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
+    if "," in dataset:  # a mixed run: its sources are scored one at a time
+        raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
     tokens = open_split(ensure_dataset(dataset, cfg.data_root), cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
     mask = None

@@ -85,11 +85,12 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
     if use_cache:
         autocast = torch.is_autocast_enabled(device.type)
         cache = KVCache(model.config, 1, device,
-                        torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype)
+                        torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype,
+                        length=len(todo) + max_new_tokens)  # not a whole (maybe huge) context for a short run
     for _ in range(max_new_tokens):
         if cache is None:
             todo = ids[-block:]
-        elif cache.pos + len(todo) > block:  # the window is full: re-prefill from its last half
+        elif cache.pos + len(todo) > cache.length:  # the window is full: re-prefill from its last half
             cache.pos = 0
             todo = ids[-max(1, block // 2):]
         h = model.hidden(torch.tensor([todo], device=device), cache)[0, -1]

@@ -330,7 +330,7 @@ def check_token_ids(path: str, ckpt: dict, tokenizer, separator: object) -> None
         return  # checkpoint_model reports a malformed config
     if isinstance(separator, bool) or not isinstance(separator, int) or not 0 <= separator < vocab:
         raise UserError(f"{path}: data_meta eot_token {separator!r} is not a token id of the model's "
-                        f"vocabulary (0..{vocab - 1}), and glue.py separates and pads with it; fix the "
+                        f"vocabulary (0..{vocab - 1}), and fine-tuning separates and pads with it; fix the "
                         "checkpoint's data_meta or train on data prepared with its tokenizer")
     if tokenizer.n_vocab > vocab:
         raise UserError(f"{path}: its tokenizer ({getattr(tokenizer, 'name', '?')}) has {tokenizer.n_vocab} "

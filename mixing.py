@@ -7,6 +7,7 @@ resumed run goes on exactly. Validation scores each source and reports their unw
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ _MIX_STREAM = 11  # keeps the source draws apart from the batches' and the masks
 
 
 def mix_probabilities(tokens: list[int], alpha: float) -> list[float]:
-    """p_i = n_i^alpha / sum_j n_j^alpha."""
-    weights = [n ** alpha for n in tokens]
+    """p_i = n_i^alpha / sum_j n_j^alpha, computed in log space: n^alpha overflows a float from alpha ~ 35."""
+    logs = [alpha * math.log(n) for n in tokens]
+    weights = [math.exp(x - max(logs)) for x in logs]
     return [w / sum(weights) for w in weights]
 
 
@@ -34,7 +36,10 @@ class MixedSampler:
             raise UserError(f"--dataset={cfg.dataset} mixes datasets of different tokenizers "
                             f"({', '.join(sorted({m['tokenizer'] for m in metas}))}); prepare them all with one "
                             "--tokenizer")
-        self.names = [Path(d).name for d in data_dirs]
+        self.names = [Path(d).name for d in data_dirs]  # each source's metrics are reported by its folder's name
+        if len(set(self.names)) < len(self.names):
+            raise UserError(f"--dataset={cfg.dataset} names two sources of the same folder name, whose metrics "
+                            "would merge; mix distinct datasets (prepare a copy under another --name)")
         self.samplers = [BatchSampler(open_split(d, "train", vocab_size), cfg.batch_size, block_size, cfg.seed,
                                       device) for d in data_dirs]
         self.probabilities = mix_probabilities([m["train_tokens"] for m in metas], cfg.mix_alpha)

@@ -82,10 +82,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class KVCache:
     """Keys and values of past positions, so generating one token costs one position, not the prefix."""
 
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32):
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype=torch.float32, length: int | None = None):
         if not config.causal:
             raise ValueError("an encoder (bidirectional attention) has no KV cache; only decoders generate")
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size, config.d_model // config.n_head)
+        self.length = min(length or config.block_size, config.block_size)  # positions it holds: what a run needs
+        shape = (config.n_layer, batch_size, config.n_head, self.length, config.d_model // config.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # positions stored so far

@@ -255,6 +255,7 @@ def run_xnli(cfg: XnliConfig) -> dict:
     meta = ckpt.get("data_meta") or {}
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
+    glue.check_token_ids(cfg.ckpt, ckpt, tokenizer, separator)
     max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
     # Every test set, and with --data every later training file, is read and checked before the first
     # fine-tune: a bad row in the last language's file costs seconds, not hours.

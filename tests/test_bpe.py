@@ -154,13 +154,20 @@ def test_progress_goes_to_stderr_only(capfd: pytest.CaptureFixture) -> None:
 def test_a_tokenizer_for_a_mix_takes_each_source_in_its_alpha_share(tmp_path):
     big = [f"big document {i} " * 50 for i in range(40)]  # 40 x ~800 bytes
     small = [f"tiny {i} " * 50 for i in range(10)]  # 10 x ~350 bytes
-    mixed = bpe.mixed_documents([big, small], alpha=0.5)
-    sizes = [sum(len(t.encode()) for t in docs) for docs in (big, small)]
-    share = lambda docs: sum(t in docs for t in mixed)  # noqa: E731
-    # the small source is taken whole; the big one in proportion to the ratio of (bytes)^alpha
-    assert share(small) == 10 and share(big) == round(10 * (sizes[0] / sizes[1]) ** 0.5)
-    by_size = bpe.mixed_documents([big, small], alpha=1.0)  # alpha 1: by size, the big source whole
-    assert sum(t in big for t in by_size) == 40 and sum(t in small for t in by_size) == round(40 * sizes[1] / sizes[0])
+    size = lambda docs: sum(len(t.encode()) for t in docs)  # noqa: E731
+    sizes = [size(big), size(small)]
+    for alpha in (0.5, 0.3):
+        mixed = bpe.mixed_documents([big, small], alpha)
+        taken = [size([t for t in mixed if t in big]), size([t for t in mixed if t in small])]
+        # the small source is limiting: taken whole; the big one's bytes in the ratio of (bytes)^alpha, to
+        # within its last document
+        assert taken[1] == sizes[1]
+        assert 0 <= taken[0] - sizes[1] * (sizes[0] / sizes[1]) ** alpha < len(big[-1].encode())
+    by_size = bpe.mixed_documents([big, small], alpha=1.0)  # alpha 1: by size, both whole
+    assert by_size == big + small
+    # documents of unequal lengths: the shares are of bytes, not of documents
+    long, short = ["x" * 100] * 10, ["y" * 10] * 100
+    assert bpe.mixed_documents([long, short], alpha=1.0) == long + short
 
 
 def test_the_mix_command_writes_a_tokenizer_data_py_then_uses(tmp_path, monkeypatch):

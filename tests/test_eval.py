@@ -285,6 +285,15 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
     for key in ("val_ce", "val_cwt", "val_acc"):
         assert result[key] == pytest.approx(logged[key], rel=1e-6), key
     assert evaluation.EvalConfig().dtype == "float32"
+    # a mixed run's checkpoint: each source is scored by name (here, the run's own dataset under another name)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["train_config"]["dataset"] = f"{tiny_data_dir},other"
+    torch.save(ckpt, tmp_path / "mixed.pt")
+    with pytest.raises(UserError, match="was trained on a mix .*; pass --dataset=NAME for one of its sources"):
+        evaluation.main([f"--ckpt={tmp_path / 'mixed.pt'}", "--task=val", "--device=cpu"])
+    one = evaluation.main([f"--ckpt={tmp_path / 'mixed.pt'}", "--task=val", "--max_batches=3", "--device=cpu",
+                           f"--dataset={tiny_data_dir}"])
+    assert one["val_ce"] == pytest.approx(result["val_ce"], rel=1e-6)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -77,6 +77,20 @@ def test_prompt_longer_than_the_window_is_cropped_both_ways(model):
                                                                           use_cache=False))
 
 
+def test_the_cache_holds_what_the_run_needs_not_the_whole_context(monkeypatch):
+    # an imported config may claim a context of 2^20 tokens: 12 positions must not allocate a cache that long
+    import generate as generate_module
+
+    torch.manual_seed(0)
+    wide = build_model("tiny", 256, block_size=1 << 16, d_model=32, n_head=4, n_layer=2).eval()
+    made, real = [], generate_module.KVCache
+    monkeypatch.setattr(generate_module, "KVCache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    ids = prompt(5)
+    assert list(generate(wide, ids, 7, temperature=0)) == list(generate(wide, ids, 7, temperature=0,
+                                                                        use_cache=False))
+    assert [cache.k.size(3) for cache in made] == [12]
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampling
 

@@ -54,6 +54,7 @@ def test_probabilities_follow_the_alpha_formula_and_the_draws_follow_them(langua
     p = mixing.mix_probabilities([1000, 10, 1], 0.3)
     expected = np.array([1000, 10, 1]) ** 0.3
     assert p == pytest.approx(list(expected / expected.sum()))
+    assert mixing.mix_probabilities([10**9, 10**6], 1000.0) == pytest.approx([1.0, 0.0])  # 1e9^1000 overflows
     root, names = languages
     cfg = config(root, root / "unused")
     sampler = mixing.MixedSampler([root / n for n in names], cfg, 16, 50304, "cpu")
@@ -86,6 +87,7 @@ def test_a_mixed_run_validates_each_source_and_resumes_exactly(languages, tmp_pa
     (dict(mix_alpha=0.0), "--mix_alpha must be positive"),
     (dict(mix_alpha=-1.0), "--mix_alpha must be positive"),
     (dict(dataset="big,other"), "mixes datasets of different tokenizers"),
+    (dict(dataset="big,big"), "names two sources of the same folder name"),
 ])
 def test_bad_mixes_are_one_line(languages, tmp_path, overrides, message):
     root, _ = languages

@@ -137,3 +137,12 @@ def test_one_line_errors(encoder_ckpt, languages, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", failing)
     message = run("--langs=sw")
     assert message.startswith("could not load hf:facebook/xnli/sw test: offline; offline? pass --data=DIR")
+
+
+@pytest.mark.parametrize("eot", [60000, -1, "5"])
+def test_a_separator_outside_the_vocabulary_is_one_line(encoder_ckpt, languages, tmp_path, eot):
+    ckpt = torch.load(encoder_ckpt, weights_only=True)
+    ckpt["data_meta"]["eot_token"] = eot
+    torch.save(ckpt, tmp_path / "bad.pt")
+    with pytest.raises(UserError, match=r"data_meta eot_token .* is not a token id of the model's vocabulary"):
+        xnli.main([f"--ckpt={tmp_path / 'bad.pt'}", f"--data={languages}", "--train_lang=xx", "--device=cpu"])
