@@ -281,8 +281,8 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
     kind = Path(tokenizer.removeprefix("hf:")).name.split("-")[0] if tokenizer.startswith("hf:") else \
-        Path(tokenizer).parent.name if tokenizer.endswith(".json") else tokenizer.replace(":", "")
-    parts = [stem, subset, None if tokenizer == "gpt2" else kind]
+        Path(tokenizer).absolute().parent.name if tokenizer.endswith(".json") else tokenizer.replace(":", "")
+    parts = [stem, subset, None if tokenizer == "gpt2" else kind or "tokenizer"]  # never GPT-2's folder
     return Path(data_root) / (re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, parts)).lower()).strip("-.")
                               or "dataset")
 

@@ -83,7 +83,7 @@ class State:
 
 # What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
 RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
-               "init_from")
+               "init_from", "untied_head")
 
 
 def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
@@ -225,16 +225,18 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     warmup = cfg.warmup_iters if cfg.warmup_iters is not None else \
         max(1, round(finetune_recipe(cfg.preset)["warmup"] * steps))
-    note(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens "
-         f"({100 * steps * tokens_per_iter / max(pretrain_tokens, 1):.2f}% of {pretrain_tokens:,} pre-training tokens)")
+    share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens" \
+        if pretrain_tokens else "pre-training tokens unknown"
+    note(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens ({share})")
     summary = train(dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt,
                                         add_lm_head=True))
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
                    compute_fraction=spent / pretrain_flops if pretrain_flops else float("nan"))
     if summary["first_val"] and summary["val"]:
+        compute = f" | compute: {100 * summary['compute_fraction']:.2f}% of pre-training" if pretrain_flops else ""
         note(f"validation CE: {summary['first_val']['val_ce']:.4f} before -> {summary['val']['val_ce']:.4f} after "
-             f"fine-tuning | compute: {100 * summary['compute_fraction']:.2f}% of pre-training")
+             f"fine-tuning{compute}")
     return summary
 
 

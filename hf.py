@@ -643,8 +643,10 @@ def save_tokenizer(enc: Any, name: str, out: Path, max_length: int) -> int:
     """Write a checkpoint's tokenizer for AutoTokenizer; returns its EOT id."""
     if name == "gpt2":
         tok = gpt2_tokenizer()
-    elif isinstance(enc, HFTokenizer):  # already a tokenizers.Tokenizer
-        tok = enc._special
+    elif getattr(enc, "json", None):  # a Hugging Face tokenizer (not isinstance: as a script this file is __main__)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(enc.json)
     else:
         raise UserError(f"tokenizer {name!r} is a tiktoken encoding with no tokenizer.json; export supports "
                         "gpt2 and Hugging Face tokenizers")

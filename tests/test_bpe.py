@@ -179,3 +179,37 @@ def test_the_mix_command_writes_a_tokenizer_data_py_then_uses(tmp_path, monkeypa
     meta = data.prepare(data.PrepareConfig(tokenizer=str(tmp_path / "mix" / "tokenizer.json"), max_docs=4,
                                            val_fraction=0.25, data_root=str(tmp_path / "data")))
     assert meta["vocab_size"] == 300 and (tmp_path / "data" / "shakespeare-mix" / "tokenizer.json").is_file()
+
+
+def test_a_bpe_dataset_leaves_the_gpt2_dataset_of_its_source_untouched(tmp_path):
+    settings = dict(dataset="shakespeare", max_docs=4, val_fraction=0.25, data_root=str(tmp_path))
+    data.prepare(data.PrepareConfig(**settings))
+    gpt2 = {p.name: p.read_bytes() for p in (tmp_path / "shakespeare").iterdir()}
+    meta = data.prepare(data.PrepareConfig(**settings, tokenizer="bpe:300"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "shakespeare").iterdir()} == gpt2
+    assert meta["tokenizer"] == "bpe:300" and data.load_meta(tmp_path / "shakespeare-bpe300")["vocab_size"] == 300
+    assert (tmp_path / "shakespeare-bpe300" / "tokenizer.json").is_file()
+
+
+def test_the_export_command_carries_a_trained_tokenizer(trained, tmp_path):
+    """`python hf.py export` as users run it (hf.py is then __main__) on a checkpoint of a bpe:N dataset."""
+    import dataclasses
+
+    import torch
+
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, d_model=16))
+    tokenizer = HFTokenizer("bpe:300", trained[300])
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "bpe:300", "tokenizer_sha256": tokenizer.sha256, "eot_token": 299},
+                "tokenizer_json": tokenizer.json, "train_config": {"loss": "cwt"}}, tmp_path / "ckpt.pt")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, str(REPO / "hf.py"), "export", f"--ckpt={tmp_path / 'ckpt.pt'}",
+                           f"--out={out}"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    from tokenizers import Tokenizer
+
+    exported = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert exported.encode("Café 日本語").ids == trained[300].encode("Café 日本語").ids

@@ -90,13 +90,23 @@ def test_builtin_corpus_is_38_plays_without_markup():
     assert text.startswith("THESEUS:\n") and not any(c in text for c in "#*_")
 
 
-def test_dataset_dir_rule(tiny_data_dir):
+def test_dataset_dir_rule(tiny_data_dir, tmp_path, monkeypatch):
     assert data.dataset_dir("shakespeare", "d") == Path("d/shakespeare")
     assert data.dataset_dir(str(tiny_data_dir), "d") == tiny_data_dir  # already prepared
     assert data.dataset_dir("roneneldan/TinyStories") == Path("data/tinystories")
     assert (data.dataset_dir("HuggingFaceFW/fineweb-edu", "d", "sample-10BT")
             == Path("d/fineweb-edu-sample-10bt"))
     assert data.dataset_dir("~/corpus/My Books.jsonl") == Path("data/my-books")
+    # another tokenizer than GPT-2's: in the name, so the GPT-2 dataset of the source is never touched
+    assert data.dataset_dir("roneneldan/TinyStories", tokenizer="bpe:32768") == Path("data/tinystories-bpe32768")
+    assert data.dataset_dir("roneneldan/TinyStories", tokenizer="hf:EleutherAI/pythia-70m") == \
+        Path("data/tinystories-pythia")
+    assert data.dataset_dir("docs.jsonl", tokenizer="mix/tokenizer.json") == Path("data/docs-mix")
+    (tmp_path / "mytok").mkdir()
+    monkeypatch.chdir(tmp_path / "mytok")  # a bare tokenizer.json: named after the folder it is in
+    assert data.dataset_dir("docs.jsonl", tokenizer="tokenizer.json") == Path("data/docs-mytok")
+    assert data.dataset_dir("docs.jsonl", tokenizer="/tokenizer.json") == Path("data/docs-tokenizer")
+    assert data.dataset_dir("docs.jsonl", tokenizer="bpe:512", name="mine") == Path("data/mine")
 
 
 # ------------------------------------------------------------------------------ shards

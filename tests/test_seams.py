@@ -53,10 +53,10 @@ def test_untied_head_with_init_from_makes_a_head_from_the_embeddings(tiny_data_d
     torch.testing.assert_close(head, tied["wte.weight"], rtol=0, atol=1e-6)  # E, barely moved by lr 1e-9
 
 
-def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_dir, tmp_path):
+def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_dir, tmp_path, capsys):
     train.train(tiny_config(tiny_data_dir, tmp_path / "base", max_iters=2))
     ckpt = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=True)
-    for key in ("tokens_seen", "base_tokens", "state"):  # as an imported (hf:) model records none
+    for key in ("tokens_seen", "base_tokens", "flops", "base_flops", "state"):  # an imported (hf:) model's none
         ckpt.pop(key)
     torch.save(ckpt, tmp_path / "imported.pt")
     cfg = finetune.FinetuneConfig(ckpt=str(tmp_path / "imported.pt"), out_dir=str(tmp_path / "ft"))
@@ -64,8 +64,17 @@ def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_di
                                         r"\(Pythia: 2% of 300B is --tokens=6e9\)"):
         finetune.finetune(cfg)
     assert not (tmp_path / "ft").exists()
+    capsys.readouterr()
     summary = finetune.finetune(dataclasses.replace(cfg, tokens=3 * 8 * 32, eval_batches=1))
     assert summary["step"] == 3
+    err = capsys.readouterr().err  # no share of an unknown count, and no nan
+    assert "(pre-training tokens unknown)" in err and "nan" not in err and "% of pre-training" not in err
+
+
+def test_resuming_with_another_untied_head_is_refused(tiny_data_dir, tmp_path):
+    train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", max_iters=2))
+    with pytest.raises(UserError, match=r"--untied_head=True but .* was trained with --untied_head=False"):
+        train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", untied_head=True, max_iters=3, resume=True))
 
 
 def test_a_dataset_of_the_old_split_rule_is_refused_and_shakespeare_is_prepared_again(tmp_path, capsys):
