@@ -210,8 +210,9 @@ def run_compare(cfg: CompareConfig) -> dict:
     result = {"config": dataclasses.asdict(cfg), "vocab": vocab, "tokens_per_iter": tokens_per_iter,
               "flops_per_token": per_token, "budget_flops": budget,
               "iters": {"ce": cfg.ce_iters, "cwt": cwt_iters, "cwt-ft": ft_iters},
-              "runs": {name: {"val_ce": run["val"]["val_ce"], "val_bpb": run["val"].get("val_bpb"), "flops": run["flops"], "tokens": run["tokens"],
-                              "seconds": run["seconds"], "lambada": lam[name]} for name, run in runs.items()},
+              "runs": {name: {"val_ce": run["val"]["val_ce"], "val_bpb": run["val"].get("val_bpb"),
+                              "flops": run["flops"], "tokens": run["tokens"], "seconds": run["seconds"],
+                              "lambada": lam[name]} for name, run in runs.items()},
               "curves": curves}
     if is_main_process():
         print(compare_table(result))

@@ -22,7 +22,8 @@ _MIX_STREAM = 11  # keeps the source draws apart from the batches' and the masks
 def mix_probabilities(tokens: list[int], alpha: float) -> list[float]:
     """p_i = n_i^alpha / sum_j n_j^alpha, computed in log space: n^alpha overflows a float from alpha ~ 35."""
     logs = [alpha * math.log(n) for n in tokens]
-    weights = [math.exp(x - max(logs)) for x in logs]
+    largest = max(logs)
+    weights = [math.exp(x - largest) for x in logs]
     return [w / sum(weights) for w in weights]
 
 
