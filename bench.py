@@ -42,21 +42,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
 import data
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, autocast_context, barrier, first_line,
-                    in_range, init_distributed, is_main_process, parse_flags, pick_device,
-                    pick_dtype, rank, run_main, world_size)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    all_reduce_sum,
+    autocast_context,
+    barrier,
+    first_line,
+    in_range,
+    init_distributed,
+    is_main_process,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    rank,
+    run_main,
+    world_size,
+)
 from loss import masked_rows, scored_columns, training_loss
 from masking import MASK_RATE, NOT_MASKED, MaskSpec, mask_tokens
+from model import PRESETS, PresetName, build_model
 from results import check_output_path, import_pyplot, save_figure, save_results
 from train import Objective, TrainConfig, optimizer_step, peak_flops
-from model import PRESETS, PresetName, build_model
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -292,7 +308,7 @@ def step_memory(spec: dict) -> dict[str, int | None]:
         try:  # reset the high-water mark VmHWM to the current RSS (Linux >= 4.0)
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
-            return {name: None for name in steps}  # no honest way to isolate a step: no figure
+            return dict.fromkeys(steps)  # no honest way to isolate a step: no figure
         fn()
         peak = _proc_status_kib("VmHWM")
         memory[name] = None if base is None or peak is None else 1024 * max(0, peak - base)
@@ -309,7 +325,7 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
                          capture_output=True, text=True, env=env)
     if out.returncode != 0:
         print(f"memory run failed for {spec}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-        return {name: None for name in spec["variants"]}
+        return dict.fromkeys(spec["variants"])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -386,7 +402,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         steps, flops, extra = make_case(spec, device, dtype)
         times = time_interleaved(steps, cfg.warmup, cfg.repeats, device)
         del steps
-        memory = measure_memory(spec, device) if cfg.memory else {v: None for v in variants}
+        memory = measure_memory(spec, device) if cfg.memory else dict.fromkeys(variants)
         for v in variants:
             rows.append(summarize(dict(kind=kind, variant=v, preset=cfg.preset, vocab=vocab, tokens=tokens,
                                        **extra, times_s=times[v], flops=flops[v], memory_bytes=memory[v]),
@@ -524,7 +540,8 @@ def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
                    == (r["kind"], "ce", r["tokens"], r["vocab_size"])), None)
         r.update(time_vs_smallest=r["step_ms"] / smallest["step_ms"],
                  memory_vs_smallest=_ratio(r["peak_mib"], smallest["peak_mib"]),
-                 time_vs_ce=ce and r["step_ms"] / ce["step_ms"], memory_vs_ce=ce and _ratio(r["peak_mib"], ce["peak_mib"]))
+                 time_vs_ce=ce and r["step_ms"] / ce["step_ms"],
+                 memory_vs_ce=ce and _ratio(r["peak_mib"], ce["peak_mib"]))
     return rows
 
 

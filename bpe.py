@@ -24,9 +24,10 @@ import itertools
 import os
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from common import UserError, atomic_file, first_line, parse_flags, run_main
 

@@ -7,7 +7,6 @@ import functools
 
 import torch
 
-
 TILE_COLUMNS = 32768  # widest block of candidates scored at once: bounds a tile when candidates are many
 
 

@@ -17,8 +17,9 @@ import sys
 import time
 import tomllib
 import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Literal
+from typing import IO, Any, Literal
 
 import torch
 

@@ -34,8 +34,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import (DeviceName, DtypeName, UserError, barrier, checkpoint_model, in_range, init_distributed,
-                    is_main_process, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    barrier,
+    checkpoint_model,
+    in_range,
+    init_distributed,
+    is_main_process,
+    load_checkpoint,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    run_main,
+)
 from data import PrepareConfig, dataset_dir, dataset_tokenizer, ensure_dataset, load_meta, open_split, prepare
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune

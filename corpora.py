@@ -15,8 +15,9 @@ import multiprocessing
 import re
 import sys
 from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

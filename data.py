@@ -20,17 +20,27 @@ import itertools
 import json
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import tiktoken
 import torch
 from tqdm import tqdm
 
-from common import (UserError, atomic_file, first_line, hold_lock, in_range, need_extra, parse_flags,
-                    remove_stale_temps, run_main)
+from common import (
+    UserError,
+    atomic_file,
+    first_line,
+    hold_lock,
+    in_range,
+    need_extra,
+    parse_flags,
+    remove_stale_temps,
+    run_main,
+)
 
 SPLIT_RULE = 2  # recorded in meta.json; rule 1 cut the end off every document for val
 
@@ -62,7 +72,7 @@ def load_tokenizer(name: str = "gpt2") -> Any:
     return _tiktoken(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiktoken(name: str) -> Any:
     if name != "gpt2":  # tiktoken's other encodings are downloaded on first use
         if name not in tiktoken.list_encoding_names():

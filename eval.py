@@ -27,17 +27,29 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, first_line, in_range,
-                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    autocast_context,
+    checkpoint_model,
+    first_line,
+    in_range,
+    load_checkpoint,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    run_main,
+)
 from data import dataset_tokenizer, ensure_dataset, open_split
 from results import check_output_path, format_metric, parse_jsonl_line, write_json
 from train import contrastive_table, evaluate, token_byte_lengths

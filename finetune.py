@@ -17,8 +17,21 @@ from typing import Any, Literal
 
 import torch
 
-from common import (DeviceName, DtypeName, UserError, all_reduce_sum, checkpoint_model, in_range, init_distributed,
-                    load_checkpoint, note, parse_flags, pick_device, run_main, world_size)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    all_reduce_sum,
+    checkpoint_model,
+    in_range,
+    init_distributed,
+    load_checkpoint,
+    note,
+    parse_flags,
+    pick_device,
+    run_main,
+    world_size,
+)
 from loss import LossName
 from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
 from train import DEFAULT_RECIPE, RECIPES, TrainConfig, lr_at, train

@@ -13,14 +13,25 @@ import itertools
 import re
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
-                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    autocast_context,
+    checkpoint_model,
+    in_range,
+    load_checkpoint,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    run_main,
+)
 from data import dataset_tokenizer
 from model import GPT, KVCache
 

@@ -35,12 +35,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (DeviceName, DtypeName, UserError, autocast_context, checkpoint_model, in_range,
-                    load_checkpoint, parse_flags, pick_device, pick_dtype, run_main)
+from common import (
+    DeviceName,
+    DtypeName,
+    UserError,
+    autocast_context,
+    checkpoint_model,
+    in_range,
+    load_checkpoint,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    run_main,
+)
 from data import dataset_tokenizer
+from model import GPT
 from results import check_output_path, parse_jsonl_line, write_json
 from train import optimizer_step
-from model import GPT
 
 GLUE_HUB = "nyu-mll/glue"
 

@@ -17,8 +17,8 @@ GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import errno
+import hashlib
 import json
 import math
 import os

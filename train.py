@@ -22,10 +22,30 @@ from typing import Any, Literal
 
 import torch
 
-from common import (DeviceName, DtypeName, StopFlag, UserError, all_reduce_sum, append_log, autocast_context, barrier,
-                    claim_out_dir, in_range, init_distributed, is_main_process, last_good_checkpoint,
-                    need_extra, note, parse_flags, pick_device, pick_dtype, rank,
-                    run_main, save_checkpoint, world_size)
+from common import (
+    DeviceName,
+    DtypeName,
+    StopFlag,
+    UserError,
+    all_reduce_sum,
+    append_log,
+    autocast_context,
+    barrier,
+    claim_out_dir,
+    in_range,
+    init_distributed,
+    is_main_process,
+    last_good_checkpoint,
+    need_extra,
+    note,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    rank,
+    run_main,
+    save_checkpoint,
+    world_size,
+)
 from data import BatchSampler, dataset_tokenizer, ensure_dataset, load_meta, open_split, sequential_batches
 from loss import LossName, masked_rows, scored_columns, training_loss, validation_sums
 from model import GPT, PresetName

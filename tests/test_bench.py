@@ -6,11 +6,11 @@ import statistics
 import sys
 
 import pytest
+from conftest import refused_before_any_work
 
 import bench
 import common
 from common import UserError
-from conftest import refused_before_any_work
 
 
 def test_variant_names():

@@ -4,13 +4,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
+from test_train import tiny_config
 
 import chunked
-from loss import training_loss
 import train
 from common import UserError
-from test_train import tiny_config
-from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
+from loss import training_loss
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_work
+from test_faults import run_cli, snapshot, without_timing
+from test_train import read_log
 
 import common
 import compare
-from conftest import refused_before_any_work
 import train
 from common import UserError
-from test_faults import run_cli, snapshot, without_timing
-from test_train import read_log
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
@@ -40,7 +40,7 @@ def test_compare_end_to_end(tiny_data_dir, tmp_path):
                                             + result["flops_per_token"]["ce"])
     assert runs["cwt-ft"]["flops"] > budget - one_more  # CWT gets all the budget it can use
     assert all(run["val_ce"] > 0 for run in runs.values())
-    for name, curve in result["curves"].items():
+    for _name, curve in result["curves"].items():
         assert curve and all(x2 >= x1 for (x1, _), (x2, _) in zip(curve, curve[1:]))
     assert result["curves"]["cwt-ft"][0][0] == pytest.approx(runs["cwt"]["flops"])
     assert "skipped" in runs["ce"]["lambada"]["note"]

@@ -8,12 +8,12 @@ import re
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_data import DOCS, assert_one_line_error, expected_splits, prepare_files, run_data_py
 
 import corpora  # noqa: F401  (the extra under test: data.py reaches it for any source but shakespeare)
 import data
 from common import UserError
 from data import open_split
-from test_data import DOCS, assert_one_line_error, expected_splits, prepare_files, run_data_py
 
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])

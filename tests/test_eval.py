@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_work
+from test_train import read_log, tiny_config
 
 import eval as evaluation
 import train
 from common import UserError
-from conftest import refused_before_any_work
-from test_train import read_log, tiny_config
 from data import load_tokenizer, open_split
-from train import contrastive_table, evaluate
 from model import GPT, GPTConfig
+from train import contrastive_table, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 

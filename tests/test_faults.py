@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import read_log
 
 import bench
 import common
@@ -33,7 +34,6 @@ import train
 import xnli
 from common import UserError
 from model import build_model
-from test_train import read_log
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
@@ -457,7 +457,8 @@ def test_eval_prints_its_results_when_the_json_write_fails(recorded_elsewhere, t
     code, stdout, err = run_cli(evaluation.main, [f"--ckpt={ckpt}", "--task=val", "--max_batches=1", "--device=cpu",
                                                   f"--data_root={tiny_data_dir.parent}", f"--json={out}"],
                                 monkeypatch, capsys)
-    assert code == 2 and err == (f"error: cannot write (Read-only file system) while saving {out}; the partial file was "
+    assert code == 2 and err == (f"error: cannot write (Read-only file system) while saving {out}; the partial file "
+                                  "was "
                                  f"removed and no {out} was written; the results were printed on "
                                  "stdout instead")
     printed = json.loads(stdout[stdout.index("{"):])

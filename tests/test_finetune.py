@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import train
-from train import evaluate
 from common import UserError
 from finetune import finetune, finetune_budget, resolve_config
 from model import load_model
+from train import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,8 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
     assert ckpt["train_config"]["warmup_iters"] == 4 and ckpt["train_config"]["min_lr"] == pytest.approx(1e-4)
     # compute is counted in FLOPs: the fine-tune pays the full vocabulary head (V columns per token),
     # the CWT pre-training only the batch's candidates (8 x 32 columns)
-    flops_at = lambda columns: tuned.flops_per_token(32, columns)
+    def flops_at(columns):
+        return tuned.flops_per_token(32, columns)
     expected = (20 * 256 * flops_at(tuned.config.vocab_size)) / (40 * 256 * flops_at(256))
     assert summary["compute_fraction"] == pytest.approx(expected, rel=1e-9)
 

@@ -105,7 +105,8 @@ def test_top_k_keeps_the_k_largest():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = [0.5, 0.2, 0.15, 0.1, 0.05]
     logits = torch.tensor([math.log(p) for p in probs])[[3, 0, 4, 2, 1]]  # shuffled: 0.1 0.5 0.05 0.15 0.2
-    kept = lambda **kw: (filter_logits(logits, **kw) > INF).tolist()
+    def kept(**kw):
+        return (filter_logits(logits, **kw) > INF).tolist()
     assert kept(top_p=0.3) == [False, True, False, False, False]  # 0.5 alone reaches 0.3
     assert kept(top_p=0.6) == [False, True, False, False, True]  # 0.5 + 0.2
     assert kept(top_p=0.8) == [False, True, False, True, True]  # 0.5 + 0.2 + 0.15 = 0.85

@@ -6,17 +6,16 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import refused_before_any_work
 
 import glue
-from data import load_tokenizer
 import model as model_module
 import train
 from common import UserError
-from conftest import refused_before_any_work
-from train import save_checkpoint
+from data import load_tokenizer
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig
-from train import TrainConfig
+from train import TrainConfig, save_checkpoint
 
 
 def test_metrics_against_hand_computed_values():
@@ -61,7 +60,8 @@ def test_bad_rows_are_one_line_errors():
 def keyword_task(folder, n_train=160, n_val=80):
     """SST-2-like rows: filler words plus one positive or negative keyword, which decides the label."""
     rng = random.Random(0)
-    filler = "the a of and to in is was it for on with as his that by at from".split()
+    filler = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with", "as", "his", "that", "by",
+              "at", "from"]
     folder.mkdir()
     for split, n in (("train", n_train), ("validation", n_val)):
         rows = []

@@ -11,10 +11,9 @@ import hf
 import train
 from common import UserError
 from data import load_tokenizer
-from model import load_model
 from finetune import FinetuneConfig, finetune
 from generate import generate
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_model
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_hf import random_neox
 
 import glue
 import hf
 from common import UserError
 from model import GPT, GPTConfig
-from test_hf import random_neox
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -592,7 +592,7 @@ def test_hostile_folders_allocate_nothing_and_never_hang(valid_folder, tmp_path)
                              capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired as e:
         done = len((e.stdout or b"").splitlines())
-        raise AssertionError(f"loading hung on case {list(HOSTILE)[done] if done < len(HOSTILE) else done}")
+        raise AssertionError(f"loading hung on case {list(HOSTILE)[done] if done < len(HOSTILE) else done}") from None
     assert run.returncode == 0, run.stderr[-2000:]
     results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("[")]
     for (case, (_, words)), (outcome, seconds) in zip(HOSTILE.items(), results):

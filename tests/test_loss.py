@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from loss import ce_loss, ce_cwt_loss, contrastive_accuracy, cwt_loss, nce_loss, training_loss
-
+from loss import ce_cwt_loss, ce_loss, contrastive_accuracy, cwt_loss, nce_loss, training_loss
 
 
 @pytest.fixture(autouse=True)

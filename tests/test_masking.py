@@ -116,8 +116,10 @@ def test_mlm_training_resumes_exactly_and_records_the_mask(tiny_data_dir, tmp_pa
     assert set(straight["val"]) == {"val_ce", "val_ppl", "val_cwt", "val_acc"}
     train.train(mlm_config(tiny_data_dir, tmp_path / "b", max_iters=3))
     train.train(mlm_config(tiny_data_dir, tmp_path / "b", resume=True))
-    records = lambda d: map(json.loads, (d / "log.jsonl").read_text().splitlines())
-    losses = lambda d: {r["step"]: r["loss"] for r in records(d) if "loss" in r}
+    def records(d):
+        return map(json.loads, (d / "log.jsonl").read_text().splitlines())
+    def losses(d):
+        return {r["step"]: r["loss"] for r in records(d) if "loss" in r}
     assert losses(tmp_path / "b") == losses(tmp_path / "a")  # masks and batches depend on (seed, step) only
     ckpt = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
     assert ckpt["mask_spec"] == {"mask_token": 50257, "vocab_size": 50257, "special_tokens": (50256,)}

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from model import GPT, GPTConfig, KVCache, PRESETS, build_model, load_model, padded_vocab_size
+from model import GPT, PRESETS, GPTConfig, KVCache, build_model, load_model, padded_vocab_size
 
 
 def small_model(**overrides) -> GPT:
@@ -117,8 +117,13 @@ def test_sequential_and_parallel_residual_blocks():
                 p.normal_(0.0, 0.3)
         block, x = model.blocks[0], torch.randn(2, 10, 16)
         cos, sin = model.rope_cos[:10], model.rope_sin[:10]
-        attn = lambda z: block.attn(z, cos, sin)  # noqa: E731
-        mlp = lambda z: block.mlp.down(torch.nn.functional.gelu(block.mlp.up(z)))  # noqa: E731
+
+        def attn(z, block=block, cos=cos, sin=sin):
+            return block.attn(z, cos, sin)
+
+        def mlp(z, block=block):
+            return block.mlp.down(torch.nn.functional.gelu(block.mlp.up(z)))
+
         if parallel:
             expected = x + attn(block.norm1(x)) + mlp(block.norm2(x))
         else:

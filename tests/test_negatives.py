@@ -3,10 +3,10 @@ import math
 
 import pytest
 import torch
+from test_loss import float64_by_default  # noqa: F401  (the fixture applies to this file too)
 
 from loss import cwt_loss
 from negatives import contrastive_loss, unique_candidates
-from test_loss import float64_by_default  # noqa: F401  (the fixture applies to this file too)
 
 
 def naive_cwt_unique(h, table, targets):
@@ -93,8 +93,9 @@ def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
     resumed gives the same losses as a straight one."""
     import json
 
-    import train
     from test_train import tiny_config
+
+    import train
 
     for name, stop in (("straight", None), ("resumed", 3)):
         cfg = tiny_config(tiny_data_dir, tmp_path / name, max_iters=6, grad_accum=2, num_negatives=50,
@@ -103,6 +104,6 @@ def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
             train.train(train.TrainConfig(**{**cfg.__dict__, "max_iters": stop}))
             cfg = train.TrainConfig(**{**cfg.__dict__, "resume": True})
         train.train(cfg)
-    losses = [{json.loads(line)["step"]: json.loads(line).get("loss")
-               for line in (tmp_path / name / "log.jsonl").read_text().splitlines()} for name in ("straight", "resumed")]
+    logs = [(tmp_path / name / "log.jsonl").read_text().splitlines() for name in ("straight", "resumed")]
+    losses = [{json.loads(line)["step"]: json.loads(line).get("loss") for line in log} for log in logs]
     assert losses[0] == losses[1]

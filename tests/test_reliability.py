@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refused_before_any_work
+from test_train import read_log, tiny_config as train_tiny_config
 
 import common
 import data
 import finetune
 import generate
 import train
-from conftest import refused_before_any_work
 from common import UserError
-from test_train import read_log
-from test_train import tiny_config as train_tiny_config
 from train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from test_train import tiny_config
 
 import data
 import finetune
 import train
 from common import UserError
-from test_train import tiny_config
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 

@@ -74,9 +74,11 @@ def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "append_log", original_log)
     train.train(TrainConfig(**{**cfg.__dict__, "resume": True}))
 
-    losses = lambda d: {r["step"]: r["loss"] for r in read_log(d) if "loss" in r}
+    def losses(d):
+        return {r["step"]: r["loss"] for r in read_log(d) if "loss" in r}
     assert losses(resumed) == losses(straight)  # bit-for-bit the same trajectory
-    vals = lambda d: {r["step"]: r["val_ce"] for r in read_log(d) if "val_ce" in r}
+    def vals(d):
+        return {r["step"]: r["val_ce"] for r in read_log(d) if "val_ce" in r}
     assert vals(resumed) == vals(straight)
 
 

@@ -30,9 +30,11 @@ def test_accuracy_per_language_and_unweighted_average():
 
 # Made-up languages: filler words, and in the hypothesis one keyword that decides the label. `xx` shares
 # English's keywords (so an English fine-tune transfers to it), `zz` shares nothing.
-FILLER = {"en": "the a of and to in is was it for on with as his that by".split(),
-          "xx": "bo ka mi ru te lo sa fu ne ri po zu ha ke ni mo".split(),
-          "zz": "qiv zep wux yom jad vok pim tuz hev gol ruf kiz baw dop lun sef".split()}
+FILLER = {"en": ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with", "as", "his", "that",
+                 "by"],
+          "xx": ["bo", "ka", "mi", "ru", "te", "lo", "sa", "fu", "ne", "ri", "po", "zu", "ha", "ke", "ni", "mo"],
+          "zz": ["qiv", "zep", "wux", "yom", "jad", "vok", "pim", "tuz", "hev", "gol", "ruf", "kiz", "baw", "dop",
+                 "lun", "sef"]}
 KEYWORDS = {"en": ("surely", "maybe", "never"), "xx": ("surely", "maybe", "never"),
             "zz": ("blorp", "snarf", "quix")}
 
