@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 import data
@@ -62,6 +63,7 @@ from common import (
     init_distributed,
     is_main_process,
     parse_flags,
+    peak_flops,
     pick_device,
     pick_dtype,
     rank,
@@ -72,7 +74,7 @@ from loss import masked_rows, scored_columns, training_loss
 from masking import MASK_RATE, NOT_MASKED, MaskSpec, mask_tokens
 from model import PRESETS, PresetName, build_model
 from results import check_output_path, import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, optimizer_step, peak_flops
+from train import Objective, TrainConfig, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -229,7 +231,7 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     torch.manual_seed(spec["seed"])
     model = build_model(spec["preset"], vocab, block_size=block).to(device).eval()
     val = zipf_tokens(tokens + 1, vocab, gen).numpy()  # sequential windows: exactly tokens // block of them
-    token_bytes = torch.ones(vocab, dtype=torch.long, device=device)
+    byte_counts = np.ones(len(val), dtype=np.uint32)  # every token one byte: the bits-per-byte sums still run
 
     def make(variant):
         kw = parse_variant(variant)
@@ -237,7 +239,7 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
 
         def step():
             evaluate(model, val, tokens // block, block, device, dtype, 1, table, 1.0, kw["chunk_size"],
-                     token_bytes=token_bytes)
+                     byte_counts=byte_counts, special=[vocab - 1])
         return step
     # forward only (a third of a training step); cwt also scores the tokens against each other, twice
     flops = {v: tokens * model.flops_per_token(block, vocab + (2 * tokens if v.startswith("cwt") else 0)) // 3
@@ -349,7 +351,7 @@ def bench_data() -> str:
             from corpora import encode_in_processes
 
             encoded = encode_in_processes(items, "gpt2", num_proc)
-        n = sum(len(ids) for _, ids, _ in encoded)
+        n = sum(len(ids) for _, ids, _, _ in encoded)
         seconds = time.perf_counter() - start
         rows.append((f"tokenise, num_proc={num_proc}", f"{len(docs) / seconds:,.0f} docs/s", n / seconds))
     tokens = data.open_split(data.ensure_dataset("shakespeare"), "train")

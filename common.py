@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,8 +32,17 @@ class UserError(Exception):
     """A mistake the user can fix: scripts print its one-line message, no traceback, and exit 2."""
 
 
+class Interrupted(Exception):
+    """Raised by a script's main once a signal's stop has been saved: it exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def run_main(main: Callable[[list[str]], Any]) -> None:
-    """Run a script's main(argv): a user mistake is one line on stderr and exit code 2."""
+    """Run a script's main(argv): a user mistake is one line on stderr and exit code 2; a stop by Ctrl-C
+    or SIGTERM (saved first where there is something to save) exits 130 or 143, as a shell expects."""
     try:
         main(sys.argv[1:])
         if torch.distributed.is_initialized():
@@ -40,6 +50,8 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     except UserError as e:
         print(f"error{f' (rank {rank()})' if world_size() > 1 else ''}: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
@@ -164,6 +176,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if name == "auto" else getattr(torch, name)
 
 
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}  # dense bf16 FLOP/s, for MFU
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """A GPU's peak, matched on whole words of its name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", name)), None)
+
+
 def autocast_context(device: torch.device, dtype: torch.dtype):
     """Mixed precision for the matmuls; the losses upcast their scores to fp32 themselves."""
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
@@ -247,7 +269,8 @@ def remove_stale_temps(folder: str | Path) -> None:
 def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
     """An exclusive flock on the folder for the block's life; a second holder is refused in one line naming
     the first (from folder/.lock). The kernel drops a dead process's lock: a crash leaves no stale lock."""
-    folder, info = Path(folder), Path(folder) / ".lock"
+    folder = Path(folder)
+    info = folder / ".lock"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -278,7 +301,8 @@ def claim_out_dir(out_dir: Path, resumed_step: int | None, overwrite: bool, auto
     if not is_main_process():
         yield
         return
-    log, ckpt = out_dir / "log.jsonl", out_dir / "ckpt.pt"
+    log = out_dir / "log.jsonl"
+    ckpt = out_dir / "ckpt.pt"
     if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
         raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
     if resumed_step is None and not overwrite and (ckpt.exists() or (log.exists() and not auto)):
@@ -316,15 +340,20 @@ class StopFlag:
     once, but never in the middle of a save: it waits for the save to end."""
 
     def __enter__(self):
-        self.requested, self.saving, self.pending = False, False, False
+        self.requested = False
+        self.saving = False
+        self.pending = False
+        self.signal = None  # the first signal's number
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def handle(self, signum, frame):
         if self.requested and not self.saving:
             raise KeyboardInterrupt
-        self.pending, self.requested = self.requested, True  # a second one during a save: once it is done
+        self.pending = self.requested  # a second one during a save: once it is done
+        self.requested = True
         if not self.pending:
+            self.signal = signum
             note(f"\n{signal.Signals(signum).name} received: saving a checkpoint")
 
     @contextlib.contextmanager
@@ -348,9 +377,10 @@ class StopFlag:
 def save_checkpoint(path: str | Path, payload: dict) -> None:
     """Write atomically; refused, the previous file untouched, when a weight or a metric is not finite."""
     values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
-    problem = next((f"weight {k} is not finite" for k, t in payload["model"].items()
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None) or \
-        next((f"{k} is {v}" for k, v in values.items() if v is not None and not math.isfinite(v)), None)
+    weights = (f"weight {k} is not finite" for k, t in payload["model"].items()
+               if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    metrics = (f"{k} is {v}" for k, v in values.items() if v is not None and not math.isfinite(v))
+    problem = next(weights, None) or next(metrics, None)
     if problem:
         raise UserError(f"not saving {path}: {problem} at step {payload.get('step', '?')}; "
                         f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
@@ -360,6 +390,12 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
     except UserError as e:  # no space left
         raise UserError(f"{e}; {last_good_checkpoint(path)}. Free some space, then continue with --resume"
                         ) from None
+
+
+def diverged(what: str, value: float, step: int, ckpt: Path) -> UserError:
+    """The error that stops a run whose loss or metric is no longer finite, before it saves anything."""
+    return UserError(f"{what} became {value} at step {step}; stopped without saving ({last_good_checkpoint(ckpt)}): "
+                     "lower --lr or raise --warmup_iters")
 
 
 def last_good_checkpoint(path: str | Path) -> str:

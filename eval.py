@@ -50,9 +50,9 @@ from common import (
     pick_dtype,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, open_split
+from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_bytes, same_tokenizer, special_ids
 from results import check_output_path, format_metric, parse_jsonl_line, write_json
-from train import contrastive_table, evaluate, token_byte_lengths
+from train import contrastive_table, evaluate
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -230,7 +230,13 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
     if "," in dataset:  # a mixed run: its sources are scored one at a time
         raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
-    tokens = open_split(ensure_dataset(dataset, cfg.data_root), cfg.split, model.config.vocab_size)
+    data_dir = ensure_dataset(dataset, cfg.data_root)
+    meta = load_meta(data_dir)
+    theirs = ckpt.get("data_meta") or {}
+    if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
+        raise UserError(f"{cfg.ckpt} was trained with tokenizer {theirs['tokenizer']!r} but {dataset} uses "
+                        f"{meta['tokenizer']!r} (other ids); pass a --dataset prepared with the checkpoint's tokenizer")
+    tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
     mask = None
     if train_cfg.get("objective") == "mlm":
@@ -238,10 +244,10 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
 
         mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
     start = time.time()
-    token_bytes = None if mask else torch.tensor(token_byte_lengths(dataset_tokenizer(ckpt)), device=device)
+    byte_counts = open_val_bytes(data_dir) if cfg.split == "val" and not mask else None  # train has none
     metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
                        contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
-                       train_cfg.get("temperature", 1.0), None, mask, token_bytes)
+                       train_cfg.get("temperature", 1.0), None, mask, byte_counts, special_ids(meta))
     seconds = time.time() - start
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())

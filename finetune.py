@@ -12,29 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
-from common import (
-    DeviceName,
-    DtypeName,
-    UserError,
-    all_reduce_sum,
-    checkpoint_model,
-    in_range,
-    init_distributed,
-    load_checkpoint,
-    note,
-    parse_flags,
-    pick_device,
-    run_main,
-    world_size,
-)
+import common
+from common import DeviceName, DtypeName, UserError, note
 from loss import LossName
-from model import GPT, PRESETS, PresetName, build_model, padded_vocab_size
-from train import DEFAULT_RECIPE, RECIPES, TrainConfig, lr_at, train
+from model import PresetName
+from train import TrainConfig, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
 # shapes follow the official fine-tune config, which settles what the paper leaves open (1e-4 in its text,
@@ -69,115 +53,12 @@ class FinetuneConfig(TrainConfig):
     device: DeviceName | None = None
     dtype: DtypeName | None = None
     compile: bool | None = None
+    mix_alpha: float | None = None
 
 
 # Where to read and write data comes from the command line (--data_root), never from the checkpoint.
-INHERITED = ("dataset", "preset", "block_size", "batch_size", "grad_accum", "eval_batches", "device", "dtype",
-             "compile")
-
-
-# Where a run's weights come from: fresh, its own checkpoint (--resume), or another's (--init_from, which a
-# fine-tune is). train.py calls starting_point; its home is here, with the other starts from a checkpoint.
-
-
-@dataclass
-class State:
-    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
-    step: int = 0
-    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
-    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
-    flops: float = 0.0
-    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
-    earlier_flops: float = 0.0
-    loss: float | None = None
-    first_val: dict | None = None
-    val: dict | None = None
-
-
-# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
-RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
-               "init_from", "untied_head")
-
-
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
-                   device: torch.device) -> tuple[TrainConfig, GPT, dict | None, State]:
-    """(the settings, unset ones filled in; the model; the checkpoint resumed, if any; the state)."""
-    found = ckpt_path.is_file()
-    if all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, world_size()):
-        raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
-                        "every node shares")
-    resuming = found if cfg.resume == "auto" else cfg.resume
-    if resuming and not ckpt_path.is_file():
-        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
-    source = ckpt_path if resuming else cfg.init_from
-    start = load_checkpoint(source) if source else None
-    before = start.get("train_config", {}) if start else {}
-    if start:
-        check_continuation(cfg, meta, start, source, resuming)
-    cfg = dataclasses.replace(cfg, preset=cfg.preset or (before.get("preset") if start else "tiny"))
-    if resuming:  # a resumed run keeps its own schedule
-        cfg = dataclasses.replace(cfg, **{k: before.get(k) for k in ("warmup_iters", "min_lr")
-                                          if getattr(cfg, k) is None})
-    recipe = RECIPES.get(cfg.preset, DEFAULT_RECIPE)
-    cfg = dataclasses.replace(cfg, min_lr=recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr,
-                              warmup_iters=max(1, round(recipe["warmup"] * cfg.max_iters))
-                              if cfg.warmup_iters is None else cfg.warmup_iters)
-    if not start:  # a fresh model; an encoder gets room for the [MASK] id past the tokenizer's ids
-        mlm = cfg.objective == "mlm"
-        return cfg, build_model(cfg.preset, padded_vocab_size(meta["vocab_size"] + mlm), dropout=cfg.dropout,
-                                block_size=cfg.block_size or PRESETS[cfg.preset]["block_size"], causal=not mlm,
-                                lm_head=cfg.loss == "nce" or cfg.untied_head), None, State()
-    model = checkpoint_model(start, source, dropout=cfg.dropout)
-    if resuming:
-        old = before.get("max_iters", cfg.max_iters)
-        if old != cfg.max_iters and cfg.lr_schedule == "cosine":
-            note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
-                 f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
-                 f"{lr_at(start['step'], dataclasses.replace(cfg, max_iters=old)):.2e})")
-        if "state" in start:
-            return cfg, model, start, State(**start["state"])
-        per_micro = before["batch_size"] * (before.get("block_size") or model.config.block_size)
-        return cfg, model, start, State(  # written before the data position was counted: derived
-            step=start["step"], micro_batches=start["tokens_seen"] // per_micro, tokens=start["tokens_seen"],
-            flops=start["flops"], earlier_tokens=start["base_tokens"], earlier_flops=start["base_flops"],
-            first_val=start.get("first_val"), val=start.get("val"))
-    if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
-        model.add_lm_head()  # a head made from E
-    elif cfg.loss == "cwt" and model.lm_head is not None:  # nothing would train it: it would go stale
-        model.drop_lm_head()
-        note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
-             "(finetune.py adds a fresh one)")
-    if cfg.loss == "nce" and model.lm_head is None:
-        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
-    return cfg, model, None, State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
-                                   earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
-
-
-def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
-    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
-    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
-    before, encoder = start.get("train_config", {}), not start["model_config"].get("causal", True)
-    for key in RESUME_SAME if resuming else ():
-        if key in before and before[key] != getattr(cfg, key):
-            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
-                            f"resume with the same --{key}, or use another --out_dir for another experiment")
-    if resuming and cfg.max_iters < start["step"]:
-        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
-    theirs = start.get("data_meta", {})  # tokenizers compare by their tokenizer.json's sha256, else by name
-    if theirs.get("tokenizer") and (theirs.get("tokenizer_sha256") or theirs["tokenizer"]) != \
-            (meta.get("tokenizer_sha256") or meta["tokenizer"]):
-        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
-                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
-    if encoder != (cfg.objective == "mlm"):
-        raise UserError(f"{source} is {'a masked-LM encoder' if encoder else 'a causal decoder'} but this run's "
-                        f"--objective is {cfg.objective}; " + ("continue it with --objective=mlm, or fine-tune it "
-                        "with glue.py" if encoder else "--objective=mlm starts fresh or from an encoder"))
-    if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
-        raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
-                        f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
-    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
-        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
-                        f"tokens of context of {source}")
+INHERITED = ("dataset", "mix_alpha", "preset", "block_size", "batch_size", "grad_accum", "eval_batches", "device",
+             "dtype", "compile")
 
 
 def finetune_recipe(preset: str | None) -> dict:
@@ -193,14 +74,14 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
 
 
 def resolve_config(argv: list[str]) -> FinetuneConfig:
-    cfg = parse_flags(FinetuneConfig, argv)
+    cfg = common.parse_flags(FinetuneConfig, argv)
     return inherit_settings(cfg, base_checkpoint(cfg))
 
 
 def base_checkpoint(cfg: FinetuneConfig) -> dict:
     if not cfg.ckpt:
         raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.pt)")
-    return load_checkpoint(cfg.ckpt)
+    return common.load_checkpoint(cfg.ckpt)
 
 
 def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
@@ -210,16 +91,17 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     if not base["model_config"].get("causal", True):
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder; finetune.py gives decoders an LM head: fine-tune "
                         "encoders on a task with glue.py")
-    before, defaults = base.get("train_config", {}), TrainConfig()
+    before = base.get("train_config", {})
+    defaults = TrainConfig()
     cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
                                       if getattr(cfg, k) is None})
     recipe = finetune_recipe(cfg.preset)
     lr = recipe["lr"] if cfg.lr is None else cfg.lr
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
-    in_range(cfg, "budget_fraction", 0, 1, "(]")
+    common.in_range(cfg, "budget_fraction", 0, 1, "(]")
     for name in ("tokens", "batch_size", "grad_accum"):
-        in_range(cfg, name, 1)
+        common.in_range(cfg, name, 1)
     return cfg
 
 
@@ -232,14 +114,16 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     if not pretrain_tokens and cfg.tokens is None and cfg.max_iters is None:
         raise UserError(f"{cfg.ckpt} records no pre-training tokens (an imported model), so 2% of them is "
                         "unknown: pass --tokens=N or --max_iters=N (Pythia: 2% of 300B is --tokens=6e9)")
-    init_distributed(pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
+    common.init_distributed(common.pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
     block = cfg.block_size or base["model_config"]["block_size"]
-    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * world_size()
+    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * common.world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
-    warmup = cfg.warmup_iters if cfg.warmup_iters is not None else \
-        max(1, round(finetune_recipe(cfg.preset)["warmup"] * steps))
-    share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens" \
-        if pretrain_tokens else "pre-training tokens unknown"
+    warmup = cfg.warmup_iters
+    if warmup is None:
+        warmup = max(1, round(finetune_recipe(cfg.preset)["warmup"] * steps))
+    share = "pre-training tokens unknown"
+    if pretrain_tokens:
+        share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens"
     note(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens ({share})")
     summary = train(dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt,
                                         add_lm_head=True))
@@ -254,8 +138,10 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    finetune(parse_flags(FinetuneConfig, argv))
+    summary = finetune(common.parse_flags(FinetuneConfig, argv))
+    if summary["interrupted"]:
+        raise common.Interrupted(summary["signal"])
 
 
 if __name__ == "__main__":
-    run_main(main)
+    common.run_main(main)

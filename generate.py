@@ -19,19 +19,8 @@ from pathlib import Path
 
 import torch
 
-from common import (
-    DeviceName,
-    DtypeName,
-    UserError,
-    autocast_context,
-    checkpoint_model,
-    in_range,
-    load_checkpoint,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    run_main,
-)
+import common
+from common import DeviceName, DtypeName, UserError
 from data import dataset_tokenizer
 from model import GPT, KVCache
 
@@ -91,8 +80,11 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
     """
     if not prompt_ids:
         raise ValueError("generate() needs at least one prompt token")
-    block, device, ids = model.config.block_size, model.wte.weight.device, list(prompt_ids)
-    todo, cache = ids[-block:], None  # the tokens the model must still read
+    block = model.config.block_size
+    device = model.wte.weight.device
+    ids = list(prompt_ids)
+    todo = ids[-block:]  # the tokens the model must still read
+    cache = None
     if use_cache:
         autocast = torch.is_autocast_enabled(device.type)
         cache = KVCache(model.config, 1, device,
@@ -132,7 +124,9 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
 def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out=None) -> int:
     """Print the prompt, then each new token's text as it arrives; returns the number of new tokens. Text
     ending in an incomplete UTF-8 character (U+FFFD: a character split across tokens) is held back."""
-    out, ids, shown = out or sys.stdout, list(prompt_ids), 0
+    out = out or sys.stdout
+    ids = list(prompt_ids)
+    shown = 0
     for token in itertools.chain([None], new_tokens):  # None: the prompt, before the first token
         ids += [] if token is None else [token]
         text = tokenizer.decode(ids)
@@ -145,17 +139,19 @@ def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out
 
 
 def main(argv: list[str]) -> None:
-    cfg = parse_flags(GenerateConfig, argv)
+    cfg = common.parse_flags(GenerateConfig, argv)
     for name in ("top_k", "max_new_tokens", "num_samples"):
-        in_range(cfg, name, 0 if name == "top_k" else 1)
-    in_range(cfg, "top_p", 0, 1, "(]")
-    in_range(cfg, "temperature", 0, 100)
+        common.in_range(cfg, name, 0 if name == "top_k" else 1)
+    common.in_range(cfg, "top_p", 0, 1, "(]")
+    common.in_range(cfg, "temperature", 0, 100)
     if 0 < cfg.temperature < 1e-3:
         raise UserError(f"--temperature={cfg.temperature} is too small to mean anything but greedy; use 0 "
                         "(greedy) or at least 1e-3")
-    prompts, device = read_prompts(cfg), pick_device(cfg.device)
-    dtype, ckpt = pick_dtype(cfg.dtype, device), load_checkpoint(cfg.ckpt)
-    model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
+    prompts = read_prompts(cfg)
+    device = common.pick_device(cfg.device)
+    dtype = common.pick_dtype(cfg.dtype, device)
+    ckpt = common.load_checkpoint(cfg.ckpt)
+    model = common.checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "
                         "fine-tune it with glue.py, or train a decoder (--objective=causal)")
@@ -174,8 +170,9 @@ def main(argv: list[str]) -> None:
               "calibrated probabilities; fine-tuning an LM head with finetune.py gives better text", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     runs = [(i, s) for i in range(len(encoded)) for s in range(cfg.num_samples)]
-    n_tokens, start = 0, time.perf_counter()
-    with autocast_context(device, dtype):
+    n_tokens = 0
+    start = time.perf_counter()
+    with common.autocast_context(device, dtype):
         for i, s in runs:
             if len(runs) > 1:
                 print(f"---------- prompt {i + 1}/{len(encoded)}, sample {s + 1}/{cfg.num_samples} ----------")
@@ -192,4 +189,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    common.run_main(main)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
@@ -140,20 +141,6 @@ class HFTokenizer:
         self.json = tokenizer.to_str()  # travels with datasets and checkpoints; compared by its sha256
         self.sha256 = hashlib.sha256(self.json.encode()).hexdigest()
 
-    def token_byte_lengths(self) -> list[int]:
-        """The UTF-8 bytes each id stands for (special tokens: 0), for bits per byte. A byte-level token is
-        written one character per byte; any other (WordPiece) is measured by decoding it."""
-        from tokenizers.pre_tokenizers import ByteLevel
-
-        alphabet, special = set(ByteLevel.alphabet()), set(self._special.get_added_tokens_decoder())
-        lengths = []
-        for i in range(self.n_vocab):
-            token = self._special.id_to_token(i)
-            byte_level = token is not None and set(token) <= alphabet
-            lengths.append(0 if token is None or i in special else len(token) if byte_level else
-                           len(self._special.decode([i]).encode()))
-        return lengths
-
     def encode_ordinary(self, text: str) -> list[int]:
         return self._ordinary.encode(text, add_special_tokens=False).ids
 
@@ -162,11 +149,34 @@ class HFTokenizer:
             return [self.encode_ordinary(text) for text in texts]
         return [e.ids for e in self._ordinary.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_with_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each text's ids and the UTF-8 bytes each token stands for in its context (data.encode_with_bytes),
+        from the tokens' character offsets: a Metaspace "▁" is a space only where a word starts, byte-fallback
+        pieces of one character share its bytes, and the spaces WordPiece drops count with the next token."""
+        out = []
+        for text in texts:
+            encoding = self._ordinary.encode(text, add_special_tokens=False)
+            out.append((np.array(encoding.ids, dtype=np.uint32), bytes_at_offsets(text, encoding.offsets)))
+        return out
+
     def encode(self, text: str, allowed_special: Literal["all"] = "all") -> list[int]:
         return self._special.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._special.decode(ids, skip_special_tokens=False)
+
+
+def bytes_at_offsets(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
+    """The UTF-8 bytes each token stands for, from its (start, end) character offsets in `text`: the text
+    from the end of the previous token to its own end, the last token also taking what follows it. Text
+    that a tokenizer drops (WordPiece's spaces) counts with the next token, so the bytes sum to the text's."""
+    code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    char_bytes = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
+    byte_at = np.concatenate([[0], np.cumsum(char_bytes)])  # byte offset of each character boundary
+    ends = np.maximum.accumulate(np.array([end for _, end in offsets], dtype=np.int64))
+    if len(ends):
+        ends[-1] = len(text)
+    return np.diff(byte_at[ends], prepend=0).astype(np.uint32)
 
 
 def tokenizer_from_json(text: str, name: str) -> HFTokenizer:

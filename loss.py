@@ -7,6 +7,7 @@ directly and overflows above ~88).
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -22,7 +23,8 @@ def cwt_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
 
         L = mean_i [ -log( exp(h_i . e_i / t) / sum_j exp(h_i . e_j / t) ) ]
     """
-    h, e = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1))
+    h = h.reshape(-1, h.size(-1))
+    e = e.reshape(-1, e.size(-1))
     positives = torch.arange(h.size(0), device=h.device)  # row i's target is candidate i
     if chunk_size:
         from chunked import chunked_cross_entropy  # the memory-flat extra
@@ -36,7 +38,8 @@ def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
             chunk_size: int | None = None) -> torch.Tensor:
     """The usual objective: cross-entropy of the logits h @ weight.T over the V tokens. `weight` is E
     (weight tying, the paper's baselines) or an untied head."""
-    h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    h = h.reshape(-1, h.size(-1))
+    targets = targets.reshape(-1)
     if chunk_size:
         from chunked import chunked_cross_entropy
 
@@ -69,7 +72,8 @@ def training_loss(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch
     """The pre-training objective by name, from hidden states (..., d) and targets (...). `output_weight` is
     the LM head (or E when tied). `chunk_size` makes every score matrix in blocks (same value); the
     other negatives (`unique`, a sampled subset, every rank's) come from negatives.py."""
-    h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    h = h.reshape(-1, h.size(-1))
+    targets = targets.reshape(-1)
     if negatives != "all" or num_negatives is not None or negatives_scope != "local":
         from negatives import training_loss_with_negatives  # the extra, not in the paper
 
@@ -98,7 +102,9 @@ def contrastive_accuracy(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor
                          chunk_size: int | None = None) -> torch.Tensor:
     """In-batch top-1 accuracy: the best-scoring candidate is an embedding of the row's own target token
     (a repeat of it scores exactly like the positive, so it counts as correct). Rows in chunks if asked."""
-    h, e, targets = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1)), targets.reshape(-1)
+    h = h.reshape(-1, h.size(-1))
+    e = e.reshape(-1, e.size(-1))
+    targets = targets.reshape(-1)
     step = chunk_size or h.size(0)
     best = torch.cat([(h[i:i + step] @ e.T).argmax(dim=1) for i in range(0, h.size(0), step)])
     return (targets[best] == targets).float().mean()
@@ -111,22 +117,61 @@ def masked_rows(h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
     return h[keep], targets[keep]
 
 
+# What validation_sums adds up over the batches, by name (evaluate all-reduces them as one vector)
+VALIDATION_SUMS = ("ce", "tokens", "cwt", "correct", "text_ce", "bytes")
+
+
 @torch.no_grad()
 def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch.Tensor,
                     contrastive: torch.Tensor | None = None, temperature: float = 1.0,
-                    chunk_size: int | None = None, token_bytes: torch.Tensor | None = None) -> torch.Tensor:
-    """One validation batch's sums (float64): [CE summed over tokens, tokens, the CWT loss (in-batch
-    negatives) and its top-1 accuracy against `contrastive`, the CE of special tokens, their bytes]. CE
-    scores through the LM head or the tied E, as the model's logits do; bits per byte leave out special
-    tokens (0 bytes), whose CE is subtracted, so that any tokenizer compares (nanochat's measure)."""
-    h, y = h.reshape(-1, h.size(-1)), targets.reshape(-1)
-    sums = torch.zeros(6, dtype=torch.float64, device=h.device)
-    sums[0], sums[1] = ce_loss(h, output_weight, y, chunk_size).double() * y.numel(), y.numel()
+                    chunk_size: int | None = None, target_bytes: torch.Tensor | None = None,
+                    special_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One validation batch's sums (float64 scalars, keyed as VALIDATION_SUMS): `ce`, the cross-entropy
+    through the LM head or the tied E (as the model's logits) over its `tokens`; against `contrastive`, the
+    CWT loss (in-batch negatives) and the top-1 hits, summed over rows; given the UTF-8 bytes each target
+    stands for, `text_ce`, the CE of the targets that are text (not `special_ids`), and their `bytes`:
+    bits per byte is text_ce / ln 2 / bytes, which compares across tokenizers (nanochat's measure)."""
+    h = h.reshape(-1, h.size(-1))
+    y = targets.reshape(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=h.device)
+    sums = dict.fromkeys(VALIDATION_SUMS, zero)
+    row_ce = row_losses(h, output_weight, y, 1.0, chunk_size).double()
+    sums["ce"] = row_ce.sum()
+    sums["tokens"] = zero + y.numel()
     if contrastive is not None:
-        sums[2] = cwt_loss(h, contrastive[y], temperature, chunk_size)
-        sums[3] = contrastive_accuracy(h, contrastive[y], y, chunk_size)
-    if token_bytes is not None:
-        special = token_bytes[y] == 0
-        sums[4] = ce_loss(h[special], output_weight, y[special]).double() * special.sum() if special.any() else 0
-        sums[5] = token_bytes[y].sum()
+        sums["cwt"] = cwt_loss(h, contrastive[y], temperature, chunk_size).double() * y.numel()
+        sums["correct"] = contrastive_accuracy(h, contrastive[y], y, chunk_size).double() * y.numel()
+    if target_bytes is not None:
+        is_text = ~torch.isin(y, special_ids) if special_ids is not None else torch.ones_like(y, dtype=torch.bool)
+        sums["text_ce"] = (row_ce * is_text).sum()
+        sums["bytes"] = target_bytes.reshape(-1).double().sum()
     return sums
+
+
+def validation_metrics(sums: dict[str, float], contrastive: bool, bits_per_byte: bool) -> dict[str, float]:
+    """Means of validation_sums, each over the tokens (rows) it was summed over."""
+    ce = sums["ce"] / sums["tokens"]
+    metrics = {"val_ce": ce, "val_ppl": math.exp(min(ce, 700.0))}
+    if contrastive:
+        metrics["val_cwt"] = sums["cwt"] / sums["tokens"]
+        metrics["val_acc"] = sums["correct"] / sums["tokens"]
+    if bits_per_byte:
+        metrics["val_bpb"] = sums["text_ce"] / math.log(2) / max(sums["bytes"], 1)
+    return metrics
+
+
+def contrastive_table(model: torch.nn.Module, loss: str, encoder: bool = False) -> torch.Tensor | None:
+    """What the contrastive metrics score against: E (cwt, ce+cwt), the output table (nce); for ce none,
+    but encoders report them for every objective (against the tied E), as the paper's tables do."""
+    table = {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
+    return model.output_weight if table is None and encoder else table
+
+
+def row_losses(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+               chunk_size: int | None = None) -> torch.Tensor:
+    """Each row's softmax cross-entropy (N,) over its scores against the candidates (no mean)."""
+    if chunk_size:
+        from chunked import chunked_row_losses
+
+        return chunked_row_losses(h, candidates, labels, temperature, chunk_size)
+    return F.cross_entropy(fp32(h @ candidates.T) / temperature, labels, reduction="none")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data import special_ids
+
 MASK_RATE = 0.15
 NOT_MASKED = -100  # the target of a position that is not predicted (F.cross_entropy's ignore_index)
 VAL_MASK_SEED = 0  # validation masks are the same for every run, whatever its --seed
@@ -31,7 +33,7 @@ def mask_spec(meta: dict) -> MaskSpec:
     else the first id past its vocabulary (GPT-2 has none); its special tokens are never masked nor drawn."""
     mask = meta.get("mask_token")
     return MaskSpec(mask_token=meta["vocab_size"] if mask is None else mask, vocab_size=meta["vocab_size"],
-                    special_tokens=tuple(meta.get("special_tokens") or [meta["eot_token"]]))
+                    special_tokens=tuple(special_ids(meta)))
 
 
 def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,

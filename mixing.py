@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common import UserError
-from data import BatchSampler, load_meta, open_split
+from data import BatchSampler, load_meta, open_split, same_tokenizer
 
 _MIX_STREAM = 11  # keeps the source draws apart from the batches' and the masks', which share (seed, index)
 
@@ -32,8 +32,7 @@ class MixedSampler:
 
     def __init__(self, data_dirs: list[Path], cfg, block_size: int, vocab_size: int, device):
         metas = [load_meta(d) for d in data_dirs]
-        ids = {m.get("tokenizer_sha256") or m["tokenizer"] for m in metas}
-        if len(ids) > 1:
+        if not all(same_tokenizer(metas[0], m) for m in metas):
             raise UserError(f"--dataset={cfg.dataset} mixes datasets of different tokenizers "
                             f"({', '.join(sorted({m['tokenizer'] for m in metas}))}); prepare them all with one "
                             "--tokenizer")
@@ -61,4 +60,5 @@ class MixedSampler:
         """Validation: each source's metrics (val_ce_NAME, ...) and, as val_*, their unweighted mean."""
         first = next(iter(per_source.values()))
         mean = {k: sum(m[k] for m in per_source.values()) / len(per_source) for k in first}
+        mean["val_ppl"] = math.exp(min(mean["val_ce"], 700.0))  # of the mean CE, as a single source's
         return {**mean, **{f"{k}_{name}": v for name, m in per_source.items() for k, v in m.items()}}

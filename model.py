@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -94,22 +94,32 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, H, T, hd) for `layer`; return all keys and values so far."""
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def residual_output(layer: nn.Linear) -> nn.Linear:
+    """Mark a layer whose output is added to the residual stream: GPT-2's init shrinks it with depth."""
+    layer.residual_output = True
+    return layer
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.d_model % config.n_head == 0, "d_model must be divisible by n_head"
-        self.n_head, self.dropout, self.causal = config.n_head, config.dropout, config.causal
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.causal = config.causal
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.proj = residual_output(nn.Linear(config.d_model, config.d_model, bias=config.bias))
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, key_mask=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         if cache is not None and cache.pos > 0:  # decoding: new query i sits at position start + i
             start = cache.pos
             k, v = cache.append(layer, k, v)
@@ -129,7 +139,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.up = nn.Linear(config.d_model, config.mlp_hidden, bias=config.bias)
-        self.down = nn.Linear(config.mlp_hidden, config.d_model, bias=config.bias)
+        self.down = residual_output(nn.Linear(config.mlp_hidden, config.d_model, bias=config.bias))
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x):
@@ -144,9 +154,12 @@ def make_norm(config: GPTConfig) -> nn.Module:
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.norm1, self.attn = make_norm(config), CausalSelfAttention(config)
-        self.norm2, self.mlp = make_norm(config), MLP(config)
-        self.dropout, self.parallel = nn.Dropout(config.dropout), config.parallel_residual
+        self.norm1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.norm2 = make_norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.parallel = config.parallel_residual
 
     def forward(self, x, cos, sin, cache=None, layer=0, key_mask=None):
         attn = self.dropout(self.attn(self.norm1(x), cos, sin, cache, layer, key_mask))
@@ -168,13 +181,13 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(config.rotary_dims, config.block_size, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for name, p in self.named_parameters():  # GPT-2's init, residual outputs shrunk with depth
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith(("proj.weight", "down.weight")) \
-                    else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02), the marked residual outputs shrunk with depth
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                depth_scaled = getattr(module, "residual_output", False)
+                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer) if depth_scaled
+                                else 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -185,16 +198,18 @@ class GPT(nn.Module):
                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normalised hidden states (B, T, d) of token ids (B, T); `pad_mask` (B, T), True at real
         tokens, keeps an encoder's attention off the padding of a batch of unequal lengths."""
-        start, T = (cache.pos if cache is not None else 0), idx.size(1)
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.config.block_size}")
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        start = cache.pos if cache is not None else 0
+        end = start + idx.size(1)
+        if end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds block_size {self.config.block_size}")
+        cos = self.rope_cos[start:end]
+        sin = self.rope_sin[start:end]
         key_mask = pad_mask[:, None, None, :] if pad_mask is not None else None  # over heads and queries
         x = self.drop(self.wte(idx))
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer, key_mask)
         if cache is not None:
-            cache.pos += T
+            cache.pos = end
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -214,29 +229,54 @@ class GPT(nn.Module):
                 self.lm_head.weight.copy_(self.wte.weight)
 
     def drop_lm_head(self) -> None:
-        self.config.lm_head, self.lm_head = False, None
+        self.config.lm_head = False
+        self.lm_head = None
 
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count; without embeddings means without the V x d tables (E and any head)."""
-        tables = 0 if embeddings else self.wte.weight.numel() + (self.lm_head.weight.numel() if self.lm_head
-                                                                  is not None else 0)
-        return sum(p.numel() for p in self.parameters()) - tables
+        total = sum(p.numel() for p in self.parameters())
+        if embeddings:
+            return total
+        return total - self.wte.weight.numel() - (self.lm_head.weight.numel() if self.lm_head is not None else 0)
 
-    def flops_per_token(self, seq_len: int, scored_columns: int) -> float:
-        """Training FLOPs per token (forward + backward), PaLM-style: 6 per weight, 12 n_layer d T for the
-        attention scores, and 6 d C for an output layer scored against C columns (C = V for CE, the
-        number of candidate embeddings for CWT)."""
+    def flops_per_token(self, seq_len: int, scored_columns: float, body_backward: bool = True) -> float:
+        """Training FLOPs per token, PaLM-style: 2 per weight and 4 n_layer d T (the attention scores)
+        forward, twice that backward, and an output layer scored against C columns (C = V for CE, the
+        candidate embeddings for CWT): 2 d C forward, 4 d C backward. With the body frozen, backward
+        makes only the output layer's weight gradient (2 d C): nothing flows into the body."""
         c = self.config
-        return 6 * self.num_params(False) + 12 * c.n_layer * c.d_model * seq_len + 6 * c.d_model * scored_columns
+        body = 2 * self.num_params(False) + 4 * c.n_layer * c.d_model * seq_len
+        output = 2 * c.d_model * scored_columns
+        if body_backward:
+            return 3 * body + 3 * output
+        return body + 2 * output
 
     def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
                             eps: float = 1e-8) -> torch.optim.AdamW:
-        """AdamW, decaying matrices and embeddings only; fused (one kernel for every tensor: on CPU ~7x
-        faster than the for-each update, which matters with a 50k x d embedding table)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        return adamw(self, lr, weight_decay, betas, eps)
+
+
+def adamw(module: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+          eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over a module's trainable parameters, decaying matrices and embeddings only; fused (one kernel
+    for every tensor: on CPU ~7x faster than the for-each update, which matters with a 50k x d table)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,
+                   scaler: torch.amp.GradScaler | None = None) -> None:
+    """Clip the gradient norm (0: off), step, reset the gradients; with an fp16 GradScaler, unscale first and
+    skip a step whose gradients overflowed."""
+    scaler = scaler or torch.amp.GradScaler(enabled=False)
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def build_model(preset: str, vocab_size: int, **overrides) -> GPT:

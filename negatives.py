@@ -120,6 +120,16 @@ def gather_rows(x: torch.Tensor) -> torch.Tensor:
     return _GatherRows.apply(x)  # token ids too: an integer tensor has no gradient to send back
 
 
+def distinct_targets(targets: torch.Tensor, scope: Literal["local", "global"] = "local",
+                     ignore_index: int = -100) -> int:
+    """How many distinct target tokens `negatives="unique"` scores for this micro-batch (every rank's under
+    the global scope); an encoder's unmasked positions (ignore_index) are no target. For FLOP counts."""
+    targets = targets.reshape(-1)
+    if scope == "global":
+        targets = gather_rows(targets)
+    return int(torch.unique(targets[targets != ignore_index]).numel())
+
+
 def warn_if_every_negative(num_negatives: int, candidates: int) -> None:
     """k negatives out of at most k candidates are all of them: say so rather than fall back silently."""
     if num_negatives >= candidates:

@@ -6,49 +6,38 @@
     torchrun --standalone --nproc_per_node=8 train.py ...                   # several GPUs
 
 Settings are TrainConfig's fields, as --key=value flags or --config=FILE.json|toml (--help lists them).
-Top to bottom: settings, where the weights come from, the objective and validation, logs, the loop.
-finetune.py and compare.py run the same loop through train(cfg).
+The whole training story, top to bottom: the settings; where the weights come from (fresh, --resume,
+--init_from); the objective; validation; the run (its start, one step, logs, checkpoints); the loop,
+train(). Run-time plumbing (processes, files, signals) is reached as common.X. finetune.py and compare.py
+run the same loop through train(cfg).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
-from common import (
-    DeviceName,
-    DtypeName,
-    StopFlag,
-    UserError,
-    all_reduce_sum,
-    append_log,
-    autocast_context,
-    barrier,
-    claim_out_dir,
-    in_range,
-    init_distributed,
-    is_main_process,
-    last_good_checkpoint,
-    need_extra,
-    note,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    rank,
-    run_main,
-    save_checkpoint,
-    world_size,
+import common
+from common import DeviceName, DtypeName, UserError, append_log, note
+from data import BatchSampler, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, sequential_batches
+from loss import (
+    VALIDATION_SUMS,
+    LossName,
+    contrastive_table,
+    masked_rows,
+    scored_columns,
+    training_loss,
+    validation_metrics,
+    validation_sums,
 )
-from data import BatchSampler, dataset_tokenizer, ensure_dataset, load_meta, open_split, sequential_batches
-from loss import LossName, masked_rows, scored_columns, training_loss, validation_sums
-from model import GPT, PresetName
+from model import GPT, PRESETS, PresetName, adamw, build_model, optimizer_step, padded_vocab_size
 
 
 @dataclass
@@ -110,25 +99,28 @@ def check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, before any time is spent."""
     for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval",
                  "num_negatives"):
-        in_range(cfg, name, 1)
+        common.in_range(cfg, name, 1)
     for name in ("warmup_iters", "weight_decay", "grad_clip", "loss_chunk_size"):
-        in_range(cfg, name, 0)
+        common.in_range(cfg, name, 0)
     for name in ("dropout", "beta1", "beta2"):
-        in_range(cfg, name, 0, 1, "[)")
-    in_range(cfg, "block_size", 2)
-    in_range(cfg, "lr", 0, ends="(]")
-    in_range(cfg, "min_lr", 0, cfg.lr)
-    in_range(cfg, "eps", 0, ends="(]")
-    in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
-    in_range(cfg, "mix_alpha", 0, ends="(]")
+        common.in_range(cfg, name, 0, 1, "[)")
+    common.in_range(cfg, "block_size", 2)
+    common.in_range(cfg, "lr", 0, ends="(]")
+    common.in_range(cfg, "min_lr", 0, cfg.lr)
+    common.in_range(cfg, "eps", 0, ends="(]")
+    common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
+    common.in_range(cfg, "mix_alpha", 0, ends="(]")
+    common.in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
+    if cfg.resume and cfg.overwrite:
+        raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     if "," in cfg.dataset:
-        need_extra("mixing", "--dataset=A,B,...")
+        common.need_extra("mixing", "--dataset=A,B,...")
     if cfg.loss_chunk_size:
-        need_extra("chunked", "--loss_chunk_size")
+        common.need_extra("chunked", "--loss_chunk_size")
     if cfg.negatives != "all" or cfg.num_negatives is not None or cfg.negatives_scope != "local":
-        need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
+        common.need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
     if cfg.objective == "mlm":
-        need_extra("masking", "--objective=mlm")
+        common.need_extra("masking", "--objective=mlm")
     if cfg.objective == "mlm" and cfg.negatives_scope == "global":
         raise UserError("--negatives_scope=global gathers equal-sized micro-batches, but an MLM's masked "
                         "positions differ per rank: use --negatives_scope=local with --objective=mlm")
@@ -148,19 +140,173 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
+# Where the weights come from: a fresh model, the run's own checkpoint (--resume), or another run's
+# (--init_from, which is what a fine-tune is)
+
+
+@dataclass
+class State:
+    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
+    step: int = 0
+    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
+    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
+    flops: float = 0.0
+    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
+    earlier_flops: float = 0.0
+    loss: float | None = None
+    first_val: dict | None = None
+    val: dict | None = None
+    val_step: int | None = None  # the step `val` was measured at: a run stopped before it is owed one
+
+
+# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
+RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
+               "init_from", "untied_head")
+
+
+@dataclass
+class Start:
+    """Where a run starts: its settings (unset ones filled in), its model, and the checkpoint it resumes."""
+    cfg: TrainConfig
+    model: GPT
+    state: State
+    resumed: dict | None = None
+
+
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.device) -> Start:
+    """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from)."""
+    resuming = will_resume(cfg, ckpt_path, device)
+    source = ckpt_path if resuming else cfg.init_from
+    if not source:
+        cfg = with_schedule(cfg, {}, resuming=False)
+        return Start(cfg, fresh_model(cfg, meta), State())
+    start = common.load_checkpoint(source)
+    check_continuation(cfg, meta, start, source, resuming)
+    cfg = with_schedule(cfg, start.get("train_config", {}), resuming)
+    model = common.checkpoint_model(start, source, dropout=cfg.dropout)
+    if resuming:
+        note_schedule_change(cfg, start)
+        return Start(cfg, model, resumed_state(start, source), resumed=start)
+    fit_output_layer(model, cfg, source)
+    earlier = State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
+                    earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
+    return Start(cfg, model, earlier)
+
+
+def will_resume(cfg: TrainConfig, ckpt_path: Path, device: torch.device) -> bool:
+    found = ckpt_path.is_file()
+    if common.all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, common.world_size()):
+        raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
+                        "every node shares")
+    if cfg.resume is True and not found:
+        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
+    return found if cfg.resume == "auto" else cfg.resume
+
+
+def with_schedule(cfg: TrainConfig, before: dict, resuming: bool) -> TrainConfig:
+    """The preset (the checkpoint's, else tiny) and the schedule: a resumed run keeps its own warmup and
+    final lr unless given; otherwise the preset's recipe sets them."""
+    preset = cfg.preset or before.get("preset") or "tiny"
+    recipe = RECIPES.get(preset, DEFAULT_RECIPE)
+    warmup = cfg.warmup_iters
+    min_lr = cfg.min_lr
+    if resuming:
+        warmup = before.get("warmup_iters") if warmup is None else warmup
+        min_lr = before.get("min_lr") if min_lr is None else min_lr
+    if warmup is None:
+        warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
+    if min_lr is None:
+        min_lr = recipe["final_lr"] * cfg.lr
+    cfg = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
+    if cfg.min_lr > cfg.lr:
+        raise UserError(f"--lr={cfg.lr:g} is below the min_lr {cfg.min_lr:g} this run resumes with; pass --min_lr "
+                        "too (at most --lr)")
+    return cfg
+
+
+def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
+    """A model of the preset's shape; an encoder gets room for the [MASK] id past the tokenizer's ids."""
+    mlm = cfg.objective == "mlm"
+    vocab = padded_vocab_size(meta["vocab_size"] + mlm)
+    block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
+    return build_model(cfg.preset, vocab, dropout=cfg.dropout, block_size=block, causal=not mlm,
+                       lm_head=cfg.loss == "nce" or cfg.untied_head)
+
+
+def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
+    """A checkpoint's output layer as this run needs it: a head made from E (a fine-tune, --untied_head),
+    or none for CWT (nothing would train it: it would go stale)."""
+    if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
+        model.add_lm_head()
+    elif cfg.loss == "cwt" and model.lm_head is not None:
+        model.drop_lm_head()
+        note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
+             "(finetune.py adds a fresh one)")
+    if cfg.loss == "nce" and model.lm_head is None:
+        raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
+
+
+def resumed_state(start: dict, source: Path) -> State:
+    if "state" not in start:
+        raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
+                        f"exactly; start a new run from its weights with --init_from={source}")
+    return State(**{"val_step": start["state"]["step"], **start["state"]})  # older ones validated at their step
+
+
+def note_schedule_change(cfg: TrainConfig, start: dict) -> None:
+    old = start.get("train_config", {}).get("max_iters", cfg.max_iters)
+    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
+        was = lr_at(start["step"], dataclasses.replace(cfg, max_iters=old))
+        note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
+             f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
+             f"{was:.2e})")
+
+
+def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
+    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
+    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
+    before = start.get("train_config", {})
+    encoder = not start["model_config"].get("causal", True)
+    for key in RESUME_SAME if resuming else ():
+        if key in before and before[key] != getattr(cfg, key):
+            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
+                            f"resume with the same --{key}, or use another --out_dir for another experiment")
+    if resuming and cfg.max_iters < start["step"]:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
+    theirs = start.get("data_meta", {})
+    if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
+        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
+                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
+    if encoder and cfg.objective != "mlm":
+        raise UserError(f"{source} is a masked-LM encoder but this run's --objective is {cfg.objective}; continue "
+                        "it with --objective=mlm, or fine-tune it with glue.py")
+    if not encoder and cfg.objective == "mlm":
+        raise UserError(f"{source} is a causal decoder but this run's --objective is mlm; --objective=mlm starts "
+                        "fresh or from an encoder")
+    if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
+        raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
+                        f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
+    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
+        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
+                        f"tokens of context of {source}")
+
+
 # The objective, and validation
 
 
 class Objective(torch.nn.Module):
     """The model and its loss as one module: DDP averages the gradients of what runs through its forward
-    (hidden states, then the loss against the embeddings), and torch.compile fuses both."""
+    (hidden states, then the loss against the embeddings), and torch.compile fuses both. The optimizer and
+    the checkpoint take every parameter it holds: a trainable piece of a loss belongs here."""
 
     def __init__(self, model: GPT, cfg: TrainConfig):
         super().__init__()
-        self.model, self.cfg = model, cfg
+        self.model = model
+        self.cfg = cfg
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        cfg, h = self.cfg, self.model.hidden(x)
+        cfg = self.cfg
+        h = self.model.hidden(x)
         if cfg.objective == "mlm":  # the masked positions only: no MLM transform head, the model is headless
             h, y = masked_rows(h, y)
         return training_loss(h, y, self.model.wte.weight, self.model.output_weight, cfg.loss, cfg.temperature,
@@ -168,243 +314,300 @@ class Objective(torch.nn.Module):
                              cfg.negatives_scope)
 
 
-def contrastive_table(model: GPT, loss: str, encoder: bool = False) -> torch.Tensor | None:
-    """What the contrastive metrics score against: E (cwt, ce+cwt), the output table (nce); for ce none,
-    but encoders report them for every objective (against the tied E), as the paper's tables do."""
-    table = {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
-    return model.output_weight if table is None and encoder else table
-
-
-def evaluate(model: GPT, tokens, batch_size: int, block_size: int, device: torch.device,
+def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
-             mask: Any = None, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
-    """Validation on the split's first batches (loss.validation_sums): val_ce, and given a contrastive table
-    val_cwt and val_acc, and given each id's UTF-8 bytes val_bpb. An encoder (`mask`: a masking.Masking) is
-    scored on fixed masks, over its masked positions. Each rank scores every world_size-th batch."""
-    was_training, sums = model.training, torch.zeros(7, dtype=torch.float64, device=device)
+             mask: Any = None, byte_counts: np.ndarray | None = None,
+             special: list[int] | None = None) -> dict[str, float]:
+    """Validation on the split's first batches (loss.validation_sums): val_ce; given a contrastive table,
+    val_cwt and val_acc; given the bytes each token stands for (data.open_val_bytes) and the tokenizer's
+    special ids, val_bpb. An encoder (`mask`: a masking.Masking) is scored on fixed masks, over its masked
+    positions. Each rank scores every world_size-th batch."""
+    was_training = model.training
     model.eval()
+    totals = torch.zeros(len(VALIDATION_SUMS), dtype=torch.float64, device=device)
+    special_tensor = torch.tensor(special or [], dtype=torch.long, device=device)
+    batches = sequential_batches(tokens, batch_size, block_size, device, max_batches, common.rank(),
+                                 common.world_size(), byte_counts)
     with torch.no_grad():
-        for i, x, y in sequential_batches(tokens, batch_size, block_size, device, max_batches, rank(), world_size()):
-            x, y = mask.validation_batch(x, i) if mask else (x, y)
-            with autocast_context(device, dtype):
-                h, y = masked_rows(model.hidden(x), y) if mask else (model.hidden(x), y)
-                sums += torch.cat([validation_sums(h, y, model.output_weight, contrastive, temperature, chunk_size,
-                                                   token_bytes), torch.ones(1, dtype=torch.float64, device=device)])
+        for i, x, y, y_bytes in batches:
+            if mask:
+                x, y = mask.validation_batch(x, i)
+            with common.autocast_context(device, dtype):
+                h = model.hidden(x)
+                if mask:
+                    h, y = masked_rows(h, y)
+                sums = validation_sums(h, y, model.output_weight, contrastive, temperature, chunk_size, y_bytes,
+                                       special_tensor)
+            totals += torch.stack([sums[name] for name in VALIDATION_SUMS])
     model.train(was_training)
-    ce, n, cwt, acc, special_ce, n_bytes, batches = all_reduce_sum(sums).tolist()
-    if batches == 0:
-        raise UserError("the validation split is shorter than one block; use a smaller --block_size")
-    metrics = {"val_ce": ce / n, "val_ppl": math.exp(min(ce / n, 700.0))}
-    if contrastive is not None:
-        metrics.update(val_cwt=cwt / batches, val_acc=acc / batches)
-    if token_bytes is not None:
-        metrics["val_bpb"] = (ce - special_ce) / math.log(2) / max(n_bytes, 1)
-    return metrics
+    sums = dict(zip(VALIDATION_SUMS, common.all_reduce_sum(totals).tolist()))
+    if sums["tokens"] == 0:
+        raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
+                        "--block_size")
+    return validation_metrics(sums, contrastive is not None, byte_counts is not None)
+
+
+# The run: everything the loop needs, built once; one step; logs; checkpoints
+
+
+class Run:
+    """One training run. Built (the start: data, weights, objective, optimizer, all restored on --resume),
+    then driven by train(): validate, step, log_progress, save."""
+
+    def __init__(self, cfg: TrainConfig):
+        check_config(cfg)
+        self.device = common.init_distributed(common.pick_device(cfg.device))  # under torchrun, this rank's GPU
+        self.dtype = common.pick_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
+        data_dirs = [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
+        meta = load_meta(data_dirs[0])
+        self.out_dir = Path(cfg.out_dir)
+        start = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
+        self.cfg = cfg = start.cfg
+        self.state = start.state
+        self.resumed_step = start.resumed["step"] if start.resumed else None
+        self.model = model = start.model.to(self.device)
+        for name, p in model.named_parameters():
+            p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
+        self.mask = None
+        if cfg.objective == "mlm":
+            from masking import Masking  # BERT masking of every batch, validation on fixed masks
+
+            self.mask = Masking(meta, cfg.seed)
+        self.objective = Objective(model, cfg)
+        self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        if start.resumed:
+            self.restore(start.resumed)
+        self.block = cfg.block_size or model.config.block_size
+        self.sampler = training_sampler(cfg, data_dirs, self.block, model.config.vocab_size, self.device)
+        self.val_splits = {d.name: open_val_split(d, model.config.vocab_size, bytes=not self.mask) for d in data_dirs}
+        self.scored = self.mask.rate if self.mask else 1.0  # the share of positions the loss scores
+        self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
+        tokenizer_json = data_dirs[0] / "tokenizer.json"
+        self.saved_with = {  # what each checkpoint carries besides the weights and the counts
+            "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
+            "tokenizer_json": tokenizer_json.read_text() if tokenizer_json.is_file() else None,
+            "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
+        self.saved_step = None
+        if cfg.compile:
+            self.objective.compile()
+        self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
+        if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True)
+        self.describe()
+
+    def restore(self, resumed: dict) -> None:
+        """Continue exactly: the objective's own tensors, the optimizer, the fp16 loss scale, the random state."""
+        ckpt = self.out_dir / "ckpt.pt"
+        saved = resumed.get("objective", {})
+        if set(saved) != set(own_state(self.objective)):
+            raise UserError(f"{ckpt} holds the loss tensors {sorted(saved)} but this code's Objective has "
+                            f"{sorted(own_state(self.objective))}; resume it with the code that wrote it")
+        self.objective.load_state_dict(saved, strict=False)  # the model's weights are in already
+        try:
+            self.optimizer.load_state_dict(resumed["optimizer"])
+        except (KeyError, ValueError):
+            raise UserError(f"{ckpt} holds the optimizer of other trainable parameters; resume with the "
+                            "interrupted run's settings (--freeze_body, --loss)") from None
+        if self.scaler.is_enabled() and resumed.get("scaler"):
+            self.scaler.load_state_dict(resumed["scaler"])
+        torch.set_rng_state(resumed["rng"]["torch"])
+        if self.device.type == "cuda" and resumed["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(resumed["rng"]["cuda"])
+
+    def describe(self) -> None:
+        cfg = self.cfg
+        if cfg.num_negatives is not None and cfg.loss != "ce" and common.is_main_process():
+            from negatives import warn_if_every_negative
+
+            warn_if_every_negative(cfg.num_negatives, round(self.scored * cfg.batch_size * self.block))
+        trainable = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+        ranks = f" x {common.world_size()} ranks" if common.world_size() > 1 else ""
+        note(f"model {cfg.preset or 'of ' + cfg.init_from}: {self.model.num_params(False) / 1e6:.2f}M parameters "
+             f"without embeddings, {self.model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | "
+             f"loss {cfg.loss} | {self.device.type}{ranks} {str(self.dtype).removeprefix('torch.')} | "
+             f"{self.tokens_per_step:,} tokens/step")
+
+    def log(self, record: dict) -> None:
+        """The one writer of log.jsonl: every record carries the step and the tokens seen."""
+        if common.is_main_process():
+            append_log(self.out_dir, {"step": self.state.step, "tokens": self.state.tokens, **record})
+
+    def validation_due(self) -> bool:
+        """At every eval_interval-th step and the last, unless done: a run stopped at one owes it to --resume."""
+        step = self.state.step
+        at_point = step % self.cfg.eval_interval == 0 or step == self.cfg.max_iters
+        return at_point and self.state.val_step != step
+
+    def validate(self) -> None:
+        """Validation metrics, printed and logged; a non-finite one stops the run before any save."""
+        cfg = self.cfg
+        table = contrastive_table(self.model, cfg.loss, encoder=self.mask is not None)
+        per_source = {name: evaluate(self.model, v.tokens, cfg.batch_size, self.block, self.device, self.dtype,
+                                     cfg.eval_batches, table, cfg.temperature, cfg.loss_chunk_size or None,
+                                     self.mask, v.byte_counts, v.special)
+                      for name, v in self.val_splits.items()}
+        val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
+        if not math.isfinite(val["val_ce"]):
+            raise common.diverged("validation loss", val["val_ce"], self.state.step, self.out_dir / "ckpt.pt")
+        note(f"step {self.state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
+                                                      for k, v in val.items()))
+        self.log(val)
+        self.state.val = val
+        self.state.val_step = self.state.step
+        self.state.first_val = self.state.first_val or val
+
+    def step(self, negatives_rng: torch.Generator) -> torch.Tensor:
+        """One optimizer step over grad_accum micro-batches; returns the summed (detached) loss."""
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.state.step, cfg)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            # Micro-batch i of the stream is a function of (seed, i) alone, whoever draws it: a step takes
+            # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum.
+            index = self.state.micro_batches + common.rank() * cfg.grad_accum + micro
+            x, y = self.sampler.get(index)
+            if self.mask:
+                x, y = self.mask.training_batch(x, index)
+            negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+            torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
+            last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
+            with self.wrapped.no_sync() if common.world_size() > 1 and not last else contextlib.nullcontext():
+                with common.autocast_context(self.device, self.dtype):
+                    loss = self.wrapped(x, y, negatives_rng) / cfg.grad_accum
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+            self.state.flops += self.flops_of(y)
+        optimizer_step(self.optimizer, self.objective.parameters(), cfg.grad_clip, self.scaler)
+        self.state.step += 1
+        self.state.micro_batches += cfg.grad_accum * common.world_size()
+        self.state.tokens += self.tokens_per_step
+        return loss_sum
+
+    def flops_of(self, y: torch.Tensor) -> float:
+        """Training FLOPs of every rank's micro-batch like this one (targets y): unique negatives score the
+        distinct targets, counted on the batch; any other loss a fixed number of columns."""
+        cfg = self.cfg
+        candidates = round(self.scored * cfg.batch_size * self.block)
+        if cfg.negatives_scope == "global":
+            candidates *= common.world_size()
+        if cfg.negatives == "unique" and cfg.loss != "ce":
+            from negatives import distinct_targets
+
+            candidates = distinct_targets(y, cfg.negatives_scope)
+        columns = scored_columns(cfg.loss, self.model.config.vocab_size, candidates, cfg.num_negatives)
+        per_token = self.model.flops_per_token(self.block, self.scored * columns, body_backward=not cfg.freeze_body)
+        return per_token * cfg.batch_size * self.block * common.world_size()
+
+    def log_progress(self, loss_sum: torch.Tensor, stop: common.StopFlag, since: tuple[float, int]) -> bool:
+        """Every log_interval steps: one all-reduce (the mean loss over ranks, and whether any rank must
+        stop), a progress line (tokens/s and MFU since `since`, a (time, step) pair) and a log record;
+        returns whether to stop."""
+        cfg = self.cfg
+        state = self.state
+        totals = common.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
+        state.loss = totals[0].item() / common.world_size()
+        if not math.isfinite(state.loss):
+            raise common.diverged("loss", state.loss, state.step, self.out_dir / "ckpt.pt")
+        lr = lr_at(state.step - 1, cfg)
+        tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
+        eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
+        peak = common.peak_flops(self.device)
+        mfu = f" | MFU {100 * tok_s / common.world_size() * state.flops / state.tokens / peak:.1f}%" if peak else ""
+        note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+             f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}")
+        self.log({"loss": state.loss, "lr": lr, "tokens_per_s": tok_s})
+        return totals[1].item() > 0
+
+    def save(self, stop: common.StopFlag) -> None:
+        """All it takes to continue exactly, and what it took to get here (once a step)."""
+        if self.saved_step == self.state.step:
+            return
+        self.saved_step = self.state.step
+        if not common.is_main_process():
+            return
+        state = self.state
+        payload = {
+            "model": self.model.state_dict(), "model_config": dataclasses.asdict(self.model.config),
+            "objective": own_state(self.objective), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "train_config": dataclasses.asdict(self.cfg),
+            "state": dataclasses.asdict(state), "step": state.step, "loss": state.loss, "val": state.val,
+            "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
+            "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops, **self.saved_with,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
+        with stop.deferred():
+            common.save_checkpoint(self.out_dir / "ckpt.pt", payload)
+
+
+def own_state(objective: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of the objective that are not the model's (a trainable piece of a loss), for checkpoints."""
+    return {k: v for k, v in objective.state_dict().items() if not k.startswith("model.")}
+
+
+def training_sampler(cfg: TrainConfig, data_dirs: list[Path], block: int, vocab: int, device: torch.device):
+    if len(data_dirs) == 1:
+        return BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, block, cfg.seed, device)
+    from mixing import MixedSampler  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
+
+    sampler = MixedSampler(data_dirs, cfg, block, vocab, device)
+    note(sampler.describe())
+    return sampler
 
 
 # The loop
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run training as configured; returns a summary (first and last validation, tokens, FLOPs)."""
-    check_config(cfg)
-    device = init_distributed(pick_device(cfg.device))  # under torchrun, this rank's GPU
-    dtype = pick_dtype(cfg.dtype, device)
-    torch.manual_seed(cfg.seed)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-    prepared = lambda: [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]  # noqa: E731
-    data_dirs = prepared() if is_main_process() else None
-    barrier()  # rank 0 prepares the built-in data; the others then read it
-    data_dirs = data_dirs or prepared()
-    data_dir, out_dir = data_dirs[0], Path(cfg.out_dir)
-    meta = load_meta(data_dir)
-    tokenizer_json = (data_dir / "tokenizer.json").read_text() if (data_dir / "tokenizer.json").is_file() else None
-    from finetune import starting_point  # fresh, --resume or --init_from (there: finetune.py imports this file)
-
-    cfg, model, resumed, state = starting_point(cfg, meta, out_dir / "ckpt.pt", device)
-    for name, p in model.named_parameters():
-        p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
-    model.to(device)
-    block, vocab = cfg.block_size or model.config.block_size, model.config.vocab_size
-    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    if resumed:  # continue exactly: the optimizer, the fp16 loss scale and the random state
-        try:
-            optimizer.load_state_dict(resumed["optimizer"])
-        except (KeyError, ValueError):
-            raise UserError(f"{out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume with "
-                            "the interrupted run's settings (--freeze_body, --loss)") from None
-        if scaler.is_enabled() and resumed.get("scaler"):
-            scaler.load_state_dict(resumed["scaler"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if device.type == "cuda" and resumed["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(resumed["rng"]["cuda"])
-    mask = None
-    if cfg.objective == "mlm":
-        from masking import Masking  # BERT masking of every batch, validation on fixed masks
-
-        mask = Masking(meta, cfg.seed)
-    objective = Objective(model, cfg)
-    if cfg.compile:
-        objective.compile()
-    if world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
-        objective = torch.nn.parallel.DistributedDataParallel(objective, gradient_as_bucket_view=True)
-    sampler = BatchSampler(open_split(data_dir, "train", vocab), cfg.batch_size, block, cfg.seed, device)
-    if len(data_dirs) > 1:
-        from mixing import MixedSampler  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
-
-        sampler = MixedSampler(data_dirs, cfg, block, vocab, device)
-        note(sampler.describe())
-    val_splits = {d.name: open_split(d, "val", vocab) for d in data_dirs}
-    micro_per_step = cfg.grad_accum * world_size()
-    tokens_per_step = micro_per_step * cfg.batch_size * block
-    scored = mask.rate if mask else 1.0  # an encoder scores its masked positions only
-    candidates = round(scored * cfg.batch_size * block * (world_size() if cfg.negatives_scope == "global" else 1))
-    flops_per_token = model.flops_per_token(block, scored * scored_columns(cfg.loss, vocab, candidates,
-                                                                          cfg.num_negatives))
-    if cfg.num_negatives is not None and cfg.loss != "ce" and is_main_process():
-        from negatives import warn_if_every_negative
-
-        warn_if_every_negative(cfg.num_negatives, candidates)
-    table = contrastive_table(model, cfg.loss, encoder=mask is not None)
-    token_bytes = None if mask else torch.tensor(token_byte_lengths(dataset_tokenizer(data_dir)), device=device)
-    peak = peak_flops(device)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    note(f"model {cfg.preset or 'of ' + cfg.init_from}: {model.num_params(False) / 1e6:.2f}M parameters without "
-         f"embeddings, {model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
-         f"{device.type}{f' x {world_size()} ranks' if world_size() > 1 else ''} "
-         f"{str(dtype).removeprefix('torch.')} | {tokens_per_step:,} tokens/step")
-
-    def validate() -> None:  # printed and logged; a non-finite metric stops the run before any save
-        per_source = {name: evaluate(model, tokens, cfg.batch_size, block, device, dtype, cfg.eval_batches, table,
-                                     cfg.temperature, cfg.loss_chunk_size or None, mask, token_bytes)
-                      for name, tokens in val_splits.items()}
-        val = sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
-        if not math.isfinite(val["val_ce"]):
-            raise UserError(f"validation loss became {val['val_ce']} at step {state.step}; stopped without saving "
-                            f"({last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
-        note(f"step {state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
-                                                 for k, v in val.items()))
-        if is_main_process():
-            append_log(out_dir, {"step": state.step, "tokens": state.tokens, **val})
-        state.val, state.first_val = val, state.first_val or val
-
-    def save() -> None:  # all it takes to continue exactly, and what it took to get here
-        if is_main_process():
-            with stop.deferred():
-                save_checkpoint(out_dir / "ckpt.pt", {
-                    "model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "loss": state.loss,
-                    "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": state.step,
-                    "state": dataclasses.asdict(state), "train_config": dataclasses.asdict(cfg), "data_meta": meta,
-                    "val": state.val, "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
-                    "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops,
-                    "mask_spec": dataclasses.asdict(mask.spec) if mask else None, "tokenizer_json": tokenizer_json,
-                    "mix": dict(zip(sampler.names, sampler.probabilities)) if len(data_dirs) > 1 else None,
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
-
-    start_step, stopping, negatives_rng = state.step, False, torch.Generator()
-    t_start = t_log = time.time()
-    step_at_log = start_step
-    model.train()
-    with claim_out_dir(out_dir, resumed and resumed["step"], cfg.overwrite, cfg.resume == "auto"), StopFlag() as stop:
-        while state.step < cfg.max_iters and not stopping:
-            if state.step % cfg.eval_interval == 0 and not (resumed and state.step == start_step):
-                eval_start = time.time()
-                validate()
-                if state.step > start_step:
-                    save()
-                t_log += time.time() - eval_start  # tokens/s counts training time only
-
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(state.step, cfg)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                # Micro-batch i of the stream is a function of (seed, i) alone, whoever draws it: a step takes
-                # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum.
-                index = state.micro_batches + rank() * cfg.grad_accum + micro
-                x, y = sampler.get(index)
-                x, y = mask.training_batch(x, index) if mask else (x, y)
-                negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
-                torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
-                last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
-                with objective.no_sync() if world_size() > 1 and not last else contextlib.nullcontext():
-                    with autocast_context(device, dtype):
-                        loss = objective(x, y, negatives_rng) / cfg.grad_accum
-                    scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            optimizer_step(optimizer, model.parameters(), cfg.grad_clip, scaler)
-            state.step, state.micro_batches = state.step + 1, state.micro_batches + micro_per_step
-            state.tokens, state.flops = state.tokens + tokens_per_step, state.flops + tokens_per_step * flops_per_token
-
+    """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
+    a signal stopped it: `interrupted`, the signal's number in `signal`)."""
+    run = Run(cfg)
+    cfg = run.cfg
+    state = run.state
+    negatives_rng = torch.Generator()
+    started = time.time()
+    since = (started, state.step)  # tokens/s counts training time only: validation restarts the clock
+    stopping = False
+    run.model.train()
+    claim = common.claim_out_dir(run.out_dir, run.resumed_step, cfg.overwrite, cfg.resume == "auto")
+    with claim, common.StopFlag() as stop:
+        while True:
+            if run.validation_due():
+                run.validate()
+                if state.step > 0:
+                    run.save(stop)
+                since = (time.time(), state.step)
+            if state.step >= cfg.max_iters:
+                break
+            loss_sum = run.step(negatives_rng)
             if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
-                # one all-reduce per log interval: the mean loss over ranks, and whether any rank must stop
-                totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)]))
-                state.loss, stopping = totals[0].item() / world_size(), totals[1].item() > 0
-                if not math.isfinite(state.loss):
-                    raise UserError(f"loss became {state.loss} at step {state.step}; stopped without saving ("
-                                    f"{last_good_checkpoint(out_dir / 'ckpt.pt')}): lower --lr or raise --warmup_iters")
-                now, lr = time.time(), lr_at(state.step - 1, cfg)
-                tok_s = (state.step - step_at_log) * tokens_per_step / max(now - t_log, 1e-9)
-                eta = int((now - t_start) / (state.step - start_step) * (cfg.max_iters - state.step))
-                mfu = f" | MFU {100 * tok_s / world_size() * flops_per_token / peak:.1f}%" if peak else ""
-                note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-                     f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}")
-                if is_main_process():
-                    append_log(out_dir, {"step": state.step, "tokens": state.tokens, "loss": state.loss, "lr": lr,
-                                         "tokens_per_s": tok_s})
-                t_log, step_at_log = now, state.step
-            stopping = stopping or (world_size() == 1 and stop.requested)  # one process: nothing to agree
-
-        if state.step > start_step or not resumed:  # a resumed run that had already ended adds nothing
-            if not stopping:
-                validate()
-            save()
-        barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
-    elapsed = time.time() - t_start
-    note(f"stopped at step {state.step}; checkpoint saved to {out_dir / 'ckpt.pt'}; continue with --resume"
-         if stopping else f"done: {state.step} steps in {elapsed:.0f} s; checkpoint {out_dir / 'ckpt.pt'}")
+                stopping = run.log_progress(loss_sum, stop, since)
+                since = (time.time(), state.step)
+            stopping = stopping or (common.world_size() == 1 and stop.requested)  # one process: nothing to agree
+            if stopping:
+                run.save(stop)  # a validation due at this step is owed to --resume
+                break
+        common.barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
+    elapsed = time.time() - started
+    ckpt = run.out_dir / "ckpt.pt"
+    note(f"stopped at step {state.step}; checkpoint saved to {ckpt}; continue with --resume" if stopping else
+         f"done: {state.step} steps in {elapsed:.0f} s; checkpoint {ckpt}")
     return {"step": state.step, "first_val": state.first_val, "val": state.val, "loss": state.loss,
-            "ckpt": str(out_dir / "ckpt.pt"), "tokens": state.earlier_tokens + state.tokens,
-            "flops": state.earlier_flops + state.flops, "interrupted": stopping, "seconds": elapsed}
-
-
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12}  # dense bf16 FLOP/s, for MFU
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """A GPU's peak, matched on whole words of its name ("NVIDIA H100 80GB HBM3"): an L40S is not an L4."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((v for k, v in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(k)}\b", name)), None)
-
-
-def token_byte_lengths(enc: Any) -> list[int]:
-    """The UTF-8 bytes each id stands for (0 for special tokens), for bits per byte."""
-    if hasattr(enc, "token_byte_lengths"):
-        return enc.token_byte_lengths()
-    special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    return [0 if i in special else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer, parameters: Any, grad_clip: float = 1.0,
-                   scaler: torch.amp.GradScaler | None = None) -> None:
-    """Clip the gradient norm (0: off), step, reset the gradients; with an fp16 GradScaler, unscale first and
-    skip a step whose gradients overflowed."""
-    scaler = scaler or torch.amp.GradScaler(enabled=False)
-    if grad_clip > 0:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+            "ckpt": str(ckpt), "tokens": state.earlier_tokens + state.tokens,
+            "flops": state.earlier_flops + state.flops, "interrupted": stopping,
+            "signal": stop.signal if stopping else None, "seconds": elapsed}
 
 
 def main(argv: list[str]) -> None:
-    train(parse_flags(TrainConfig, argv))
+    summary = train(common.parse_flags(TrainConfig, argv))
+    if summary["interrupted"]:
+        raise common.Interrupted(summary["signal"])
 
 
 if __name__ == "__main__":
-    run_main(main)
+    common.run_main(main)

@@ -175,10 +175,9 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
 
     torch.manual_seed(0)
     model = build_model("tiny", 50304, block_size=32)
-    tokens = data.open_split(tiny_data_dir, "val", 50304)
-    token_bytes = torch.tensor(train.token_byte_lengths(data.load_tokenizer("gpt2")) + [0] * 47)
-    runs = [train.evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight,
-                           chunk_size=chunk, token_bytes=token_bytes) for chunk in (None, 7)]
+    val = data.open_val_split(tiny_data_dir, 50304)
+    runs = [train.evaluate(model, val.tokens, 4, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight,
+                           chunk_size=chunk, byte_counts=val.byte_counts, special=val.special) for chunk in (None, 7)]
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
     for key in runs[0]:
         assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key

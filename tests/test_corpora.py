@@ -171,4 +171,4 @@ def test_a_second_source_never_replaces_a_dataset_of_the_same_name(tmp_path):
         data.prepare(dataclasses.replace(cfg, dataset=str(tmp_path / "b" / "books")))
     assert (out / "train.bin").read_bytes() == first
     data.prepare(dataclasses.replace(cfg, val_fraction=0.2))  # the same source again: replaced, as asked
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "val.bytes"]

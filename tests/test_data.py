@@ -116,7 +116,7 @@ def test_builtin_split_and_meta(tiny_data_dir):
     meta = data.load_meta(tiny_data_dir)
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
     assert meta["eot_token"] == 50256 and meta["documents"] == 4 and meta["settings"]["max_docs"] == 4
-    assert meta["split_rule"] == data.SPLIT_RULE
+    assert meta["format"] == data.DATA_FORMAT
     train, val = open_split(tiny_data_dir, "train", 50257), open_split(tiny_data_dir, "val", 50304)
     assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
     # whole plays: three in train, the fourth (its hash below 0.25) in val, each ended by one end-of-text
@@ -141,7 +141,7 @@ def test_large_vocabulary_uses_uint32(tmp_path, monkeypatch):
 
 def test_interrupted_prepare_leaves_nothing_valid(tmp_path, monkeypatch, tiny_data_dir):
     def interrupted(items, tokenizer, **_):
-        yield "train", np.arange(100, dtype=np.uint32), True
+        yield "train", np.arange(100, dtype=np.uint32), np.ones(100, dtype=np.uint32), True
         raise KeyboardInterrupt
 
     monkeypatch.setattr(data, "encode_batches", interrupted)
@@ -190,10 +190,10 @@ def test_sequential_batches_cover_the_split_in_order(tiny_data_dir):
     assert len(list(sequential_batches(tokens, 4, 100, max_batches=2))) == 2
     # two ranks: each builds only its own batches (every second one), together all of them
     ranks = [list(sequential_batches(tokens, 2, 100, max_batches=5, rank=r, world=2)) for r in (0, 1)]
-    assert [i for i, _, _ in ranks[0]] == [0, 2, 4] and [i for i, _, _ in ranks[1]] == [1, 3]
+    assert [b[0] for b in ranks[0]] == [0, 2, 4] and [b[0] for b in ranks[1]] == [1, 3]
     assert torch.equal(ranks[1][0][1], batches[0][1][2:4])
     val = open_split(tiny_data_dir, "val")
-    first, second = ([x for _, x, _ in sequential_batches(val, 8, 64, max_batches=3)] for _ in range(2))
+    first, second = ([b[1] for b in sequential_batches(val, 8, 64, max_batches=3)] for _ in range(2))
     assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
@@ -254,7 +254,7 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
 
 def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys):
     calls = []
-    meta = json.dumps({"split_rule": data.SPLIT_RULE, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
+    meta = json.dumps({"format": data.DATA_FORMAT, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
                        "eot_token": 50256, "train_tokens": 0, "val_tokens": 0, "checksums": {}})
     monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or (tmp_path / "shakespeare").mkdir()
                         or (tmp_path / "shakespeare" / "meta.json").write_text(meta))
@@ -280,5 +280,5 @@ def test_cli_prepares_builtin_shakespeare_offline(tmp_path):
     assert 0.04 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.07  # two whole plays
     assert (open_split(tmp_path / "data" / "shakespeare", "val") == 50256).sum() == 2
     files = sorted(p.name for p in (tmp_path / "data" / "shakespeare").iterdir())
-    assert files == ["meta.json", "train.bin", "val.bin"]
+    assert files == ["meta.json", "train.bin", "val.bin", "val.bytes"]
     open_split(tmp_path / "data" / "shakespeare", "train", 50257)

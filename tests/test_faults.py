@@ -103,7 +103,7 @@ def test_ctrl_c_of_a_refused_run_writes_nothing(during, tiny_data_dir, finished,
     over the other run's checkpoint at once; now it exits 130 and out_dir is as it was."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    module = finetune if during == "starting_point" else train  # where train() finds it
+    module = common if during == "claim_out_dir" else train  # where train() finds it
     real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
@@ -535,4 +535,4 @@ def test_a_damaged_meta_json_of_the_built_in_dataset_is_prepared_again(tmp_path)
     (tmp_path / "shakespeare").mkdir()
     (tmp_path / "shakespeare" / "meta.json").write_text("{not json")
     out = data.ensure_dataset("shakespeare", str(tmp_path))
-    assert data.load_meta(out)["split_rule"] == data.SPLIT_RULE
+    assert data.load_meta(out)["format"] == data.DATA_FORMAT

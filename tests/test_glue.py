@@ -11,11 +11,11 @@ from conftest import refused_before_any_work
 import glue
 import model as model_module
 import train
-from common import UserError
+from common import UserError, save_checkpoint
 from data import load_tokenizer
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig
-from train import TrainConfig, save_checkpoint
+from train import TrainConfig
 
 
 def test_metrics_against_hand_computed_values():

@@ -73,9 +73,9 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
                          ({"val": {"val_ce": math.inf}}, "val_ce is inf"),
                          ({"model": {"w": torch.tensor([1.0, math.nan])}}, "weight w is not finite")]:
         with pytest.raises(UserError, match=message):
-            train.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
+            common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
         assert not list(tmp_path.iterdir())
-    train.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
+    common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loss"] == 1.5
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from test_train import tiny_config
@@ -77,19 +80,24 @@ def test_resuming_with_another_untied_head_is_refused(tiny_data_dir, tmp_path):
         train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", untied_head=True, max_iters=3, resume=True))
 
 
-def test_a_dataset_of_the_old_split_rule_is_refused_and_shakespeare_is_prepared_again(tmp_path, capsys):
+@pytest.mark.parametrize("fields, message", [
+    ({}, "prepared by an older rule that cut every document into train and val"),  # no split_rule: the first
+    ({"split_rule": 2}, "prepared before val.bytes (bits per byte) was recorded"),
+])
+def test_a_dataset_of_an_older_format_is_refused_and_shakespeare_is_prepared_again(fields, message, tmp_path,
+                                                                                   capsys):
     for name in ("books", "shakespeare"):
         folder = tmp_path / name
         folder.mkdir()
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_token": 50256,
-                "train_tokens": 0, "val_tokens": 0, "checksums": {}, "settings": {"dataset": name}}
-        (folder / "meta.json").write_text(json.dumps(meta))  # no split_rule: written by the old rule
-    with pytest.raises(UserError, match="prepared by an older rule that cut every document into train and val; "
-                                        "prepare its corpus again with python data.py --dataset=books"):
+                "train_tokens": 0, "val_tokens": 0, "checksums": {}, "settings": {"dataset": name}, **fields}
+        (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=re.escape(f"{message}; prepare its corpus again with python data.py "
+                                                  "--dataset=books")):
         data.load_meta(tmp_path / "books")
     out = data.ensure_dataset("shakespeare", str(tmp_path))
     assert "preparing the built-in shakespeare dataset" in capsys.readouterr().err
-    assert data.load_meta(out)["split_rule"] == data.SPLIT_RULE and data.load_meta(out)["documents"] == 38
+    assert data.load_meta(out)["format"] == data.DATA_FORMAT and data.load_meta(out)["documents"] == 38
 
 
 def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
@@ -98,18 +106,20 @@ def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, d_model=8)).double()
+    # The bytes each position stands for come with the data (one token of id 5 stands for 0 bytes: a piece of
+    # a character whose bytes an earlier piece counted, which still costs bits).
     tokens = torch.tensor([1, 2, 3, 4, 5, 6, 3, 7, 1, 2, 5, 3, 6]).numpy()
-    lengths = torch.tensor([1, 2, 3, 0, 1, 2, 3, 1])
-    got = train.evaluate(model, tokens, 2, 6, torch.device("cpu"), token_bytes=lengths)["val_bpb"]
+    counts = np.array([1, 2, 3, 0, 1, 2, 0, 1, 1, 2, 0, 0, 2], dtype=np.uint32)
+    got = train.evaluate(model, tokens, 2, 6, torch.device("cpu"), byte_counts=counts, special=[3])["val_bpb"]
     bits = n_bytes = 0.0
     with torch.no_grad():
         for start in (0, 6):  # the two non-overlapping windows of 6 + 1 tokens
             x, y = torch.tensor(tokens[start:start + 6]), torch.tensor(tokens[start + 1:start + 7])
             logp = torch.log_softmax(model(x[None])[0].double(), dim=-1)
             for t, target in enumerate(y.tolist()):
-                if lengths[target] > 0:
-                    bits -= logp[t, target].item() / torch.log(torch.tensor(2.0, dtype=torch.float64)).item()
-                    n_bytes += lengths[target].item()
+                if target != 3:
+                    bits -= logp[t, target].item() / math.log(2)
+                n_bytes += int(counts[start + 1 + t])
     assert got == pytest.approx(bits / n_bytes, rel=1e-9)
 
 
@@ -137,12 +147,14 @@ def test_resuming_with_another_grad_accum_continues_with_the_next_unseen_batch(t
     assert (state["micro_batches"], state["tokens"]) == (8, 8 * 8 * 32)
 
 
-def test_a_checkpoint_from_before_the_count_resumes_at_its_derived_position(tiny_data_dir, tmp_path, monkeypatch):
-    cfg = tiny_config(tiny_data_dir, tmp_path, grad_accum=2, max_iters=3, eval_interval=10)
+def test_a_checkpoint_from_before_the_count_is_refused_for_resume_and_starts_a_run(tiny_data_dir, tmp_path):
+    cfg = tiny_config(tiny_data_dir, tmp_path / "old", grad_accum=2, max_iters=3, eval_interval=10)
     train.train(cfg)
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    del ckpt["state"]  # as written before: step x world size x grad_accum micro-batches
-    torch.save(ckpt, tmp_path / "ckpt.pt")
-    seen = record_batches(monkeypatch)
-    train.train(dataclasses.replace(cfg, max_iters=4, resume=True))
-    assert seen == [6, 7]
+    ckpt = torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)
+    del ckpt["state"]  # as written before the data position was counted
+    torch.save(ckpt, tmp_path / "old" / "ckpt.pt")
+    with pytest.raises(UserError, match="cannot resume exactly; start a new run from its weights with --init_from="):
+        train.train(dataclasses.replace(cfg, max_iters=4, resume=True))
+    summary = train.train(dataclasses.replace(cfg, out_dir=str(tmp_path / "new"), init_from=str(tmp_path / "old" /
+                                                                                              "ckpt.pt")))
+    assert summary["step"] == 3 and summary["tokens"] == 2 * 3 * 2 * 8 * 32

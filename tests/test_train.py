@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import train
 from common import UserError
 from model import load_model
@@ -114,12 +115,12 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
 def test_peak_flops_match_whole_gpu_names(monkeypatch):
     def peak_of(name):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
-        return train.peak_flops(torch.device("cuda"))
+        return common.peak_flops(torch.device("cuda"))
 
     assert peak_of("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_of("NVIDIA L4") == 121e12
     assert peak_of("NVIDIA L40S") is None  # unknown, rather than wrong
-    assert train.peak_flops(torch.device("cpu")) is None
+    assert common.peak_flops(torch.device("cpu")) is None
 
 
 def test_lr_schedule():
