@@ -10,6 +10,7 @@
     python bench.py --gpu_check         # a few minutes: everything CUDA-specific works, in one report
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --json=sweep.json --plot=sweep.png
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --quick   # tiny shape: minutes on a CPU
+    python bench.py --negatives_sweep=64,256,unique,all --quick            # CWT's cost as its negatives grow
     python bench.py --mode=val --preset=pythia-70m --vocab=50304 --step_tokens=16384 --block_size=2048
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
@@ -27,6 +28,9 @@ fresh subprocess that, for each variant, takes one warm-up step, resets its peak
 model body, the same --step_tokens per step and the same dtype: loss-layer rows and full-step rows, each
 time and memory also as a ratio to the smallest V. --json writes a list of rows (kind, loss, vocab_size,
 tokens, step_ms, peak_mib, ...); --plot draws time and memory against V.
+--negatives_sweep=K1,K2,...,unique,all: CWT with k sampled negatives, each distinct target once, or every
+position (all), CE beside; loss and step rows at each --vocab and --step_tokens, ratios to all and to CE;
+--json writes a list of rows, --plot time and memory per entry (docs/negatives.md).
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
 """

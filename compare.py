@@ -4,6 +4,7 @@
     python compare.py --json=results/compare.json --plot=results/compare.png
     python compare.py --preset=pythia-70m --dataset=roneneldan/TinyStories --lambada=lambada.jsonl
     python compare.py --vocab_sizes=1024,4096,16384 --json=results/vocab.json --plot=results/vocab.png
+    python compare.py --negatives_sweep=16,64,256,unique,all --negatives_batch_sizes=4,8,16 --seeds=1337,1338
 
 CE trains for --ce_iters steps; that sets the FLOP budget (GPT.flops_per_token). CWT then trains for as
 many steps as fit in the same budget once its LM-head fine-tune (2% of its tokens, at CE's cost per token)
@@ -21,6 +22,13 @@ same documents (chosen by a hash of their text) whatever the tokenizer: every si
 Budgets are equal within a size, not across sizes (CE's cost grows with V). A size whose out_dir/bpeN/result.json
 exists is skipped, so an interrupted sweep continues where it stopped. The paper compared vocabulary sizes on
 GLUE with encoders (glue.py on encoders trained per size is its version); this decoder sweep is our extension.
+
+--negatives_sweep=K1,...,unique,all: how many negatives CWT needs (docs/negatives.md). Series k: at --batch_size,
+CWT with k sampled negatives, unique targets or all of the micro-batch; series batch (--negatives_batch_sizes):
+CWT (all) as the batch grows, the paper's reading. Every point pre-trains --ce_iters steps, CWT then gets its
+head fine-tune, CE runs at the same batch on the same tokens; each is scored on the whole validation split, once
+per seed of --seeds (mean and spread), with its tokens, FLOPs and the cost of a step (bench.py). A point lives in
+out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
 """
 from __future__ import annotations
 
@@ -674,10 +682,11 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
         x = [r["candidates"] - 1 for r in mine]
         quality.errorbar(x, [r["bpb_vs_ce"] for r in mine], yerr=[r["bpb_vs_ce_std"] or 0 for r in mine],
                          marker="o", capsize=3, color=f"C{i}", label=f"CWT + fine-tune, {title}")
-        quality.plot(x, [r["raw_bpb_vs_ce"] for r in mine], ":", marker=".", color=f"C{i}", label="raw CWT")
-        for r, xi in zip(mine, x):
+        quality.plot(x, [r["raw_bpb_vs_ce"] for r in mine], ":", marker=".", color=f"C{i}",
+                     label="raw CWT (before the fine-tune)" if i == 0 else None)
+        for r, xi in zip(mine, x):  # the batch series' names below its points: `all` and B=... may coincide
             quality.annotate(r["label"] if name == "k" else f"B={r['batch_size']}", (xi, r["bpb_vs_ce"]),
-                             textcoords="offset points", xytext=(4, 4), fontsize=7)
+                             textcoords="offset points", xytext=(4, 4 if name == "k" else -10), fontsize=7)
         timed = [(xi, r) for xi, r in zip(x, mine) if r["step_ms"] is not None]
         cost.plot([xi for xi, _ in timed], [r["step_ms"] for _, r in timed], marker="o", color=f"C{i}",
                   label=f"ms/step, {title}")
@@ -688,15 +697,17 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
     quality.set(xscale="log", xlabel="negatives per row", ylabel="validation bits per byte − CE's")
     cost.set(xscale="log", xlabel="negatives per row", ylabel="ms per pre-training step")
     memory.set(ylabel="peak extra memory of a step (MiB)")
+    cost.set_ylim(bottom=0)
+    memory.set_ylim(bottom=0)
     for ax in (quality, cost):
         ax.grid(True, which="both", alpha=0.3)
     quality.legend(fontsize=7)
     handles = [h for ax in (cost, memory) for h in ax.get_legend_handles_labels()[0]]
     cost.legend(handles, [h.get_label() for h in handles], fontsize=7)
-    if rows:
-        r = rows[0]
-        fig.suptitle(f"How many negatives CWT needs: {r['preset']} on {Path(r['dataset']).name}, {r['steps']} steps, "
-                     f"seeds {', '.join(map(str, r['seeds']))}", fontsize=9)
+    if cwt := [r for r in rows if r["loss"] == "cwt"]:
+        r = cwt[0]
+        fig.suptitle(f"How many negatives CWT needs: {r['preset']} on {Path(r['dataset']).name}, {r['steps']} steps + "
+                     f"{r['ft_steps']} of fine-tune, seeds {', '.join(map(str, r['seeds']))}", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path)
 

@@ -155,7 +155,8 @@ def test_bad_values_are_refused_in_one_line_before_any_work(flags, message, tmp_
 
 def test_plots_draw_both_series(tmp_path, monkeypatch):
     rows = [dict(series=s, loss=loss, label=label, batch_size=b, candidates=c, bpb_vs_ce=d, bpb_vs_ce_std=None,
-                 raw_bpb_vs_ce=d, step_ms=5.0, peak_mib=p, preset="tiny", dataset="shakespeare", steps=2, seeds=[1])
+                 raw_bpb_vs_ce=d, step_ms=5.0, peak_mib=p, preset="tiny", dataset="shakespeare", steps=2, ft_steps=1,
+                 seeds=[1])
             for s, loss, label, b, c, d, p in (("k", "ce", "CE", 2, 320, None, 1.0),
                                                ("k", "cwt", "k=8", 2, 9, 0.1, 2.0),
                                                ("k", "cwt", "all", 2, 64, 0.05, None),
