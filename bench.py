@@ -677,15 +677,18 @@ def negatives_row(r: dict, meta: dict) -> dict:
                 device=meta["device_name"], dtype=meta["dtype"])
 
 
+def optional(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def negatives_table(rows: list[dict]) -> str:
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     lines = ["| kind | V | tokens | negatives | ms/step | time ×all | peak MiB | memory ×all | time ×CE | memory ×CE |",
              "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['vocab_size']:,} | {r['tokens']:,} | {r['label']} | {r['step_ms']:,.1f} | "
-                     f"{fmt(r['time_vs_all'], '.3f')} | {fmt(r['peak_mib'], ',.1f')} | "
-                     f"{fmt(r['memory_vs_all'], '.3f')} | {fmt(r['time_vs_ce'], '.3f')} | "
-                     f"{fmt(r['memory_vs_ce'], '.3f')} |")
+                     f"{optional(r['time_vs_all'], '.3f')} | {optional(r['peak_mib'], ',.1f')} | "
+                     f"{optional(r['memory_vs_all'], '.3f')} | {optional(r['time_vs_ce'], '.3f')} | "
+                     f"{optional(r['memory_vs_ce'], '.3f')} |")
     if rows:
         r = rows[0]
         lines += ["", f"{r['device']}, {r['dtype']}, shape {r['preset']}; CWT with k sampled negatives, each distinct "
