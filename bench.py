@@ -10,6 +10,7 @@
     python bench.py --gpu_check         # a few minutes: everything CUDA-specific works, in one report
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --json=sweep.json --plot=sweep.png
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --quick   # tiny shape: minutes on a CPU
+    python bench.py --negatives_sweep=64,256,unique,all --quick            # CWT's cost as its negatives grow
     python bench.py --mode=val --preset=pythia-70m --vocab=50304 --step_tokens=16384 --block_size=2048
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
@@ -27,6 +28,9 @@ fresh subprocess that, for each variant, takes one warm-up step, resets its peak
 model body, the same --step_tokens per step and the same dtype: loss-layer rows and full-step rows, each
 time and memory also as a ratio to the smallest V. --json writes a list of rows (kind, loss, vocab_size,
 tokens, step_ms, peak_mib, ...); --plot draws time and memory against V.
+--negatives_sweep=K1,K2,...,unique,all: CWT with k sampled negatives, each distinct target once, or every
+position (all), CE beside; loss and step rows at each --vocab and --step_tokens, ratios to all and to CE;
+--json writes a list of rows, --plot time and memory per entry (docs/negatives.md).
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
 """
@@ -105,6 +109,7 @@ class BenchConfig:
     quick: bool = False  # a small grid: fills the settings not given on the command line
     gpu_check: bool = False  # run the GPU check instead (see gpu_check)
     vocab_sweep: list[int] = field(default_factory=list)  # V sizes: CE vs CWT across vocabularies (run_vocab_sweep)
+    negatives_sweep: list[str] = field(default_factory=list)  # k, unique, all: CWT's cost (run_negatives_sweep)
     val_chunk: int = 1024  # --mode=val: rows scored at a time by the chunked validation pass
 
 
@@ -592,6 +597,137 @@ def plot_vocab_sweep(rows: list[dict], path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Negatives sweep: CWT's cost as the candidates it scores grow (k sampled, unique, all), CE beside it
+
+QUICK_NEGATIVES = dict(preset="tiny", vocab=[50304], step_tokens=[1024], block_size=128, repeats=3)
+
+
+def negatives_variants(entries: list[str], candidates: int, flag: str = "--negatives_sweep") -> list[str]:
+    """Sweep entries (a number k of sampled negatives, unique, all) as variants (cwt-kN, cwt-unique, cwt):
+    k ascending, then unique, then all. Refused in one line: an empty list, an entry that is none of these or
+    is repeated, k = 0, a k not below the `candidates` of a micro-batch (it would score them all, as `all`)."""
+    entries = [e.strip() for e in entries]
+    if not entries or "" in entries:
+        raise UserError(f"{flag} needs values: numbers k of sampled negatives, unique, all (e.g. {flag}=64,256,"
+                        f"unique,all); got {','.join(entries)!r}")
+    for e in entries:
+        if e not in ("unique", "all") and not re.fullmatch(r"[0-9]+", e):
+            raise UserError(f"{flag}: {e!r} is not a number of negatives k, unique or all")
+    ks = [int(e) for e in entries if e not in ("unique", "all")]
+    names = [f"k={k}" for k in ks] + [e for e in entries if e in ("unique", "all")]
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"{flag} lists {', '.join(repeated)} more than once; pass each value once")
+    if 0 in ks:
+        raise UserError(f"{flag}: k=0 scores no negative at all; pass k >= 1")
+    if too_many := [k for k in ks if k >= candidates]:
+        raise UserError(f"{flag}: k={max(too_many)} is not below the {candidates} candidates of a micro-batch "
+                        "(batch_size x block_size); it would score them all, as `all` does: pass a smaller k")
+    return [f"cwt-k{k}" for k in sorted(ks)] + [v for e, v in (("unique", "cwt-unique"), ("all", "cwt"))
+                                                if e in entries]
+
+
+def negatives_label(variant: str) -> str:
+    """How a sweep names a variant: CE, k=N, unique, all."""
+    kw = parse_variant(variant)
+    if kw["loss"] == "ce":
+        return "CE"
+    return f"k={kw['num_negatives']}" if kw["num_negatives"] else kw["negatives"]
+
+
+def run_negatives_sweep(cfg: BenchConfig) -> list[dict]:
+    """Loss-layer and full-step rows of CWT with each negatives entry of cfg.negatives_sweep, and CE beside them
+    (unless its logits exceed --max_logits), at each V of --vocab and each --step_tokens, the variants of one
+    configuration timed interleaved as run_bench does. One flat row each, with ratios to `all` (the paper's
+    in-batch negatives) and to CE of the same kind, V and tokens."""
+    if cfg.mode not in ("both", "loss", "step"):
+        raise UserError(f"--negatives_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or "
+                        "step)")
+    if cfg.vocab_sweep:
+        raise UserError("--vocab_sweep and --negatives_sweep are two sweeps: pass one")
+    variants = negatives_variants(cfg.negatives_sweep, min(cfg.step_tokens))
+    rows, skipped = [], []
+    for kind in ("loss", "step") if cfg.mode == "both" else (cfg.mode,):
+        for vocab in cfg.vocab:
+            for tokens in cfg.step_tokens:
+                ce = ["ce"] if tokens * vocab <= cfg.max_logits else []
+                skipped += [] if ce else [f"CE {kind} V={vocab} N={tokens}"]
+                result = run_bench(dataclasses.replace(cfg, mode=kind, vocab=[vocab], tokens=[tokens],
+                                                       step_tokens=[tokens], variants=ce + variants,
+                                                       step_variants=ce + variants, max_logits=2**62))
+                rows += [negatives_row(r, result["meta"]) for r in result["rows"]]
+    if skipped:
+        print(f"CE not measured (tokens x V above --max_logits={cfg.max_logits}; raise it to measure it): "
+              + ", ".join(skipped), file=sys.stderr)
+    for r in rows:
+        key = (r["kind"], r["vocab_size"], r["tokens"])
+        same = {b["variant"]: b for b in rows if (b["kind"], b["vocab_size"], b["tokens"]) == key}
+        for name, base in (("all", same.get("cwt")), ("ce", same.get("ce"))):
+            r[f"time_vs_{name}"] = base and r["step_ms"] / base["step_ms"]
+            r[f"memory_vs_{name}"] = base and _ratio(r["peak_mib"], base["peak_mib"])
+    return rows
+
+
+def negatives_row(r: dict, meta: dict) -> dict:
+    """A run_bench row as a sweep row: kind, label (CE, k=N, unique, all), loss, negatives and num_negatives
+    (train.py's flags; none for CE), vocab_size, tokens, step_ms, peak_mib, ..."""
+    kw = parse_variant(r["variant"])
+    return dict(kind=r["kind"], label=negatives_label(r["variant"]), variant=r["variant"], loss=kw["loss"],
+                negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"],
+                vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"], step_ms=1e3 * r["time_s"],
+                best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
+                peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
+                device=meta["device_name"], dtype=meta["dtype"])
+
+
+def optional(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def negatives_table(rows: list[dict]) -> str:
+    lines = ["| kind | V | tokens | negatives | ms/step | time ×all | peak MiB | memory ×all | time ×CE | memory ×CE |",
+             "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['vocab_size']:,} | {r['tokens']:,} | {r['label']} | {r['step_ms']:,.1f} | "
+                     f"{optional(r['time_vs_all'], '.3f')} | {optional(r['peak_mib'], ',.1f')} | "
+                     f"{optional(r['memory_vs_all'], '.3f')} | {optional(r['time_vs_ce'], '.3f')} | "
+                     f"{optional(r['memory_vs_ce'], '.3f')} |")
+    if rows:
+        r = rows[0]
+        lines += ["", f"{r['device']}, {r['dtype']}, shape {r['preset']}; CWT with k sampled negatives, each distinct "
+                  "target once (unique) or every position of the micro-batch (all, the paper's); loss: the objective "
+                  "alone (fwd+bwd), step: a whole training step; median of interleaved steps; peak MiB: the extra "
+                  "memory of one step (see --help)."]
+    return "\n".join(lines)
+
+
+def plot_negatives_sweep(rows: list[dict], path: str) -> None:
+    """Two panels, time and memory per step against the negatives entry, a line per (kind, V, tokens); CE of
+    the same configuration as a dashed level."""
+    plt = import_pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = list(dict.fromkeys(r["label"] for r in rows if r["loss"] == "cwt"))
+    groups = list(dict.fromkeys((r["kind"], r["vocab_size"], r["tokens"]) for r in rows))
+    for (key, ylabel), ax in zip((("step_ms", "ms per step"), ("peak_mib", "peak extra memory (MiB)")), axes):
+        for i, group in enumerate(groups):
+            mine = {r["label"]: r[key] for r in rows if (r["kind"], r["vocab_size"], r["tokens"]) == group}
+            name = f"{TITLES[group[0]]}, V={group[1]:,}, {group[2]:,} tokens"
+            pts = [(x, mine[label]) for x, label in enumerate(labels) if mine.get(label) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"CWT, {name}")
+            if mine.get("CE") is not None:
+                ax.axhline(mine["CE"], ls="--", lw=1, color=f"C{i}", label=f"CE, {name}")
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set(xlabel="negatives scored per row (sampled k, unique targets, all)", ylabel=ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if rows:
+        fig.suptitle(f"CWT's cost as its negatives grow: {rows[0]['preset']}, {rows[0]['device']}, {rows[0]['dtype']}",
+                     fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
 # Several ranks (torchrun): tokens/s per rank and scaling efficiency
 
 
@@ -849,7 +985,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
     sweep = any(a.startswith(("--vocab_sweep=", "--vocab-sweep=")) for a in argv)
-    cfg = parse_flags(BenchConfig, argv, quick=QUICK_SWEEP if sweep else QUICK)
+    negatives = any(a.startswith(("--negatives_sweep=", "--negatives-sweep=")) for a in argv)
+    cfg = parse_flags(BenchConfig, argv, quick=QUICK_NEGATIVES if negatives else QUICK_SWEEP if sweep else QUICK)
     if cfg.gpu_check:
         report, ok = gpu_check()
         print(report)
@@ -868,6 +1005,11 @@ def main(argv: list[str]) -> None:
         return
     if cfg.plot:
         import_pyplot()
+    if cfg.negatives_sweep:
+        rows = run_negatives_sweep(cfg)
+        print(negatives_table(rows))
+        save_results(rows, cfg.json, cfg.plot, plot_negatives_sweep)
+        return
     if cfg.vocab_sweep:
         rows = run_vocab_sweep(cfg)
         print(sweep_table(rows))

@@ -4,6 +4,7 @@
     python compare.py --json=results/compare.json --plot=results/compare.png
     python compare.py --preset=pythia-70m --dataset=roneneldan/TinyStories --lambada=lambada.jsonl
     python compare.py --vocab_sizes=1024,4096,16384 --json=results/vocab.json --plot=results/vocab.png
+    python compare.py --negatives_sweep=16,64,256,unique,all --negatives_batch_sizes=4,8,16 --seeds=1337,1338
 
 CE trains for --ce_iters steps; that sets the FLOP budget (GPT.flops_per_token). CWT then trains for as
 many steps as fit in the same budget once its LM-head fine-tune (2% of its tokens, at CE's cost per token)
@@ -21,12 +22,20 @@ same documents (chosen by a hash of their text) whatever the tokenizer: every si
 Budgets are equal within a size, not across sizes (CE's cost grows with V). A size whose out_dir/bpeN/result.json
 exists is skipped, so an interrupted sweep continues where it stopped. The paper compared vocabulary sizes on
 GLUE with encoders (glue.py on encoders trained per size is its version); this decoder sweep is our extension.
+
+--negatives_sweep=K1,...,unique,all: how many negatives CWT needs (docs/negatives.md). Series k: at --batch_size,
+CWT with k sampled negatives, unique targets or all of the micro-batch; series batch (--negatives_batch_sizes):
+CWT (all) as the batch grows, the paper's reading. Every point pre-trains --ce_iters steps, CWT then gets its
+head fine-tune, CE runs at the same batch on the same tokens; each is scored on the whole validation split, once
+per seed of --seeds (mean and spread), with its tokens, FLOPs and the cost of a step (bench.py). A point lives in
+out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +52,14 @@ from common import (
     init_distributed,
     is_main_process,
     load_checkpoint,
+    need_extra,
     parse_flags,
     pick_device,
     pick_dtype,
     run_main,
 )
 from data import (
+    BatchSampler,
     PrepareConfig,
     dataset_dir,
     dataset_tokenizer,
@@ -91,9 +102,13 @@ class CompareConfig:
     resume: bool = False  # skip the runs in out_dir that finished; continue an interrupted one
     overwrite: bool = False  # start every run in out_dir over
     vocab_sizes: list[int] = dataclasses.field(default_factory=list)  # BPE sizes: one experiment per size
+    negatives_sweep: list[str] = dataclasses.field(default_factory=list)  # k values, unique, all: at --batch_size
+    negatives_batch_sizes: list[int] = dataclasses.field(default_factory=list)  # CE and CWT (all) at each size
+    seeds: list[int] = dataclasses.field(default_factory=list)  # each point of a negatives sweep once per seed
 
 
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
+QUICK = dict(block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1, finetune_fraction=0.1)
 # What makes a run in out_dir the one this compare.py plans (data_root, device and dtype may change).
 SAME_RUN = ("dataset", "preset", "block_size", "batch_size", "loss", "lr", "min_lr", "warmup_iters", "seed",
             "max_iters")
@@ -108,6 +123,18 @@ def check_config(cfg: CompareConfig) -> None:
     in_range(cfg, "warmup_fraction", 0, 1)
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume continues the runs in --out_dir and --overwrite starts them over: pass one")
+    negatives = bool(cfg.negatives_sweep or cfg.negatives_batch_sizes)
+    if negatives and cfg.vocab_sizes:
+        raise UserError("--vocab_sizes and --negatives_sweep are two sweeps: pass one")
+    if cfg.seeds and not negatives:
+        raise UserError("--seeds runs each point of --negatives_sweep or --negatives_batch_sizes once per seed; "
+                        "without a sweep pass --seed")
+    in_range(cfg, "negatives_batch_sizes", 1)
+    in_range(cfg, "seeds", 0)
+    for name in ("negatives_batch_sizes", "seeds"):
+        values = getattr(cfg, name)
+        if repeated := sorted({v for v in values if values.count(v) > 1}):
+            raise UserError(f"--{name} lists {', '.join(map(str, repeated))} more than once; pass each value once")
 
 
 def check_out_dir(cfg: CompareConfig) -> None:
@@ -171,6 +198,43 @@ def run_once(name: str, run_cfg: TrainConfig, cfg: CompareConfig, start_over: bo
     return summary
 
 
+def pretrain_config(cfg: CompareConfig, loss: str, iters: int, out_dir: Path, **negatives) -> TrainConfig:
+    """A pre-training run of compare.py: cosine from cfg.lr to lr / 10 after a warmup of warmup_fraction."""
+    return TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
+                       warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
+                       eval_interval=max(1, iters // cfg.evals), out_dir=str(out_dir), **shared_settings(cfg),
+                       **negatives)
+
+
+def finetune_config(cfg: CompareConfig, ckpt: Path, iters: int, out_dir: Path) -> FinetuneConfig:
+    """The LM-head fine-tune of the checkpoint `ckpt` (finetune.py's recipe for the rest)."""
+    return FinetuneConfig(ckpt=str(ckpt), max_iters=iters, warmup_iters=max(1, min(10, iters // 5)),
+                          eval_interval=max(1, iters // 2), out_dir=str(out_dir), **shared_settings(cfg))
+
+
+def shared_settings(cfg: CompareConfig) -> dict:
+    return dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
+                batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
+                seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+
+
+def run_plan(plan: dict, cfg: CompareConfig) -> dict:
+    """The runs of `plan` (name: its config) in order, each with run_once. With --resume, a finished run is
+    skipped, and a fine-tune held in its folder starts over when the run it fine-tunes was trained further."""
+    done = {name: finished_run(run_cfg) for name, run_cfg in plan.items()} if cfg.resume else {}
+    runs = {}
+    for name, run_cfg in plan.items():
+        folder = Path(run_cfg.out_dir)
+        held = any((folder / f).exists() for f in ("ckpt.pt", "log.jsonl"))
+        base = next((b for b, c in plan.items() if isinstance(run_cfg, FinetuneConfig)
+                     and run_cfg.ckpt == str(Path(c.out_dir) / "ckpt.pt")), None)
+        stale = base is not None and cfg.resume and not done[base] and held
+        if stale:  # it fine-tuned an earlier state of its base, trained further just now
+            note(f"{folder}: it fine-tuned an earlier state of {Path(plan[base].out_dir)}; starting it over")
+        runs[name] = done.get(name) if done.get(name) and not stale else run_once(name, run_cfg, cfg, stale)
+    return runs
+
+
 def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
     recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     return [(offset + r["tokens"] * flops_per_token, r["val_ce"]) for r in recs if "val_ce" in r]
@@ -191,8 +255,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     check_out_dir(cfg)
     texts = load_lambada(cfg.lambada) if cfg.lambada else None  # a bad file fails before any training
     if cfg.quick:
-        cfg = dataclasses.replace(cfg, block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1,
-                                  finetune_fraction=0.1)
+        cfg = dataclasses.replace(cfg, **QUICK)
     vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
     shape = build_model(cfg.preset, vocab, block_size=cfg.block_size)
     tokens_per_iter = cfg.batch_size * cfg.block_size
@@ -205,24 +268,10 @@ def run_compare(cfg: CompareConfig) -> dict:
          f"steps ({tokens_per_iter} tokens/step; {per_token['ce']:.3e} vs {per_token['cwt']:.3e} "
          "FLOPs/token)")
     root = Path(cfg.out_dir)
-    shared = dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
-                  batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device,
-                  dtype=cfg.dtype, seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
-    plan = {name: TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
-                              warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
-                              eval_interval=max(1, iters // cfg.evals), out_dir=str(root / name), **shared)
-            for name, loss, iters in (("ce", "ce", cfg.ce_iters), ("cwt", "cwt", cwt_iters))}
-    plan["cwt-ft"] = FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.pt"), max_iters=ft_iters,
-                                    warmup_iters=max(1, min(10, ft_iters // 5)),
-                                    eval_interval=max(1, ft_iters // 2), out_dir=str(root / "cwt-ft"), **shared)
-    done = {name: finished_run(run_cfg) for name, run_cfg in plan.items()} if cfg.resume else {}
-    runs = {}
-    for name, run_cfg in plan.items():
-        held = any((root / name / f).exists() for f in ("ckpt.pt", "log.jsonl"))
-        stale = name == "cwt-ft" and cfg.resume and not done["cwt"] and held
-        if stale:  # it fine-tuned an earlier state of cwt, trained further just now
-            note(f"{root / name}: it fine-tuned an earlier state of {root / 'cwt'}; starting it over")
-        runs[name] = done.get(name) if done.get(name) and not stale else run_once(name, run_cfg, cfg, stale)
+    plan = {"ce": pretrain_config(cfg, "ce", cfg.ce_iters, root / "ce"),
+            "cwt": pretrain_config(cfg, "cwt", cwt_iters, root / "cwt"),
+            "cwt-ft": finetune_config(cfg, root / "cwt" / "ckpt.pt", ft_iters, root / "cwt-ft")}
+    runs = run_plan(plan, cfg)
     curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
               "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
               "cwt-ft": val_curve(root / "cwt-ft" / "log.jsonl", per_token["ce"], runs["cwt"]["flops"])}
@@ -282,7 +331,8 @@ def plot_compare(result: dict, path: str) -> None:
 # --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
 
 # settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
-SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite")
+SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite", "negatives_sweep",
+                   "negatives_batch_sizes", "seeds")
 
 
 def run_vocab_sweep(cfg: CompareConfig) -> dict:
@@ -325,13 +375,14 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
     return sweep
 
 
-def finished_size(path: Path, settings: dict) -> dict:
-    """A size's result.json from an earlier run, refused when made with other settings."""
+def finished_size(path: Path, settings: dict, what: str = "size") -> dict:
+    """A size's (or another sweep's point's) result.json from an earlier run, refused when made with other
+    settings."""
     try:
         result = json.loads(path.read_text())
         old = result["sweep_settings"]
     except (ValueError, KeyError, TypeError, RecursionError):
-        raise UserError(f"{path} is not a finished size's results; delete it to run that size again") from None
+        raise UserError(f"{path} is not a finished {what}'s results; delete it to run that {what} again") from None
     if changed := sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k)):
         raise UserError(f"{path} was made with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
                         f"pass them again, another --out_dir, or delete {path.parent}")
@@ -400,6 +451,269 @@ def plot_vocab_sweep(sweep: dict, path: str) -> None:
     save_figure(fig, path)
 
 
+# ----------------------------------------------------------------------------------------------
+# --negatives_sweep: how many negatives CWT needs, at a fixed batch (k sampled, unique, all) and by batch size
+
+# settings a finished point may differ in: which points there are, and where the results go
+POINT_UNCHECKED = (*SWEEP_UNCHECKED, "seed", "batch_size", "quick")
+
+
+def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
+    """Series "k": CE and CWT with each --negatives_sweep entry at --batch_size; series "batch": CE and CWT (all)
+    at each --negatives_batch_sizes size. Every point, once per seed, pre-trains --ce_iters steps (CE: plus the
+    fine-tune's steps, the same tokens in all), CWT then gets its head fine-tune, and each model is scored on the
+    whole validation split. A point whose result.json exists is skipped. Returns one row per series and point."""
+    check_config(cfg)
+    need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
+    from bench import parse_variant
+
+    cfg = dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
+    series = negatives_series(cfg)
+    seeds = cfg.seeds or [cfg.seed]
+    points = [(b, v, s) for b, v in dict.fromkeys(p for pts in series.values() for p in pts) for s in seeds]
+    root = Path(cfg.out_dir)
+    check_points_folder(cfg, root, points)
+    texts = load_lambada(cfg.lambada) if cfg.lambada else None  # a bad file fails before any training
+    data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
+    vocab = padded_vocab_size(load_meta(data_dir)["vocab_size"])
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POINT_UNCHECKED}
+    results = {}
+    for batch, variant, seed in points:
+        done = point_dir(root, batch, variant, seed) / "result.json"
+        if done.is_file():
+            results[batch, variant, seed] = finished_size(done, settings, "point")
+            note(f"{done.parent.name}: finished earlier, skipped ({done})")
+            continue
+        point_cfg = dataclasses.replace(cfg, batch_size=batch, seed=seed)
+        results[batch, variant, seed] = run_point(point_cfg, parse_variant(variant), done.parent, data_dir, vocab,
+                                                  texts)
+        results[batch, variant, seed].update(batch_size=batch, variant=variant, seed=seed, sweep_settings=settings)
+        if is_main_process():
+            write_json(done, results[batch, variant, seed])
+    cost = negatives_cost(cfg, series, vocab) if is_main_process() else {}
+    rows = [negatives_row(cfg, name, batch, variant, [(results[batch, variant, s], results[batch, "ce", s])
+                                                      for s in seeds], cost.get((batch, variant), {}))
+            for name, pts in series.items() for batch, variant in pts]
+    if is_main_process():
+        print(negatives_table(rows))
+    return rows
+
+
+def negatives_series(cfg: CompareConfig) -> dict[str, list[tuple[int, str]]]:
+    """The points (batch size, bench.py variant) of each series; bad values refused in one line."""
+    from bench import negatives_variants
+
+    series = {}
+    if cfg.negatives_sweep:
+        variants = negatives_variants(cfg.negatives_sweep, cfg.batch_size * cfg.block_size)
+        series["k"] = [(cfg.batch_size, v) for v in ("ce", *variants)]
+    if cfg.negatives_batch_sizes:
+        series["batch"] = [(b, v) for b in sorted(cfg.negatives_batch_sizes) for v in ("ce", "cwt")]
+    return series
+
+
+def point_dir(root: Path, batch: int, variant: str, seed: int) -> Path:
+    return root / f"b{batch}-{variant}-s{seed}"
+
+
+def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, str, int]]) -> None:
+    """Before any work: runs of an unfinished point are continued (--resume) or started over (--overwrite)
+    only when asked."""
+    if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
+        raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
+    held = [folder.name for folder in (point_dir(root, *p) for p in points) if not (folder / "result.json").exists()
+            and any((folder / run / f).exists() for run in RUNS for f in ("ckpt.pt", "log.jsonl"))]
+    if held and not (cfg.resume or cfg.overwrite):
+        raise UserError(f"{root} holds unfinished points of an earlier sweep ({', '.join(held)}); continue them with "
+                        "--resume (same settings), start them over with --overwrite, or pick another --out_dir "
+                        "(finished points are skipped either way)")
+
+
+def run_point(cfg: CompareConfig, kw: dict, folder: Path, data_dir: Path, vocab: int,
+              texts: list[str] | None) -> dict:
+    """One point at cfg.batch_size and cfg.seed: CE for ce_iters + fine-tune steps, or CWT with these negatives
+    (bench.parse_variant's keywords) for ce_iters steps and its head fine-tune; every model scored on the whole
+    validation split (and LAMBADA, given texts)."""
+    start = time.time()
+    steps = cfg.ce_iters
+    ft_steps = max(1, math.ceil(cfg.finetune_fraction * steps))
+    if kw["loss"] == "ce":  # the same tokens as CWT and its fine-tune
+        plan = {"ce": pretrain_config(cfg, "ce", steps + ft_steps, folder / "ce")}
+    else:
+        plan = {"cwt": pretrain_config(cfg, "cwt", steps, folder / "cwt", negatives=kw["negatives"],
+                                       num_negatives=kw["num_negatives"]),
+                "cwt-ft": finetune_config(cfg, folder / "cwt" / "ckpt.pt", ft_steps, folder / "cwt-ft")}
+    runs = run_plan(plan, cfg)
+    models = {}
+    for name, run in runs.items():
+        scores = full_val_scores(Path(run["ckpt"]), data_dir, dataclasses.asdict(cfg))
+        models[name] = {"val_ce": scores["val_ce"], "val_bpb": scores["val_bpb"], "val_tokens": scores["tokens"],
+                        "val_bytes": scores["bytes"], "step": scores["step"], "tokens": run["tokens"],
+                        "flops": run["flops"], "seconds": run["seconds"]}
+        if texts and is_main_process():
+            models[name]["lambada"] = lambada_scores(run["ckpt"], texts, cfg)
+    return {"steps": plan[next(iter(plan))].max_iters, "ft_steps": 0 if kw["loss"] == "ce" else ft_steps,
+            "candidates": scored_candidates(cfg, kw, data_dir, vocab), "models": models,
+            "seconds": time.time() - start}
+
+
+def scored_candidates(cfg: CompareConfig, kw: dict, data_dir: Path, vocab: int) -> float:
+    """What each position is scored against: V (CE), k + 1 (sampled), the batch's positions (all), or its
+    distinct targets (unique: their mean over the run's micro-batches)."""
+    if kw["loss"] == "ce":
+        return vocab
+    if kw["num_negatives"]:
+        return kw["num_negatives"] + 1
+    if kw["negatives"] == "all":
+        return cfg.batch_size * cfg.block_size
+    sampler = BatchSampler(open_split(data_dir, "train", vocab), cfg.batch_size, cfg.block_size, cfg.seed)
+    return float(np.mean([sampler.get(i)[1].unique().numel() for i in range(cfg.ce_iters)]))
+
+
+def negatives_cost(cfg: CompareConfig, series: dict, vocab: int) -> dict[tuple[int, str], dict]:
+    """ms per step and peak extra memory of one pre-training step of each point's objective at its batch size:
+    bench.py's interleaved timing of the study's shape (on Zipf-distributed tokens, not the dataset's)."""
+    from bench import BenchConfig, run_bench
+
+    by_batch = {}
+    for batch, variant in dict.fromkeys(p for pts in series.values() for p in pts):
+        by_batch.setdefault(batch, []).append(variant)
+    cost = {}
+    for batch, variants in sorted(by_batch.items()):
+        tokens = batch * cfg.block_size
+        result = run_bench(BenchConfig(mode="step", preset=cfg.preset, vocab=[vocab], step_tokens=[tokens],
+                                       block_size=cfg.block_size, variants=variants, step_variants=variants,
+                                       max_logits=2**62, warmup=0 if cfg.quick else 1, repeats=1 if cfg.quick else 5,
+                                       device=cfg.device, dtype=cfg.dtype))
+        for r in result["rows"]:
+            cost[batch, r["variant"]] = {"step_ms": 1e3 * r["time_s"], "device": result["meta"]["device_name"],
+                                         "peak_mib": None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20}
+    return cost
+
+
+def negatives_row(cfg: CompareConfig, series: str, batch: int, variant: str, pairs: list[tuple[dict, dict]],
+                  cost: dict) -> dict:
+    """One point of a series over its seeds: (its result, CE's at the same batch and seed) for each seed."""
+    from bench import negatives_label, parse_variant
+
+    kw = parse_variant(variant)
+    per_seed = [seed_scores(result, ce) for result, ce in pairs]
+    first = pairs[0][0]
+    row = dict(series=series, label=negatives_label(variant), variant=variant, loss=kw["loss"],
+               negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"],
+               batch_size=batch, block_size=cfg.block_size,
+               candidates=statistics.mean(r["candidates"] for r, _ in pairs),
+               steps=first["steps"], ft_steps=first["ft_steps"], seeds=[p["seed"] for p in per_seed],
+               tokens=first["models"]["ce" if kw["loss"] == "ce" else "cwt-ft"]["tokens"],
+               flops=statistics.mean(p["flops"] for p in per_seed))
+    for key in ("val_ce", "val_bpb", "bpb_vs_ce", "raw_val_ce", "raw_val_bpb", "raw_bpb_vs_ce", "lambada_acc"):
+        row[key], row[f"{key}_std"] = mean_and_spread([p.get(key) for p in per_seed])
+    row.update(step_ms=cost.get("step_ms"), peak_mib=cost.get("peak_mib"), cost_device=cost.get("device"),
+               preset=cfg.preset, dataset=cfg.dataset, seconds=sum(r["seconds"] for r, _ in pairs),
+               per_seed=per_seed)
+    return row
+
+
+def seed_scores(result: dict, ce: dict) -> dict:
+    """One seed of a point: its final model's scores (CE, or CWT after the head fine-tune), the raw CWT model's,
+    and both in bits per byte less CE's at the same batch size and seed."""
+    models = result["models"]
+    final = models.get("cwt-ft") or models["ce"]
+    raw = models.get("cwt")
+    ce_bpb = ce["models"]["ce"]["val_bpb"]
+    scores = {"seed": result["seed"], "val_ce": final["val_ce"], "val_bpb": final["val_bpb"],
+              "bpb_vs_ce": None if raw is None else final["val_bpb"] - ce_bpb, "tokens": final["tokens"],
+              "flops": final["flops"], "seconds": result["seconds"]}
+    if raw is not None:
+        scores.update(raw_val_ce=raw["val_ce"], raw_val_bpb=raw["val_bpb"], raw_bpb_vs_ce=raw["val_bpb"] - ce_bpb)
+    if "lambada" in final:
+        scores["lambada_acc"] = final["lambada"]["acc"]
+    return scores
+
+
+def mean_and_spread(values: list[float | None]) -> tuple[float | None, float | None]:
+    """The mean over seeds and their sample standard deviation (none from one seed, or a missing value)."""
+    if not values or any(v is None for v in values):
+        return None, None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def negatives_table(rows: list[dict]) -> str:
+    lambada = any(r["lambada_acc"] is not None for r in rows)
+    head = ["series", "batch", "negatives", "candidates/row", "tokens", "FLOPs", "val CE", "val bpb", "bpb − CE",
+            "raw bpb", "ms/step", "peak MiB", "minutes", *(["LAMBADA acc"] if lambada else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["series"], f"{r['batch_size']} x {r['block_size']}", r["label"], f"{r['candidates']:,.0f}",
+                 f"{r['tokens']:,}", f"{r['flops']:.3e}", *(spread(r, key) for key in ("val_ce", "val_bpb",
+                                                                                      "bpb_vs_ce", "raw_val_bpb")),
+                 format_metric(r["step_ms"], 1), format_metric(r["peak_mib"], 1), f"{r['seconds'] / 60:.1f}",
+                 *([spread(r, "lambada_acc")] if lambada else [])]
+        lines.append("| " + " | ".join(cells) + " |")
+    seeds = rows[0]["seeds"] if rows else []
+    device = next((r["cost_device"] for r in rows if r["cost_device"]), "-")
+    return "\n".join(lines + ["", f"Mean ± sample standard deviation over seeds {', '.join(map(str, seeds))} "
+                              f"(n={len(seeds)}). val CE and val bpb on the whole validation split; CWT rows after "
+                              "the head fine-tune (raw bpb: before it, scored with the tied E); bpb − CE: against "
+                              "CE at the same batch size and seed, which trains on the same tokens. Series k: a "
+                              "fixed batch; series batch: more tokens per step, as the paper's batch sizes. "
+                              f"ms/step and peak MiB: one pre-training step of this shape (bench.py, {device})."])
+
+
+def spread(row: dict, key: str) -> str:
+    """A row's mean over seeds, ± their standard deviation when there are several; differences signed."""
+    mean = row[key]
+    std = row[f"{key}_std"]
+    if mean is None:
+        return "-"
+    shown = f"{mean:+.4f}" if key.endswith("_vs_ce") else f"{mean:.4f}"
+    return shown if std is None else f"{shown} ± {std:.4f}"
+
+
+def plot_negatives_sweep(rows: list[dict], path: str) -> None:
+    """Two panels against the negatives scored per row (log x): bits per byte less CE's at the same batch
+    (after the fine-tune, and raw), and the cost of a step (time, and memory on a second axis)."""
+    plt = import_pyplot()
+    fig, (quality, cost) = plt.subplots(1, 2, figsize=(12, 4.4))
+    memory = cost.twinx()
+    for i, (name, title) in enumerate((("k", "fixed batch: k sampled, unique, all"),
+                                       ("batch", "batch size grows (all)"))):
+        mine = sorted((r for r in rows if r["series"] == name and r["loss"] == "cwt"), key=lambda r: r["candidates"])
+        if not mine:
+            continue
+        x = [r["candidates"] - 1 for r in mine]
+        quality.errorbar(x, [r["bpb_vs_ce"] for r in mine], yerr=[r["bpb_vs_ce_std"] or 0 for r in mine],
+                         marker="o", capsize=3, color=f"C{i}", label=f"CWT + fine-tune, {title}")
+        quality.plot(x, [r["raw_bpb_vs_ce"] for r in mine], ":", marker=".", color=f"C{i}",
+                     label="raw CWT (before the fine-tune)" if i == 0 else None)
+        for r, xi in zip(mine, x):  # the batch series' names below its points: `all` and B=... may coincide
+            quality.annotate(r["label"] if name == "k" else f"B={r['batch_size']}", (xi, r["bpb_vs_ce"]),
+                             textcoords="offset points", xytext=(4, 4 if name == "k" else -10), fontsize=7)
+        timed = [(xi, r) for xi, r in zip(x, mine) if r["step_ms"] is not None]
+        cost.plot([xi for xi, _ in timed], [r["step_ms"] for _, r in timed], marker="o", color=f"C{i}",
+                  label=f"ms/step, {title}")
+        measured = [(xi, r) for xi, r in timed if r["peak_mib"] is not None]
+        memory.plot([xi for xi, _ in measured], [r["peak_mib"] for _, r in measured], "--", marker="s",
+                    color=f"C{i}", label=f"peak MiB, {title}")
+    quality.axhline(0, color="grey", lw=1, label="CE, same batch and tokens")
+    quality.set(xscale="log", xlabel="negatives per row", ylabel="validation bits per byte − CE's")
+    cost.set(xscale="log", xlabel="negatives per row", ylabel="ms per pre-training step")
+    memory.set(ylabel="peak extra memory of a step (MiB)")
+    cost.set_ylim(bottom=0)
+    memory.set_ylim(bottom=0)
+    for ax in (quality, cost):
+        ax.grid(True, which="both", alpha=0.3)
+    quality.legend(fontsize=7)
+    handles = [h for ax in (cost, memory) for h in ax.get_legend_handles_labels()[0]]
+    cost.legend(handles, [h.get_label() for h in handles], fontsize=7)
+    if cwt := [r for r in rows if r["loss"] == "cwt"]:
+        r = cwt[0]
+        fig.suptitle(f"How many negatives CWT needs: {r['preset']} on {Path(r['dataset']).name}, {r['steps']} steps + "
+                     f"{r['ft_steps']} of fine-tune, seeds {', '.join(map(str, r['seeds']))}", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
     check_config(cfg)
@@ -408,10 +722,12 @@ def main(argv: list[str]) -> None:
             check_output_path(path, flag)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
+    negatives = bool(cfg.negatives_sweep or cfg.negatives_batch_sizes)
     sweep = bool(cfg.vocab_sizes)
-    result = run_vocab_sweep(cfg) if sweep else run_compare(cfg)
+    result = run_negatives_sweep(cfg) if negatives else run_vocab_sweep(cfg) if sweep else run_compare(cfg)
+    plot = plot_negatives_sweep if negatives else plot_vocab_sweep if sweep else plot_compare
     if is_main_process():  # under torchrun every rank trains; one writes
-        save_results(result, cfg.json, cfg.plot, plot_vocab_sweep if sweep else plot_compare)
+        save_results(result, cfg.json, cfg.plot, plot)
 
 
 if __name__ == "__main__":
