@@ -45,6 +45,7 @@ import numpy as np
 from common import (
     DeviceName,
     DtypeName,
+    Interrupted,
     UserError,
     barrier,
     checkpoint_model,
@@ -164,8 +165,8 @@ def finished_run(run_cfg: TrainConfig) -> dict | None:
             raise UserError(f"{path.parent} holds a run with {key}={before[key]!r} but this compare.py plans "
                             f"{key}={planned!r}; resume with that run's settings, start over with --overwrite, or "
                             "pick another --out_dir")
-    if ckpt.get("step") != run_cfg.max_iters:
-        return None
+    if ckpt.get("step") != run_cfg.max_iters or ckpt.get("state", {}).get("val_step", ckpt["step"]) != ckpt["step"]:
+        return None  # not there yet, or stopped before its last validation
     note(f"{path.parent}: finished earlier ({ckpt['step']} steps); skipped")
     return {"step": ckpt["step"], "val": ckpt.get("val"), "first_val": ckpt.get("first_val"),
             "loss": ckpt.get("loss"), "ckpt": str(path), "interrupted": False, "seconds": None,
@@ -194,7 +195,7 @@ def run_once(name: str, run_cfg: TrainConfig, cfg: CompareConfig, start_over: bo
     summary = finetune(run_cfg) if isinstance(run_cfg, FinetuneConfig) else train(run_cfg)
     if summary["interrupted"]:  # Ctrl-C or SIGTERM: the run saved its checkpoint; the next ones wait
         note(f"compare.py stopped during {name}; continue it with the same settings and --resume")
-        raise KeyboardInterrupt
+        raise Interrupted(summary["signal"])
     return summary
 
 

@@ -51,7 +51,7 @@ from common import (
     run_main,
 )
 from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_bytes, same_tokenizer, special_ids
-from results import check_output_path, format_metric, parse_jsonl_line, write_json
+from results import check_finite, check_output_path, format_metric, parse_jsonl_line, write_json
 from train import contrastive_table, evaluate
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
@@ -214,6 +214,7 @@ def run_lambada(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype:
     tokenizer = dataset_tokenizer(ckpt)
     texts = load_lambada(cfg.data)[:cfg.max_examples]
     r = score_lambada(model, tokenizer, texts, cfg.batch_size, device, dtype, progress=True)
+    check_finite({"acc": r["acc"], "ppl": r["ppl"]}, f"lambada_openai of {cfg.ckpt}")
     print(f"lambada_openai: acc {r['acc']:.4f} | ppl {format_metric(r['ppl'], 2)} | n {r['n']} | "
           f"{r['n'] / r['seconds']:.1f} examples/s | {r['tokens'] / r['seconds']:,.0f} tokens/s")
     return {"task": "lambada", "n": r["n"], "acc": r["acc"], "ppl": r["ppl"],
@@ -249,6 +250,7 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
                        contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
                        train_cfg.get("temperature", 1.0), None, mask, byte_counts, special_ids(meta))
     seconds = time.time() - start
+    check_finite(metrics, f"{cfg.split} of {cfg.ckpt}")
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
     print(f"{cfg.split} ({dataset}): {shown} | {n / seconds:,.0f} tokens/s")

@@ -50,7 +50,7 @@ from common import (
 )
 from data import dataset_tokenizer
 from model import GPT
-from results import check_output_path, parse_jsonl_line, write_json
+from results import check_finite, check_output_path, parse_jsonl_line, write_json
 from train import optimizer_step
 
 GLUE_HUB = "nyu-mll/glue"
@@ -418,6 +418,7 @@ def main(argv: list[str]) -> dict:
     cfg = parse_flags(GlueConfig, argv)
     result = fine_tune(cfg)
     shown = [k for k in result if k.split("_")[0] in METRICS or k == "score"]
+    check_finite({k: result[k] for k in shown}, f"{cfg.task} of {cfg.ckpt}")
     print(f"{cfg.task}: " + " | ".join(f"{k} {100 * result[k]:.2f}" for k in shown))
     if cfg.json:
         write_json(cfg.json, result)

@@ -763,6 +763,10 @@ def export(ckpt: str, out: str) -> Path:
                         "a train.py checkpoint?")
     c = model.config
     hf_config(c, 0)  # refuse an architecture without a transformers class before writing anything
+    damaged = next((k for k, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if damaged:
+        raise UserError(f"{ckpt}: weight {damaged} is not finite (NaN or infinity); a damaged or diverged model "
+                        "is not exported")
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     created: list[Path] = []
     done = False

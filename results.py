@@ -3,6 +3,7 @@ bench.py, compare.py, glue.py, xnli.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -36,9 +37,24 @@ def check_output_path(path: str | Path, flag: str) -> None:
         raise UserError(f"--{flag}={path}: {parent} is not writable; pass a path you can write")
 
 
+def check_finite(values: Any, what: str) -> None:
+    """Every number a script prints or writes is finite, or it stops in one line naming the first that is not
+    (NaN or infinite weights give NaN metrics, and JSON has no NaN)."""
+    if isinstance(values, dict):
+        for key, value in values.items():
+            check_finite(value, f"{what}: {key}")
+    elif isinstance(values, (list, tuple)):
+        for i, value in enumerate(values):
+            check_finite(value, f"{what}[{i}]")
+    elif isinstance(values, float) and not math.isfinite(values):
+        raise UserError(f"{what} is {values}, not a finite number: the model's weights or scores are not finite "
+                        "(a damaged or diverged checkpoint?); nothing was written")
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     """A results file (--json=PATH), written atomically. When the write fails all the same (a disk that
     filled up or went read-only during the run), the results go to stdout, not lost with the run."""
+    check_finite(obj, "the results")
     text = json.dumps(obj, indent=1, default=str) + "\n"
     try:
         with atomic_file(path, "w") as f:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 import glue
 from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
 from data import dataset_tokenizer
-from results import check_output_path, parse_jsonl_line, write_json
+from results import check_finite, check_output_path, parse_jsonl_line, write_json
 
 XNLI_HUB = "facebook/xnli"
 XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")
@@ -295,6 +295,7 @@ def main(argv: list[str]) -> dict:
     cfg = parse_flags(XnliConfig, argv)
     result = run_xnli(cfg)
     cells = [f"{lang} {100 * acc:.2f}" for lang, acc in result["accuracy"].items()]
+    check_finite(result, f"xnli of {cfg.ckpt}")
     print(f"xnli (train {cfg.train_lang}): " + " | ".join([*cells, f"average {100 * result['average']:.2f}"]))
     if cfg.json:
         write_json(cfg.json, result)

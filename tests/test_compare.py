@@ -144,3 +144,15 @@ def test_an_out_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
             compare.run_compare(compare.CompareConfig(out_dir=str(out), quick=True, data_root=str(tmp_path / "d")))
         assert str(e.value) == f"--out_dir={out}: it, or a folder above it, is a file; pass a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no dataset prepared
+
+
+def test_a_run_stopped_before_its_last_validation_is_not_finished(tmp_path):
+    """compare.py --resume took a run at its last step for finished even when the stop came before that
+    step's validation, and tabled the previous validation's numbers."""
+    run_cfg = train.TrainConfig(out_dir=str(tmp_path), max_iters=4)
+    state = {"step": 4, "val_step": 2}
+    torch.save({"model": {}, "model_config": {}, "step": 4, "state": state, "train_config": {}}, tmp_path / "ckpt.pt")
+    assert compare.finished_run(run_cfg) is None
+    torch.save({"model": {}, "model_config": {}, "step": 4, "state": {**state, "val_step": 4}, "train_config": {}},
+               tmp_path / "ckpt.pt")
+    assert compare.finished_run(run_cfg)["step"] == 4

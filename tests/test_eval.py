@@ -4,11 +4,13 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import refused_before_any_work
+from hypothesis import given, settings, strategies as st
 from test_train import read_log, tiny_config
 
 import eval as evaluation
@@ -302,3 +304,36 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
 ])
 def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(evaluation.main, flags, message, tmp_path)
+
+
+def test_val_on_a_dataset_of_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
+    """bpe:512 ids scored as GPT-2's gave val_bpb 8.06 and exit 0; the tokenizers are compared first."""
+    model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "data_meta": {"tokenizer": "bpe:512", "tokenizer_sha256": "0" * 64, "vocab_size": 512},
+                "train_config": {"dataset": "elsewhere"}}, ckpt)
+    with pytest.raises(UserError, match=f"trained with tokenizer 'bpe:512' but {tiny_data_dir} uses 'gpt2'"):
+        evaluation.main([f"--ckpt={ckpt}", "--task=val", f"--dataset={tiny_data_dir}", "--max_batches=1"])
+
+
+@settings(max_examples=8, deadline=None)
+@given(scale=st.sampled_from([1e-3, 1.0, 1e3, 1e30, math.inf, math.nan]), task=st.sampled_from(["val", "lambada"]))
+def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_data_dir, scale, task):
+    """NaN, infinite or overflowing weights (1e30) printed `val_ce nan` and wrote a bare NaN into --json."""
+    out = Path(tempfile.mkdtemp())
+    model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
+    with torch.no_grad():
+        model.wte.weight.mul_(scale)
+    ckpt = save_checkpoint(model, out / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
+    (out / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GPT2_TEXTS[:2]))
+    flags = [f"--ckpt={ckpt}", f"--task={task}", "--max_batches=1", f"--data={out / 'lambada.jsonl'}",
+             f"--json={out / 'result.json'}", "--device=cpu"]
+    try:
+        result = evaluation.main(flags)
+    except UserError as e:
+        assert "not a finite number" in str(e) and "\n" not in str(e)
+        assert not (out / "result.json").exists()
+        return
+    assert all(math.isfinite(v) for v in result.values() if isinstance(v, float))
+    assert json.loads((out / "result.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == result

@@ -209,3 +209,12 @@ def test_export_command_line(checkpoints, tmp_path, capsys):
     assert "not empty" in one_line(e)
     with pytest.raises(UserError, match="usage"):
         hf.main(["--ckpt=x"])
+
+
+def test_a_model_with_non_finite_weights_is_not_exported(checkpoints, tmp_path):
+    ckpt = torch.load(checkpoints["ce"], weights_only=True)
+    ckpt["model"]["blocks.0.mlp.up.weight"][0, 0] = float("nan")
+    torch.save(ckpt, tmp_path / "nan.pt")
+    with pytest.raises(UserError, match="weight blocks.0.mlp.up.weight is not finite") as e:
+        hf.export(str(tmp_path / "nan.pt"), str(tmp_path / "hf"))
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()

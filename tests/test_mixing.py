@@ -3,12 +3,15 @@ WordPiece tokenizer with its own [MASK]."""
 from __future__ import annotations
 
 import json
+import math
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import data
 import mixing
@@ -129,3 +132,33 @@ def test_an_encoder_on_a_wordpiece_mix_masks_with_its_own_mask_id(tmp_path):
     ckpt = torch.load(tmp_path / "mlm" / "ckpt.pt", weights_only=True)
     assert ckpt["mask_spec"]["mask_token"] == 4 and ckpt["tokenizer_json"]  # its own [MASK], carried along
     assert list(ckpt["mask_spec"]["special_tokens"]) == [0, 1, 2, 3, 4]
+
+
+def test_a_mixed_runs_perplexity_is_that_of_its_mean_ce(languages, tmp_path):
+    """val_ppl beside val_ce means exp(val_ce), for a mix as for one source (it was the mean of the sources'
+    perplexities, which is larger)."""
+    root, _ = languages
+    val = train.train(config(root, tmp_path, max_iters=2, eval_interval=2))["val"]
+    assert val["val_ppl"] == pytest.approx(math.exp(val["val_ce"]), rel=1e-12)
+    assert val["val_ppl_big"] == pytest.approx(math.exp(val["val_ce_big"]), rel=1e-12)
+
+
+@settings(max_examples=3, deadline=None)
+@given(alpha=st.sampled_from([0.3, 1.0, 2.5]))
+def test_the_fine_tune_draws_its_sources_as_the_pre_training_did(languages, alpha):
+    """Shares p ~ size^alpha, in pre-training and in its fine-tune, which inherits --mix_alpha (it drew
+    0.826 / 0.174 after a pre-training at alpha 1.0: 0.995 / 0.005)."""
+    from finetune import FinetuneConfig, finetune
+
+    root, names = languages
+    out = Path(tempfile.mkdtemp())
+    sizes = [data.load_meta(root / n)["train_tokens"] for n in names]
+    expected = np.array(sizes, dtype=np.float64) ** alpha
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(__import__("model").PRESETS, "tiny", dict(n_layer=1, n_head=2, d_model=32, block_size=64))
+        train.train(config(root, out / "pre", max_iters=1, eval_interval=1, eval_batches=1, mix_alpha=alpha))
+        finetune(FinetuneConfig(ckpt=str(out / "pre" / "ckpt.pt"), data_root=str(root), out_dir=str(out / "ft"),
+                                max_iters=1, eval_batches=1, device="cpu"))
+    for run in ("pre", "ft"):
+        mix = torch.load(out / run / "ckpt.pt", weights_only=True)["mix"]
+        assert [mix[n] for n in names] == pytest.approx(list(expected / expected.sum()), rel=1e-9), run

@@ -107,3 +107,25 @@ def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
     logs = [(tmp_path / name / "log.jsonl").read_text().splitlines() for name in ("straight", "resumed")]
     losses = [{json.loads(line)["step"]: json.loads(line).get("loss") for line in log} for log in logs]
     assert losses[0] == losses[1]
+
+
+@pytest.mark.usefixtures("small_tiny_preset")
+def test_unique_negatives_are_charged_the_distinct_targets(tiny_data_dir, tmp_path, monkeypatch):
+    """FLOPs of --negatives=unique count the U distinct targets of each micro-batch, not its N positions."""
+    from test_train import tiny_config
+
+    import data
+    import train
+
+    seen = []
+    real_get = data.BatchSampler.get
+
+    def get(self, index):
+        x, y = real_get(self, index)
+        seen.append(len(torch.unique(y)))
+        return x, y
+    monkeypatch.setattr(data.BatchSampler, "get", get)
+    summary = train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=3, eval_interval=3, negatives="unique"))
+    model = __import__("model").build_model("tiny", 50304, block_size=32)
+    expected = sum(8 * 32 * model.flops_per_token(32, u) for u in seen)
+    assert len(seen) == 3 and max(seen) < 8 * 32 and summary["flops"] == pytest.approx(expected, rel=1e-12)
