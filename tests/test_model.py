@@ -160,3 +160,30 @@ def test_load_model_round_trip(tmp_path):
     torch.save({"weights": state}, path)
     with pytest.raises(ValueError, match="not a headless-lm checkpoint"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(lm_head=True, parallel_residual=False, norm="rmsnorm", bias=False)])
+def test_the_depth_scaled_init_follows_the_marker_and_gives_the_weights_of_before(overrides, monkeypatch):
+    """Residual outputs are marked (model.residual_output), not found by a name suffix: at a fixed seed the
+    weights are those of the old rule (zero biases, N(0, 0.02), "proj"/"down" weights shrunk with depth)."""
+    import math
+
+    from model import GPT, GPTConfig
+
+    config = dict(vocab_size=96, block_size=16, n_layer=3, n_head=2, d_model=16, **overrides)
+    torch.manual_seed(0)
+    marked = GPT(GPTConfig(**config))
+    torch.manual_seed(0)
+    with monkeypatch.context() as mp:  # built without the init loop (it walks self.modules()): the old rule next
+        mp.setattr(GPT, "modules", lambda self: iter(()))
+        old = GPT(GPTConfig(**config))
+    for name, p in old.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+        elif p.dim() == 2:
+            depth_scaled = name.endswith(("proj.weight", "down.weight"))
+            torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * 3) if depth_scaled else 0.02)
+    for (name, a), b in zip(marked.state_dict().items(), old.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert {n for n, m in marked.named_modules() if getattr(m, "residual_output", False)} == \
+        {f"blocks.{i}.{part}" for i in range(3) for part in ("attn.proj", "mlp.down")}
