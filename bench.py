@@ -8,6 +8,7 @@
     python bench.py --mode=data         # tokenisation (1 and 2 processes) and batch throughput
     torchrun --standalone --nproc_per_node=8 bench.py --mode=ddp   # tokens/s per rank, scaling efficiency
     python bench.py --gpu_check         # a few minutes: everything CUDA-specific works, in one report
+    python bench.py --gpu_check --check_presets=tiny   # without CUDA: a CPU dry run of the same checks
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --json=sweep.json --plot=sweep.png
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --quick   # tiny shape: minutes on a CPU
     python bench.py --negatives_sweep=64,256,unique,all --quick            # CWT's cost as its negatives grow
@@ -1045,7 +1046,7 @@ def gpu_checks(device: torch.device, shape: CheckShape, step_shapes: list[CheckS
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
         checks[f"DDP over NCCL, {gpus} GPUs, global negatives"] = lambda: check_script(
             [*torchrun, str(here / "train.py"), *train_flags, f"--out_dir={scratch / 'ddp'}",
-             "--negatives_scope=global"], "MFU")
+             "--negatives_scope=global"], progress)
         checks[f"DDP scaling, {gpus} GPUs"] = lambda: check_script(
             [*torchrun, str(here / "bench.py"), "--mode=ddp", "--preset=pythia-70m", "--vocab=50304",
              "--step_tokens=4096", "--block_size=512", "--step_variants=cwt", "--repeats=5"], "| cwt |")
