@@ -1124,8 +1124,9 @@ def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
     else:
         shape = DRY_RUN_SHAPE
         step_shape = DRY_RUN_STEP_SHAPE
-        title = (f"CPU dry run of the GPU check (not a GPU result): {torch.get_num_threads()} CPU threads, torch "
-                 f"{torch.__version__}, torch.compile backend {cfg.check_backend}")
+        threads = torch.get_num_threads()
+        title = (f"CPU dry run of the GPU check (not a GPU result): CPU, {threads} thread{'s' * (threads > 1)}, "
+                 f"torch {torch.__version__}, torch.compile backend {cfg.check_backend}")
     step_shapes = [dataclasses.replace(step_shape, preset=p) for p in presets]
     steps: list[StepRow] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

@@ -1,7 +1,7 @@
 """bench.py --gpu_check and --mode=ddp: what runs without a GPU. Without CUDA, --gpu_check is a CPU dry run of
 the same checks; here with torch.compile's eager backend (inductor builds for minutes on a CPU) and smaller
-shapes, so the whole dry run, train.py --compile included, takes seconds. Flash attention runs on the CPU's own
-flash kernel below; NCCL only runs on a GPU machine."""
+shapes, so the whole dry run, train.py --compile included, takes seconds (in one thread: on a busy 2-core machine
+the small ops are slower in two). Flash attention runs on the CPU's own flash kernel below; NCCL only on GPUs."""
 from __future__ import annotations
 
 import math
@@ -24,8 +24,9 @@ def table_rows(report: str, first_cell: str) -> list[list[str]]:
     return [row for row in rows if row[0] == first_cell]
 
 
-def test_without_cuda_gpu_check_is_a_cpu_dry_run_with_the_same_report(monkeypatch, capsys):
+def test_without_cuda_gpu_check_is_a_cpu_dry_run_with_the_same_report(monkeypatch, capsys, one_thread):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # train.py's run too
     monkeypatch.setattr(bench, "DRY_RUN_SHAPE", SMALL)
     monkeypatch.setattr(bench, "DRY_RUN_STEP_SHAPE", bench.CheckShape(vocab=1024, block=32, batch=2, repeats=2))
     with pytest.raises(SystemExit) as done:
