@@ -1,5 +1,6 @@
 """chunked.py, the memory-flat losses: the same values and gradients as the plain ones."""
 import math
+import sys
 
 import pytest
 import torch
@@ -286,3 +287,21 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
     for key in runs[0]:
         assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key
+
+
+def test_bench_times_another_chunked_py_beside_this_one(tmp_path):
+    import bench
+
+    ref = tmp_path / "chunked.py"  # a stand-in that records its calls
+    ref.write_text("import torch.nn.functional as F\n\nCALLS = []\n\n\n"
+                   "def chunked_cross_entropy(h, candidates, labels, temperature=1.0, chunk_size=1024):\n"
+                   "    CALLS.append(chunk_size)\n"
+                   "    return F.cross_entropy(h @ candidates.T / temperature, labels)\n")
+    cfg = bench.BenchConfig(mode="loss", preset="tiny", vocab=[512], tokens=[64], variants=["cwt", "cwt-chunk16"],
+                            repeats=1, warmup=0, memory=False, chunked_ref=str(ref))
+    rows = bench.run_bench(cfg)["rows"]
+    assert [r["variant"] for r in rows] == ["cwt", "cwt-chunk16", "cwt-chunk16@ref"]
+    assert bench.reference_chunked(str(ref)).CALLS == [16]  # the @ref row ran the stand-in, once
+    assert sys.modules["chunked"] is chunked  # and the usual module is back
+    with pytest.raises(UserError, match="--chunked_ref=.* is not a file"):
+        bench.check_config(bench.BenchConfig(chunked_ref=str(tmp_path / "missing.py")))
