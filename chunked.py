@@ -135,12 +135,10 @@ def _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, d
         losses = torch.empty(h.size(0), device=h.device, dtype=acc)
         grad_h = torch.empty_like(h, dtype=acc) if need_h else None
         grad_c = torch.zeros_like(candidates, dtype=acc) if need_c else None
-        # one block of scores, reused: a fresh one per block would cost as much in page faults as a pass
-        block = torch.empty(min(chunk_size, h.size(0)), cc.size(0), device=h.device, dtype=acc)
-        low = None if dtype == acc else torch.empty_like(block, dtype=dtype)  # its copy in the matmul dtype
+        block, low = _block_buffers(min(chunk_size, h.size(0)), cc.size(0), h.device, dtype, acc)
         for start in range(0, h.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
-            s = _scores(block, low, hc[rows], cc, temperature)
+            s = _scores(block, low, hc[rows], cc, temperature, acc)
             if exclude is not None:
                 _exclude_(s, exclude[rows])
             row_pos = None if pos is None else pos[rows]
@@ -154,7 +152,7 @@ def _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, d
                 s.scatter_add_(1, labels[rows, None], -z[:, None])
             # d loss / d scores = weight * (softmax - one-hot); scores = h . c / temperature
             scale = torch.where(z > 0, weights[rows] / (temperature * z), 0.0)[:, None]
-            d = s if low is None else low[:s.size(0)].copy_(s)
+            d = s.to(dtype) if low is None else low[:s.size(0)].copy_(s)
             if need_h:
                 grad_h[rows] = (d @ cc).to(acc) * scale
             if need_c:
@@ -171,14 +169,24 @@ def _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, d
     return losses, grads
 
 
-def _scores(block, low, h_rows, candidates, temperature):
-    """A block's scores, written into (the first rows of) `block`, through `low` when the matmul's dtype
-    is another."""
-    s = block[:h_rows.size(0)]
-    if low is None:
-        torch.mm(h_rows, candidates.T, out=s)
+def _block_buffers(rows, columns, device, dtype, acc):
+    """One block of scores reused by every block (and its copy in the matmul dtype if that is another):
+    in eager mode on a CPU, fresh pages for each block cost about as much as a pass over it. (None, None)
+    under torch.compile, which plans the memory itself and would only copy the in-place edits back."""
+    if torch.compiler.is_compiling():
+        return None, None
+    block = torch.empty(rows, columns, device=device, dtype=acc)
+    return block, None if dtype == acc else torch.empty_like(block, dtype=dtype)
+
+
+def _scores(block, low, h_rows, candidates, temperature, acc):
+    """A block's scores in acc: written into the first rows of `block` (through `low`), or fresh."""
+    if block is None:
+        s = (h_rows @ candidates.T).to(acc)
+    elif low is None:
+        s = torch.mm(h_rows, candidates.T, out=block[:h_rows.size(0)])
     else:
-        s.copy_(torch.mm(h_rows, candidates.T, out=low[:h_rows.size(0)]))
+        s = block[:h_rows.size(0)].copy_(torch.mm(h_rows, candidates.T, out=low[:h_rows.size(0)]))
     if temperature != 1.0:  # x / 1 == x: skip a pass over the block
         s.div_(temperature)
     return s
