@@ -81,7 +81,7 @@ class _MeanLossGradInForward(torch.autograd.Function):
                 need_h, need_c, need_p):
         weights = None
         if need_h or need_c or need_p:
-            weights = torch.full((h.size(0),), 1 / h.size(0), device=h.device,
+            weights = torch.full((h.size(0),), 1 / max(h.size(0), 1), device=h.device,  # no rows: nan, as plain
                                  dtype=torch.promote_types(dtype, torch.float32))
         losses, grads = _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, dtype,
                                weights, (need_h, need_c, need_p))
