@@ -29,6 +29,8 @@ time and memory also as a ratio to the smallest V. --json writes a list of rows 
 tokens, step_ms, peak_mib, ...); --plot draws time and memory against V.
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
+--chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
+interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
 """
 from __future__ import annotations
 
