@@ -34,10 +34,15 @@ position (all), CE beside; loss and step rows at each --vocab and --step_tokens,
 --json writes a list of rows, --plot time and memory per entry (docs/negatives.md).
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
+--chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
+interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -115,6 +120,7 @@ class BenchConfig:
     vocab_sweep: list[int] = field(default_factory=list)  # V sizes: CE vs CWT across vocabularies (run_vocab_sweep)
     negatives_sweep: list[str] = field(default_factory=list)  # k, unique, all: CWT's cost (run_negatives_sweep)
     val_chunk: int = 1024  # --mode=val: rows scored at a time by the chunked validation pass
+    chunked_ref: str = ""  # loss rows: another chunked.py, timed beside this one as '<variant>@ref' (-chunkN ones)
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -123,6 +129,9 @@ def check_config(cfg: BenchConfig) -> None:
     in_range(cfg, "vocab", 2)
     in_range(cfg, "vocab_sweep", 2)
     in_range(cfg, "warmup", 0)
+    if cfg.chunked_ref and not Path(cfg.chunked_ref).is_file():
+        raise UserError(f"--chunked_ref={cfg.chunked_ref} is not a file; give the path of a chunked.py to compare "
+                        "with, e.g. one written by `git show main:chunked.py > /tmp/ref/chunked.py`")
 
 
 QUICK = dict(preset="tiny", vocab=[8192, 50304], tokens=[512],
@@ -190,15 +199,16 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
         targets = zipf_tokens(tokens, vocab, gen).to(device)
 
         def make(variant):
-            kw = parse_variant(variant)
+            kw = parse_variant(variant.removesuffix(REF))
+            module = reference_chunked(spec["chunked_ref"]) if variant.endswith(REF) else None
 
             def step():
-                with autocast_context(device, dtype):
+                with autocast_context(device, dtype), chunked_as(module):
                     loss = training_loss(h, targets, emb, emb, generator=loss_rng, **kw)
                 loss.backward()
                 h.grad = emb.grad = None
             return step
-        flops = {v: 6 * tokens * d * columns(v, vocab, targets) for v in variants}
+        flops = {v: 6 * tokens * d * columns(v.removesuffix(REF), vocab, targets) for v in variants}
         return {v: make(v) for v in variants}, flops, {"d_model": d}
 
     mlm = spec["kind"] == "mlm"
@@ -225,6 +235,40 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
              * columns(v, vocab, scored) for v in variants}
     return {v: make(v) for v in variants}, flops, {"d_model": model.config.d_model, "block_size": block,
                                                    "batch_size": tokens // block}
+
+
+REF = "@ref"  # a loss variant timed with --chunked_ref's chunked.py
+
+
+def with_reference_variants(variants: list[str], ref: str) -> list[str]:
+    """--chunked_ref: each -chunkN variant, then the same one with the reference chunked.py."""
+    return [x for v in variants for x in ([v, v + REF] if ref and parse_variant(v)["chunk_size"] else [v])]
+
+
+@functools.cache
+def reference_chunked(path: str):
+    """The chunked.py at `path` as a module of its own (the one imported as `chunked` stays as it is)."""
+    spec = importlib.util.spec_from_file_location("chunked_ref", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def chunked_as(module):
+    """Code run inside imports `chunked` as `module` (the losses import it when called); None: unchanged."""
+    if module is None:
+        yield
+        return
+    saved = sys.modules.get("chunked")
+    sys.modules["chunked"] = module
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sys.modules["chunked"]
+        else:
+            sys.modules["chunked"] = saved
 
 
 def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
@@ -394,7 +438,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     peak = peak_flops(device)
     grid = []
     if cfg.mode in ("both", "loss"):
-        grid += [("loss", v, n, cfg.variants) for v in cfg.vocab for n in cfg.tokens]
+        grid += [("loss", v, n, with_reference_variants(cfg.variants, cfg.chunked_ref)) for v in cfg.vocab
+                 for n in cfg.tokens]
     if cfg.mode in ("both", "step"):
         grid += [("step", v, n, cfg.step_variants) for v in cfg.vocab for n in cfg.step_tokens]
     if cfg.mode in ("both", "mlm"):
@@ -409,7 +454,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             skipped.append(f"{kind} V={vocab} N={tokens}")
             continue
         spec = dict(kind=kind, preset=cfg.preset, vocab=vocab, tokens=tokens, block_size=cfg.block_size,
-                    variants=variants, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
+                    variants=variants, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, chunked_ref=cfg.chunked_ref)
         steps, flops, extra = make_case(spec, device, dtype)
         times = time_interleaved(steps, cfg.warmup, cfg.repeats, device)
         del steps

@@ -1,13 +1,16 @@
 """Memory-flat softmax cross-entropy (train.py --loss_chunk_size): the same values and gradients as the
-plain losses, but no N x V logits or N x N scores are ever held; the idea of Cut Cross-Entropy (Wijmans
-et al., 2024) and Liger Kernel's fused linear cross-entropy, written in plain torch."""
+plain losses, but no N x V logits or N x N scores are ever held, only a block of chunk_size rows of them.
+
+The gradients are made in the forward, block by block, while each block's scores are at hand, and the
+backward only scales them by the incoming gradient: three matmuls per block (scores, h's gradient, the
+candidates' gradient) where recomputing the scores in the backward would take four. The ideas of Liger
+Kernel's fused linear cross-entropy and of Cut Cross-Entropy (Wijmans et al., 2024), in plain torch.
+"""
 from __future__ import annotations
 
 import functools
 
 import torch
-
-TILE_COLUMNS = 32768  # widest block of candidates scored at once: bounds a tile when candidates are many
 
 
 def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor,
@@ -15,25 +18,42 @@ def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: tor
     """Mean cross-entropy of softmax(h @ candidates.T / temperature) (N, M) against `labels` (N,), the
     index of each row's positive among the M candidates; gradients flow into `h` and `candidates`.
 
-    Same value and gradients as the plain path, but the scores are made in blocks (shaped by `_tiles`)
-    of at most chunk_size x min(M, TILE_COLUMNS): extra memory O(chunk_size x min(M, TILE_COLUMNS)),
-    not O(N x M).
     CE: candidates = the (V, d) output weight, labels = targets. CWT: candidates = the target
     embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset.
     """
     h, candidates = h.reshape(-1, h.size(-1)), candidates.reshape(-1, candidates.size(-1))
-    return chunked_row_losses(h, candidates, labels.reshape(-1), temperature, chunk_size).mean()
+    return chunked_softmax_loss(h, candidates, temperature, chunk_size, labels=labels.reshape(-1))
+
+
+def chunked_softmax_loss(h: torch.Tensor, candidates: torch.Tensor, temperature: float, chunk_size: int, *,
+                         labels: torch.Tensor | None = None, positives: torch.Tensor | None = None,
+                         exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the rows of h (N, d) of -log softmax(scores)[positive], where row i scores its candidates
+    h_i . candidates_j / temperature, except candidate exclude[i] where exclude[i] >= 0, and its positive
+    is either candidate labels[i] or, with `positives` (N, d), its own extra candidate positives[i] (the
+    sampled negatives: a drawn copy of the positive is then excluded). Gradients flow into h, candidates
+    and positives; they are made in the forward unless no gradient is wanted (torch.no_grad, validation).
+
+    Extra memory: one block of chunk_size x M scores, and gradients the size of the inputs.
+    """
+    _check(chunk_size, labels, positives)
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and x is not None and x.requires_grad for x in (h, candidates, positives)]
+    return _MeanLossGradInForward.apply(h, candidates, labels, positives, exclude, temperature, chunk_size,
+                                        compute_dtype(h, candidates), *needs)
 
 
 def chunked_row_losses(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor | None,
                        temperature: float, chunk_size: int,
                        exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Per row (N,): logsumexp of its scores minus the score of its label (labels=None: the logsumexp
-    alone), leaving out candidate exclude[i] for row i where exclude[i] >= 0."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    return _ChunkedSoftmaxLoss.apply(h, candidates, labels, exclude, temperature, chunk_size,
-                                     compute_dtype(h, candidates))
+    alone), leaving out candidate exclude[i] for row i where exclude[i] >= 0.
+
+    Any weighting of the rows is allowed, so the backward cannot be made ahead: it recomputes the scores
+    (four matmuls per block). A mean of the rows is cheaper through chunked_softmax_loss."""
+    _check(chunk_size, labels, None)
+    return _RowLossesRecomputed.apply(h, candidates, labels, exclude, temperature, chunk_size,
+                                      compute_dtype(h, candidates))
 
 
 def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
@@ -45,101 +65,155 @@ def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-class _ChunkedSoftmaxLoss(torch.autograd.Function):
-    """`chunked_row_losses`, with s = h @ candidates.T / temperature made one tile at a time.
+def _check(chunk_size: int, labels: torch.Tensor | None, positives: torch.Tensor | None) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if labels is not None and positives is not None:
+        raise ValueError("give each row's positive either as labels or as positives, not both")
 
-    A custom Function rather than checkpointed blocks: the backward needs only each row's logsumexp
-    (N floats) to rebuild a tile's softmax, so it recomputes each tile once and frees it at once, where
-    checkpointing would replay (and hold) the forward's autograd graph of a whole row block. The loss
-    gradient of the positive is folded into the tile (softmax - one-hot), so no N x M tensor or extra
-    (M, d) gradient ever exists. Matmuls run in `dtype` (bf16 under autocast, like the plain path);
-    logsumexp, softmax and the gradient sums are accumulated in fp32 (or fp64 for fp64 inputs).
-    """
+
+class _MeanLossGradInForward(torch.autograd.Function):
+    """chunked_softmax_loss: the mean loss, with its gradients made in the forward (`_sweep`) and kept
+    until the backward scales them by the incoming gradient (a scalar)."""
 
     @staticmethod
-    def forward(ctx, h, candidates, labels, exclude, temperature, chunk_size, dtype):
-        acc = torch.promote_types(dtype, torch.float32)
-        with torch.autocast(h.device.type, enabled=False):
-            hc, cc = h.to(dtype), candidates.to(dtype)
-            lse = torch.full((h.size(0),), float("-inf"), device=h.device, dtype=acc)
-            pos = torch.zeros_like(lse)
-            for rows, cols in _tiles(h.size(0), cc.size(0), chunk_size):
-                s = _scores(hc[rows], cc[cols], cols.start, exclude, rows, temperature, acc)
-                if labels is not None:
-                    pos[rows] += _at_labels(s, labels[rows], cols.start)
-                lse[rows] = torch.logaddexp(lse[rows], _logsumexp_(s))  # streaming over column blocks
-        ctx.save_for_backward(h, candidates, labels, exclude, lse)
-        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
-        return lse - pos
+    def forward(ctx, h, candidates, labels, positives, exclude, temperature, chunk_size, dtype,
+                need_h, need_c, need_p):
+        weights = None
+        if need_h or need_c or need_p:
+            weights = torch.full((h.size(0),), 1 / max(h.size(0), 1), device=h.device,  # no rows: nan, as plain
+                                 dtype=torch.promote_types(dtype, torch.float32))
+        losses, grads = _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, dtype,
+                               weights, (need_h, need_c, need_p))
+        ctx.save_for_backward(*grads)
+        return losses.mean()
 
     @staticmethod
     def backward(ctx, grad):
-        h, candidates, labels, exclude, lse = ctx.saved_tensors
-        dtype, acc = ctx.dtype, lse.dtype
-        safe_lse = torch.where(torch.isinf(lse), 0.0, lse)  # a row with every candidate excluded
-        # d loss / d (h @ candidates.T) = row_scale * (softmax - one-hot): the row scale goes on the
-        # (N, d) operands rather than on every tile (h's gradient is scaled once, at the end)
-        row_scale = (grad / ctx.temperature).to(acc)[:, None]
-        grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
-        grad_c = torch.zeros_like(candidates, dtype=acc) if ctx.needs_input_grad[1] else None
-        with torch.autocast(h.device.type, enabled=False):
-            hc, cc = h.to(dtype), candidates.to(dtype)
-            scaled_h = (hc * row_scale).to(dtype) if grad_c is not None else None
-            for rows, cols in _tiles(h.size(0), cc.size(0), ctx.chunk_size):
-                p = _scores(hc[rows], cc[cols], cols.start, exclude, rows, ctx.temperature, acc,
-                            shift=safe_lse[rows]).exp_()  # softmax of this tile, in place
-                if labels is not None:
-                    _add_at_labels(p, labels[rows], cols.start, -1.0)
-                p = p.to(dtype)
-                if grad_h is not None:
-                    _add_product(grad_h[rows], p, cc[cols])
-                if grad_c is not None:
-                    _add_product(grad_c[cols], p.T, scaled_h[rows])
-        grad_h = None if grad_h is None else grad_h.mul_(row_scale).to(h.dtype)
-        grad_c = None if grad_c is None else grad_c.to(candidates.dtype)
-        return grad_h, grad_c, None, None, None, None, None
+        grad_h, grad_c, grad_p = [None if g is None else g * grad.to(g.dtype) for g in ctx.saved_tensors]
+        return grad_h, grad_c, None, grad_p, None, None, None, None, None, None, None
 
 
-def _tiles(n: int, m: int, chunk_size: int):
-    """(rows, cols) slices of blocks covering the n x m scores, each of at most
-    chunk_size x min(m, TILE_COLUMNS) scores.
+class _RowLossesRecomputed(torch.autograd.Function):
+    """chunked_row_losses: the forward keeps no scores; the backward runs `_sweep` again with the incoming
+    per-row gradients as the rows' weights."""
 
-    Where candidates outnumber rows (CE: V >> N) a block spans every row (as far as that budget allows) and
-    a slice of the columns: each slice of the large (m, d) candidate gradient is then made by one matmul over
-    all n rows, instead of being re-read and re-written once per row block (and by thin matmuls over
-    chunk_size rows); only the small (n, d) gradient of h is accumulated. Otherwise (CWT: m <= n), blocks
-    of chunk_size rows against up to TILE_COLUMNS candidates.
-    """
-    budget = chunk_size * min(m, TILE_COLUMNS)
-    height = min(n, budget) if m > n else chunk_size
-    width = min(m, TILE_COLUMNS, budget // height)
-    for c0 in range(0, m, width):
-        for r0 in range(0, n, height):
-            yield slice(r0, r0 + height), slice(c0, c0 + width)
+    @staticmethod
+    def forward(ctx, h, candidates, labels, exclude, temperature, chunk_size, dtype):
+        losses, _ = _sweep(h, candidates, labels, None, exclude, temperature, chunk_size, dtype, None,
+                           (False, False, False))
+        ctx.save_for_backward(h, candidates, labels, exclude)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.dtype = dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, candidates, labels, exclude = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
+        _, grads = _sweep(h, candidates, labels, None, exclude, ctx.temperature, ctx.chunk_size, ctx.dtype,
+                          grad, needs)
+        return grads[0], grads[1], None, None, None, None, None
 
 
-def _scores(h_rows, cand_cols, c0, exclude, rows, temperature, acc, shift=None):
-    """Scores of a row block against a block of candidates starting at c0, upcast, minus each row's
-    `shift` if given, excluded ones -inf."""
-    if shift is not None and h_rows.dtype == acc:  # the matmul scales and shifts: no pass over the tile
-        s = torch.addmm(-shift[:, None], h_rows, cand_cols.T, alpha=1 / temperature)
+def _sweep(h, candidates, labels, positives, exclude, temperature, chunk_size, dtype, weights, needs):
+    """Every row's loss (N,) and, given `weights` (N,), the gradients of sum_i weights_i * loss_i with
+    respect to (h, candidates, positives), each None unless `needs` says so; one block of rows at a time.
+
+    Matmuls run in `dtype` (bf16 under autocast, as the plain path's do); the softmax and the gradient
+    sums in fp32 (fp64 for fp64 inputs). A block's scores s become exp(s - shift) in place, whose row sum
+    is z: the block's softmax is that over z, so 1 / z joins the per-row factors (weight / temperature),
+    which go on the (rows, d) operands rather than on the block, and the -1 of each row's label is put
+    in as -z."""
+    acc = torch.promote_types(dtype, torch.float32)
+    need_h, need_c, need_p = needs if weights is not None else (False, False, False)
+    with torch.autocast(h.device.type, enabled=False):
+        hc = h.to(dtype)
+        cc = candidates.to(dtype)
+        pos = None if positives is None else _row_scores(h, positives, temperature, acc)
+        losses = torch.empty(h.size(0), device=h.device, dtype=acc)
+        grad_h = torch.empty_like(h, dtype=acc) if need_h else None
+        grad_c = torch.zeros_like(candidates, dtype=acc) if need_c else None
+        block, low = _block_buffers(min(chunk_size, h.size(0)), cc.size(0), h.device, dtype, acc)
+        for start in range(0, h.size(0), chunk_size):
+            rows = slice(start, start + chunk_size)
+            s = _scores(block, low, hc[rows], cc, temperature, acc)
+            if exclude is not None:
+                _exclude_(s, exclude[rows])
+            row_pos = None if pos is None else pos[rows]
+            target = row_pos if labels is None else s.gather(1, labels[rows, None]).squeeze(1)
+            z, shift = _exp_shifted_(s, row_pos)
+            lse = shift + z.log()
+            losses[rows] = lse if target is None else lse - target
+            if weights is None:
+                continue
+            if labels is not None:  # softmax - one-hot, times z
+                s.scatter_add_(1, labels[rows, None], -z[:, None])
+            # d loss / d scores = weight * (softmax - one-hot); scores = h . c / temperature
+            scale = torch.where(z > 0, weights[rows] / (temperature * z), 0.0)[:, None]
+            d = s.to(dtype) if low is None else low[:s.size(0)].copy_(s)
+            if need_h:
+                grad_h[rows] = (d @ cc).to(acc) * scale
+            if need_c:
+                _add_product(grad_c, d.T, (hc[rows] * scale).to(dtype))
+        grad_p = None
+        if pos is not None and (need_h or need_p):  # the positive's own score: its softmax exp(-loss), - 1
+            coef = (weights * torch.expm1(-losses) / temperature)[:, None]
+            if need_h:
+                grad_h += coef * positives.to(acc)
+            if need_p:
+                grad_p = (coef * h.to(acc)).to(positives.dtype)
+    grads = (None if grad_h is None else grad_h.to(h.dtype),
+             None if grad_c is None else grad_c.to(candidates.dtype), grad_p)
+    return losses, grads
+
+
+def _block_buffers(rows, columns, device, dtype, acc):
+    """One block of scores reused by every block (and its copy in the matmul dtype if that is another):
+    in eager mode on a CPU, fresh pages for each block cost about as much as a pass over it. (None, None)
+    under torch.compile, which plans the memory itself and would only copy the in-place edits back."""
+    if torch.compiler.is_compiling():
+        return None, None
+    block = torch.empty(rows, columns, device=device, dtype=acc)
+    return block, None if dtype == acc else torch.empty_like(block, dtype=dtype)
+
+
+def _scores(block, low, h_rows, candidates, temperature, acc):
+    """A block's scores in acc: written into the first rows of `block` (through `low`), or fresh."""
+    if block is None:
+        s = (h_rows @ candidates.T).to(acc)
+    elif low is None:
+        s = torch.mm(h_rows, candidates.T, out=block[:h_rows.size(0)])
     else:
-        s = (h_rows @ cand_cols.T).to(acc)  # a fresh tensor either way: edit in place
-        if temperature != 1.0:  # x / 1 == x: skip a pass over the tile
-            s.div_(temperature)
-        if shift is not None:  # after the upcast: a bf16 shift would round the logsumexp
-            s.sub_(shift[:, None])
-    if exclude is not None:
-        cols = torch.arange(c0, c0 + s.size(1), device=s.device)
-        s.masked_fill_(exclude[rows, None] == cols[None, :], float("-inf"))
+        s = block[:h_rows.size(0)].copy_(torch.mm(h_rows, candidates.T, out=low[:h_rows.size(0)]))
+    if temperature != 1.0:  # x / 1 == x: skip a pass over the block
+        s.div_(temperature)
     return s
 
 
-def _logsumexp_(s):
-    """Per-row logsumexp of a tile, overwriting it (a row of -inf gives -inf)."""
-    m = s.amax(dim=1)
-    shift = torch.where(torch.isinf(m), 0.0, m)
-    return s.sub_(shift[:, None]).exp_().sum(dim=1).log_().add_(shift)
+def _row_scores(h, positives, temperature, acc):
+    """Each row's score against its own positive (N,), in acc: not a matmul, so not autocast's (as plain)."""
+    return (h.to(acc) * positives.to(acc)).sum(-1) / temperature
+
+
+def _exclude_(s, exclude):
+    """Score -inf for candidate exclude[i] of row i, where exclude[i] >= 0 (one scatter, not a mask)."""
+    slot = exclude.clamp(min=0)[:, None]
+    s.scatter_(1, slot, torch.where(exclude[:, None] >= 0, float("-inf"), s.gather(1, slot)))
+
+
+def _exp_shifted_(s, pos):
+    """s -> exp(s - shift) in place, with shift the row's largest score (its positive's too, if given);
+    returns (the row sums z, positive included, and shift). A row with nothing left has z = 0."""
+    shift = s.amax(dim=1)
+    if pos is not None:
+        shift = torch.maximum(shift, pos)
+    shift = torch.where(torch.isinf(shift), 0.0, shift)
+    z = s.sub_(shift[:, None]).exp_().sum(dim=1)
+    if pos is not None:
+        z = z + torch.exp(pos - shift)
+    return z, shift
 
 
 def _add_product(out, a, b):
@@ -148,20 +222,3 @@ def _add_product(out, a, b):
         out.addmm_(a, b)
     else:
         out += (a @ b).to(out.dtype)
-
-
-def _label_slots(labels, c0, width):
-    """Each row's label as a column of this tile (clamped), and whether it falls inside the tile."""
-    slot = labels - c0
-    inside = (slot >= 0) & (slot < width)
-    return slot.clamp(0, width - 1)[:, None], inside
-
-
-def _at_labels(s, labels, c0):
-    slot, inside = _label_slots(labels, c0, s.size(1))
-    return torch.where(inside, s.gather(1, slot).squeeze(1), 0.0)
-
-
-def _add_at_labels(s, labels, c0, value):
-    slot, inside = _label_slots(labels, c0, s.size(1))
-    s.scatter_add_(1, slot, (inside.to(s.dtype) * value)[:, None])

@@ -79,14 +79,13 @@ def unique_candidates(e: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 def sampled_loss(h, e, labels, temperature, k, generator, chunk_size=None) -> torch.Tensor:
     """Softmax over [positive, k shared random candidates], skipping a candidate equal to the positive."""
     drawn = torch.randperm(e.size(0), generator=generator, device="cpu")[:k].to(h.device)
-    pos = fp32((h * e[labels]).sum(-1, keepdim=True)) / temperature  # (N, 1)
-    if chunk_size:  # logsumexp over [positive, negatives] = logaddexp(positive, logsumexp(negatives))
-        from chunked import chunked_row_losses
+    if chunk_size:  # each row's positive is its own extra candidate; its drawn copy (slot) is left out
+        from chunked import chunked_softmax_loss
 
         slot = torch.full((e.size(0),), -1, device=h.device, dtype=torch.long)
         slot[drawn] = torch.arange(k, device=h.device)
-        neg = chunked_row_losses(h, e[drawn], None, temperature, chunk_size, exclude=slot[labels])
-        return (torch.logaddexp(pos.squeeze(1), neg) - pos.squeeze(1)).mean()
+        return chunked_softmax_loss(h, e[drawn], temperature, chunk_size, positives=e[labels], exclude=slot[labels])
+    pos = fp32((h * e[labels]).sum(-1, keepdim=True)) / temperature  # (N, 1)
     neg = fp32(h @ e[drawn].T) / temperature  # (N, k)
     neg = neg.masked_fill(drawn[None, :] == labels[:, None], float("-inf"))
     return F.cross_entropy(torch.cat([pos, neg], dim=1), torch.zeros_like(labels))

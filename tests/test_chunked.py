@@ -1,22 +1,19 @@
 """chunked.py, the memory-flat losses: the same values and gradients as the plain ones."""
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
 from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
 from test_train import tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunked
 import train
 from common import UserError
 from loss import training_loss
-
-
-@pytest.fixture
-def narrow_tiles(monkeypatch):
-    """Tiles 4 candidates wide, so the streaming logsumexp across column blocks is exercised too."""
-    monkeypatch.setattr(chunked, "TILE_COLUMNS", 4)
 
 
 def rounding_tolerance(h, candidates, temperature):
@@ -41,7 +38,7 @@ CHUNKED_CASES = [  # (objective, negatives, num_negatives)
 @pytest.mark.parametrize("objective,negatives,k", CHUNKED_CASES)
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])  # 5 does not divide 13 rows; 64 is one block
 @pytest.mark.parametrize("scale,temperature", [(1.0, 1.0), (1.0, 0.3), (100.0, 2.0)])
-def test_chunked_training_loss_equals_plain(narrow_tiles, objective, negatives, k, chunk_size, scale,
+def test_chunked_training_loss_equals_plain(objective, negatives, k, chunk_size, scale,
                                             temperature):
     g = torch.Generator().manual_seed(11)
     E, W = torch.randn(9, 4, generator=g) * scale, torch.randn(9, 4, generator=g) * scale
@@ -59,7 +56,7 @@ def test_chunked_training_loss_equals_plain(narrow_tiles, objective, negatives, 
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
 
 
-def test_chunked_core_gradcheck_with_labels_at_an_offset(narrow_tiles):
+def test_chunked_core_gradcheck_with_labels_at_an_offset():
     # The core takes any candidate set larger than the rows (e.g. negatives gathered from other ranks)
     g = torch.Generator().manual_seed(12)
     h = torch.randn(6, 3, generator=g, requires_grad=True)
@@ -72,27 +69,15 @@ def test_chunked_core_gradcheck_with_labels_at_an_offset(narrow_tiles):
         chunked.chunked_cross_entropy(h, cand, labels, chunk_size=0)
 
 
-def test_chunked_tiles_cover_every_score_once_within_the_budget():
-    # CE (V >> N): blocks span every row, so each slice of the candidates' gradient is one matmul
-    assert next(chunked._tiles(2048, 50304, 256)) == (slice(0, 2048), slice(0, 4096))
-    # CWT (M = N): blocks of chunk_size rows against every candidate
-    assert next(chunked._tiles(8192, 8192, 1024)) == (slice(0, 1024), slice(0, 8192))
-    for n, m, chunk in [(13, 40, 1), (13, 40, 5), (6, 11, 64), (13, 9, 5), (100, 40000, 2)]:
-        count = torch.zeros(n, m, dtype=torch.int32)
-        for rows, cols in chunked._tiles(n, m, chunk):
-            assert count[rows, cols].numel() <= chunk * min(m, chunked.TILE_COLUMNS)
-            count[rows, cols] += 1
-        assert bool((count == 1).all()), (n, m, chunk)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 3, 64])  # blocks of 1 row (budget 4 < 5 rows), all 5 rows
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])  # blocks of 1 row, of 3 (5 rows: a short last one), all
 @pytest.mark.parametrize("scale,temperature", [(1.0, 1.0), (100.0, 0.3)])
-def test_chunked_more_candidates_than_rows_equals_plain(narrow_tiles, chunk_size, scale, temperature):
-    # CE's shape (V > N), where blocks span the rows, with some candidates excluded per row
+def test_chunked_row_losses_take_any_row_weights(chunk_size, scale, temperature):
+    # chunked_row_losses (per row, recomputed in the backward): unequal row gradients, V > N as in CE, some
+    # candidates excluded per row
     g = torch.Generator().manual_seed(15)
     h, cand = torch.randn(5, 4, generator=g) * scale, torch.randn(23, 4, generator=g) * scale
     labels, exclude = torch.tensor([0, 22, 7, 7, 13]), torch.tensor([3, -1, 22, 8, -1])
-    weights = torch.rand(5, generator=g)  # unequal row gradients, as in the sampled-negatives path
+    weights = torch.rand(5, generator=g)
 
     def in_chunks(h, cand):
         return (chunked.chunked_row_losses(h, cand, labels, temperature, chunk_size, exclude) * weights).sum()
@@ -108,8 +93,120 @@ def test_chunked_more_candidates_than_rows_equals_plain(narrow_tiles, chunk_size
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
 
 
-@pytest.mark.parametrize("objective", ["ce", "cwt"])
-def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective):
+def plain_softmax_loss(h, candidates, temperature, labels=None, positives=None, exclude=None):
+    """chunked_softmax_loss's reference: every score at once, the positive as column 0 if given apart."""
+    s = h @ candidates.T / temperature
+    if exclude is not None:
+        s = s.masked_fill(exclude[:, None] == torch.arange(s.size(1))[None, :], -math.inf)
+    if positives is None:
+        return F.cross_entropy(s, labels)
+    s = torch.cat([(h * positives).sum(1, keepdim=True) / temperature, s], dim=1)
+    return F.cross_entropy(s, torch.zeros(h.size(0), dtype=torch.long))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 9), m=st.integers(1, 7), chunk_size=st.integers(1, 10), own_positive=st.booleans(),
+       scale=st.sampled_from([0.1, 1.0, 100.0]), temperature=st.sampled_from([1.0, 0.3, 2.0]),
+       seed=st.integers(0, 2**16))
+def test_chunked_softmax_loss_equals_plain_for_any_shape(n, m, chunk_size, own_positive, scale, temperature, seed):
+    # (the float64 fixture only sets the default dtype: sharing it across examples is harmless)
+    # Any rows, candidates and block size; positives among the candidates (labels) or apart (sampled
+    # negatives, a drawn copy of the positive excluded: with m = 1, rows with every candidate excluded);
+    # scale 100 makes scores ~1e4 that would overflow exp() unless shifted
+    g = torch.Generator().manual_seed(seed)
+    h, cand = torch.randn(n, 3, generator=g) * scale, torch.randn(m, 3, generator=g) * scale
+    exclude = torch.randint(-1, m, (n,), generator=g)
+    if own_positive:
+        inputs, kw = (h, cand, torch.randn(n, 3, generator=g) * scale), {}
+    else:
+        inputs, kw = (h, cand), {"labels": torch.randint(0, m, (n,), generator=g)}
+        exclude = torch.where(exclude == kw["labels"], -1, exclude)  # never the positive itself
+
+    def run(fn):
+        def loss(h, cand, positives=None):
+            return fn(h, cand, temperature, positives=positives, exclude=exclude, **kw)
+        return loss
+    want, want_grads = loss_and_grads(run(plain_softmax_loss), *inputs)
+    got, got_grads = loss_and_grads(run(lambda *a, **k: chunked.chunked_softmax_loss(*a, chunk_size, **k)),
+                                    *inputs)
+    tol = rounding_tolerance(h, torch.cat(inputs[1:]), temperature)
+    assert torch.isfinite(got) and got.item() == pytest.approx(want.item(), rel=tol, abs=tol)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
+
+
+class CountMatmuls(TorchDispatchMode):
+    """Counts the matmul FLOPs (2 m n k each) of every op run under it, forward and backward, and the
+    largest tensor any op makes; a matmul-like op it cannot count is recorded in `unknown`."""
+    COUNTED = {"mm": (0, 1), "addmm": (1, 2), "addmm_": (1, 2)}  # op name: positions of its two factors
+    OTHERS = {"bmm", "baddbmm", "matmul", "dot", "vdot", "mv", "addmv", "linear", "einsum", "_scaled_mm"}
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.largest, self.unknown = 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.COUNTED:
+            a, b = (args[i] for i in self.COUNTED[name])
+            self.flops += 2 * a.size(0) * a.size(1) * b.size(1)
+        elif name in self.OTHERS:
+            self.unknown.append(name)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def matmuls_and_largest(fn, *inputs, forward_only=False):
+    """(matmuls of N x M x d each, largest tensor made) over fn's forward and backward."""
+    with CountMatmuls() as counter:
+        value = fn(*inputs)
+        if not forward_only:
+            value.backward()
+    assert not counter.unknown
+    return counter.flops / (2 * inputs[0].size(0) * inputs[1].size(0) * inputs[0].size(1)), counter.largest
+
+
+@pytest.mark.parametrize("n,m", [(64, 64), (24, 200)])  # CWT's shape (M = N) and CE's (V > N)
+def test_chunked_gradients_cost_three_matmuls_and_no_n_by_m_tensor(n, m):
+    g = torch.Generator().manual_seed(16)
+    h, cand = torch.randn(n, 4, generator=g), torch.randn(m, 4, generator=g)  # d = 4: blocks of scores are
+    labels = torch.randint(0, m, (n,), generator=g)  # the largest tensors, 8 x M, where N x M would be plain's
+
+    def ce(h, cand):
+        return chunked.chunked_cross_entropy(h, cand, labels, 0.5, chunk_size=8)
+
+    def sampled(h, cand, positives):
+        return chunked.chunked_softmax_loss(h, cand, 0.5, 8, positives=positives, exclude=labels)
+
+    def per_row(h, cand):
+        return chunked.chunked_row_losses(h, cand, labels, 0.5, 8).sum()
+    both = (h.clone().requires_grad_(), cand.clone().requires_grad_())
+    positives = torch.randn(n, 4, generator=g, requires_grad=True)
+    # scores, h's gradient, the candidates' gradient; all three in the forward, none in the backward
+    assert matmuls_and_largest(ce, *both) == (3, 8 * m)
+    assert matmuls_and_largest(ce, *both, forward_only=True)[0] == 3
+    assert matmuls_and_largest(sampled, *both, positives) == (3, 8 * m)
+    # no gradient wanted: the scores alone
+    with torch.no_grad():
+        assert matmuls_and_largest(ce, *both, forward_only=True)[0] == 1
+        assert matmuls_and_largest(sampled, *both, positives, forward_only=True)[0] == 1
+    assert matmuls_and_largest(ce, h, cand, forward_only=True)[0] == 1
+    assert matmuls_and_largest(ce, h, both[1])[0] == 2  # the candidates' gradient only
+    # per-row losses under any weights: the backward recomputes the scores
+    assert matmuls_and_largest(per_row, *both) == (4, 8 * m)
+
+
+def test_chunked_softmax_loss_needs_one_kind_of_positive():
+    h = torch.randn(3, 2)
+    with pytest.raises(ValueError, match="either as labels or as positives"):
+        chunked.chunked_softmax_loss(h, h, 1.0, 2, labels=torch.arange(3), positives=h)
+
+
+@pytest.mark.parametrize("objective,k", [("ce", None), ("cwt", None), ("cwt", 7)])
+def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective, k):
     g = torch.Generator().manual_seed(13)
     E = torch.randn(50, 32, generator=g, dtype=torch.float32)
     h = torch.randn(40, 32, generator=g, dtype=torch.float32) * 3
@@ -118,7 +215,8 @@ def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective):
     def run(chunk):
         def fn(h, E):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return training_loss(h, t, E, E, objective, chunk_size=chunk)
+                return training_loss(h, t, E, E, objective, num_negatives=k, chunk_size=chunk,
+                                     generator=torch.Generator().manual_seed(3))
         return fn
     want, want_grads = loss_and_grads(run(None), h, E)
     got, got_grads = loss_and_grads(run(16), h, E)
@@ -130,22 +228,29 @@ def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective):
         torch.testing.assert_close(a, b, rtol=0, atol=0.01 * float(b.abs().max()))
 
 
-def test_chunked_cwt_runs_under_torch_compile():
+@pytest.mark.parametrize("case", ["cwt", "sampled"])
+def test_chunked_compiles_whole(case):
+    # fullgraph: the chunked Functions trace without graph breaks; aot_eager traces their forward and
+    # backward into one joint graph, as inductor would, without needing a C compiler
     g = torch.Generator().manual_seed(14)
     E = torch.randn(30, 8, generator=g, dtype=torch.float32)
     h = torch.randn(20, 8, generator=g, dtype=torch.float32)
     t = torch.randint(0, 30, (20,), generator=g)
-    fn = lambda h, E: training_loss(h, t, E, E, "cwt", chunk_size=8)  # noqa: E731
+    drawn = torch.randperm(30, generator=g)[:6]  # sampled_loss draws outside (randperm with a generator breaks)
+    slot = torch.full((30,), -1).index_put_((drawn,), torch.arange(6))
+
+    def fn(h, E):
+        if case == "cwt":
+            return training_loss(h, t, E, E, "cwt", chunk_size=8)
+        return chunked.chunked_softmax_loss(h, E[drawn], 0.7, 8, positives=E[t], exclude=slot[t])
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     want, want_grads = loss_and_grads(fn, h, E)
-    try:  # fullgraph: the chunked Function must trace without graph breaks
-        got, got_grads = loss_and_grads(torch.compile(fn, fullgraph=True), h, E)
-    except Exception as e:  # the backend failed (no C compiler, say): not this code's concern
-        if not type(e).__module__.startswith("torch._inductor"):
-            raise
-        pytest.skip(f"torch.compile's backend is unavailable here: {type(e).__name__}")
-    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    got, got_grads = loss_and_grads(compiled, h, E)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
     for a, b in zip(got_grads, want_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # the gradient-free variant (validation) compiles too
+        assert compiled(h, E).item() == pytest.approx(want.item(), rel=1e-6)
 
 
 def test_the_tolerance_covers_another_cpus_rounding_and_nothing_more():
@@ -181,3 +286,21 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
     for key in runs[0]:
         assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key
+
+
+def test_bench_times_another_chunked_py_beside_this_one(tmp_path):
+    import bench
+
+    ref = tmp_path / "chunked.py"  # a stand-in that records its calls
+    ref.write_text("import torch.nn.functional as F\n\nCALLS = []\n\n\n"
+                   "def chunked_cross_entropy(h, candidates, labels, temperature=1.0, chunk_size=1024):\n"
+                   "    CALLS.append(chunk_size)\n"
+                   "    return F.cross_entropy(h @ candidates.T / temperature, labels)\n")
+    cfg = bench.BenchConfig(mode="loss", preset="tiny", vocab=[512], tokens=[64], variants=["cwt", "cwt-chunk16"],
+                            repeats=1, warmup=0, memory=False, chunked_ref=str(ref))
+    rows = bench.run_bench(cfg)["rows"]
+    assert [r["variant"] for r in rows] == ["cwt", "cwt-chunk16", "cwt-chunk16@ref"]
+    assert bench.reference_chunked(str(ref)).CALLS == [16]  # the @ref row ran the stand-in, once
+    assert sys.modules["chunked"] is chunked  # and the usual module is back
+    with pytest.raises(UserError, match="--chunked_ref=.* is not a file"):
+        bench.check_config(bench.BenchConfig(chunked_ref=str(tmp_path / "missing.py")))
