@@ -120,8 +120,9 @@ def test_an_interrupted_compare_continues_with_resume(tiny_data_dir, tmp_path, m
             signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(train, "optimizer_step", ctrl_c_in_cwts_first_step)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(common.Interrupted) as stopped:  # exit 130 after the save
         compare.run_compare(dataclasses.replace(cfg, overwrite=True))
+    assert stopped.value.signum == signal.SIGINT
     assert "compare.py stopped during cwt; continue it with the same settings and --resume" in capsys.readouterr().err
     step = {name: torch.load(out / name / "ckpt.pt", weights_only=True)["step"] for name in compare.RUNS}
     assert step == {"ce": planned["ce"], "cwt": 1, "cwt-ft": planned["cwt-ft"]}  # cwt-ft: the earlier compare's
