@@ -4,8 +4,6 @@ their doors (doors.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import difflib
 import errno
 import fcntl
 import importlib.util
@@ -19,7 +17,6 @@ import signal
 import socket
 import sys
 import time
-import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -69,7 +66,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def through_door(read: Callable[..., Any], *args: Any) -> Any:
-    """What a door of doors.py reads; its refusal (a ValueError, as notebooks expect) as a one-line UserError."""
+    """What a door (doors.py) reads; its refusal, a ValueError for notebooks, as the scripts' UserError."""
     import doors
 
     try:
@@ -82,81 +79,27 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]  # a library's error, in a one-line message
 
 
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # found without importing it
+    if spec is None:
+        raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
+    return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
+
+
 def need_extra(module: str, flag: str) -> None:
     """A flag whose extra file a fork deleted is one line, before any work."""
     if importlib.util.find_spec(module) is None:
         raise UserError(f"{flag} needs {module}.py, which is not in this checkout; restore it or drop {flag}")
 
 
-# Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags
-
-
-def _coerce(key: str, raw: Any, kind: Any) -> Any:
-    """A flag or config value as the field's type, or a UserError saying what is expected."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is Literal:
-        if raw not in args:
-            raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
-        return raw
-    if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
-        return [_coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
-    if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
-        if type(None) in args and raw in (None, "", "none", "None"):
-            return None
-        for member in [a for a in args if a is not type(None)]:
-            with contextlib.suppress(UserError):
-                return _coerce(key, raw, member)
-        if len(args) == 2 and type(None) in args:
-            return _coerce(key, raw, args[0])  # its own message
-        choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
-        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(choices)}")
-    if kind is bool and str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return str(raw).lower() in ("1", "true", "yes", "on")
-    try:
-        value = kind(float(raw)) if kind is int and "e" in str(raw).lower() else kind(raw)
-        if kind is bool or isinstance(raw, (bool, list, dict)) or (kind is int and float(raw) != value):
-            raise ValueError
-    except (TypeError, ValueError, OverflowError):
-        raise UserError(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
-    return value
+# Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door
 
 
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
-    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
-    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
-    hints = typing.get_type_hints(cls)
-    if "--help" in argv or "-h" in argv:
-        print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
-            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
-        sys.exit(0)
-    repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
-    values: dict[str, Any] = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument {arg!r}; settings are given as --key=value")
-        key, sep, raw = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        values[key] = [*values.get(key, []), raw] if key in repeat else raw if sep else "true"
-    if "config" in values:
-        values = {**read_config_file(values.pop("config")), **values}
-    for key in values:
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            raise UserError(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
-                            f"valid settings: {', '.join(hints)}")
-    if quick and _coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
-        values = {**quick, **values}
-    return cls(**{k: _coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
-                  for k, v in values.items()})
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
+    import doors
 
-
-def read_config_file(path: str) -> dict[str, Any]:
-    import doors  # its door: a regular .json or .toml file of at most 1 MiB, read as plain data, never executed
-
-    return through_door(doors.config_file, path)
+    return through_door(doors.settings, cls, argv, quick)
 
 
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:
@@ -242,21 +185,19 @@ def barrier() -> None:
 
 
 # Files: written whole or not at all, under temp names no user would choose (so only ours are swept), created
-# new (O_EXCL) and never through a symbolic link (O_NOFOLLOW): a link planted in a folder we write is refused
+# new (O_EXCL), never through a symbolic link (O_NOFOLLOW) nor waiting on a pipe (O_NONBLOCK)
 
 TEMP_MARK = ".headless-lm-"
 
 
 def temp_path(path: Path) -> Path:
-    """A temp name beside `path`: the pid, which the stale-temp sweep needs, and a random part nobody can plant
-    a link at in advance."""
+    """A temp name beside `path`: the pid (for the stale-temp sweep) and a random part nobody can plant a link at."""
     return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(8)}.tmp")
 
 
 def no_link(path: str, flags: int) -> int:
-    """open()'s opener for the files we write: never through a link; one we create for writing (a temp file) is
-    new, never one that was there before (O_EXCL)."""
-    return os.open(path, flags | os.O_NOFOLLOW | (os.O_EXCL if flags & os.O_TRUNC else 0), 0o666)
+    """open()'s opener for the files we write (a file opened to be written anew is a new one) and the lock's."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_EXCL if flags & os.O_TRUNC else 0), 0o666)
 
 
 @contextlib.contextmanager
@@ -281,9 +222,8 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
-    """A new folder built beside `path` under a temp name, which replaces `path` as a unit when the block
-    succeeds (the earlier one is renamed away, then deleted) and is removed when it fails: `path` is the
-    earlier folder, whole, or the new one; a stop between the two renames puts the earlier one back."""
+    """A folder built beside `path`, which replaces it as a unit when the block succeeds and is removed when it
+    fails: `path` is the earlier folder, whole, or the new one (a stop between the renames puts it back)."""
     path = Path(path)
     remove_stale_temps(path.parent)
     tmp = temp_path(path)
@@ -299,8 +239,8 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
             os.rename(old, path)
         raise write_error(e, path, "folder") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        for folder in (tmp, old):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_error(e: BaseException, path: Path, what: str) -> BaseException:
@@ -332,8 +272,8 @@ def remove_stale_temps(folder: str | Path) -> None:
 @contextlib.contextmanager
 def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
     """An exclusive flock on the folder for the block's life; a second holder is refused in one line naming
-    the first (from folder/.lock, written anew: never through a planted link). The kernel drops a dead
-    process's lock: a crash leaves no stale lock. The folders it made are removed if they are left empty."""
+    the first (folder/.lock, written anew: never through a planted link). The kernel drops a dead process's
+    lock: a crash leaves no stale lock. The folders it made are removed if the block leaves them empty."""
     folder = Path(folder)
     info = folder / ".lock"
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
@@ -346,16 +286,14 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise UserError(f"{folder} is in use by another {what} ({lock_holder(info)}); wait for it to finish or use "
-                        "another folder") from None
+        holder = "another process"
+        with contextlib.suppress(OSError), open(info, "rb", opener=no_link) as f:  # a line; no link, no pipe
+            holder = f.read(200).decode(errors="replace").strip() or holder
+        raise UserError(f"{folder} is in use by another {what} ({holder}); wait for it to finish or use another "
+                        "folder") from None
     try:
-        info.unlink(missing_ok=True)  # a dead holder's, or a link planted there
-        with open(info, "w", opener=no_link) as f:
+        with atomic_file(info, "w") as f:  # anew: a link planted as .lock is replaced, never written through
             f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    except OSError as e:
-        os.close(fd)
-        raise UserError(f"cannot write in {folder} ({e.strerror}); pass a folder you can write") from None
-    try:
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -364,14 +302,6 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
         for p in made:
             with contextlib.suppress(OSError):
                 p.rmdir()
-
-
-def lock_holder(info: Path) -> str:
-    try:  # at most a line, never through a link, never waiting on a pipe
-        with open(info, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
-            return f.read(200).decode(errors="replace").strip() or "another process"
-    except OSError:
-        return "another process"
 
 
 # A training run's folder: its own while it runs, its log, and Ctrl-C or SIGTERM (rank 0 alone writes)

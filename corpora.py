@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from common import UserError, first_line
-from data import PrepareConfig, earlier_meta, encode_batches, split_by_hash
+from data import PrepareConfig, encode_batches, load_meta, split_by_hash
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -168,7 +168,10 @@ class Items:
 
     def check_same_source(self, out: Path) -> None:
         """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
-        old = earlier_meta(out).get("source_id")  # None: no dataset, or a broken meta.json that vouches for nothing
+        try:
+            old = load_meta(out).get("source_id")  # through its door: a FIFO or a folder is no meta.json
+        except UserError:
+            return  # no dataset, or a broken one that vouches for nothing
         if old is not None and old != self.source_id:
             raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {self.source_id} would "
                             f"replace it: pass another --data_root, or delete {out} first")

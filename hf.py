@@ -44,7 +44,7 @@ from common import (
     run_main,
     temp_path,
 )
-from data import dataset_tokenizer, gpt2_vocab_files
+from data import dataset_tokenizer, gpt2_vocab_files, load_meta
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
@@ -186,6 +186,18 @@ def bytes_at_offsets(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     if len(ends):
         ends[-1] = len(text)
     return np.diff(byte_at[ends], prepend=0).astype(np.uint32)
+
+
+def check_same_tokenizer(out: Path, tokenizer: HFTokenizer) -> None:
+    """data.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
+    two tokenizer.json files in folders of one name, or hf:bert-base-cased and -uncased, map to one folder name."""
+    try:
+        old = load_meta(out)
+    except UserError:
+        return  # no dataset, or one its door refuses: it vouches for nothing
+    if old.get("tokenizer_sha256") != tokenizer.sha256:
+        raise UserError(f"{out} holds a dataset of another tokenizer ({old['tokenizer']}); preparing it with "
+                        f"{tokenizer.name} would replace it: pass --name=NAME to prepare this one beside it")
 
 
 def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
