@@ -200,7 +200,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
         enc = enc or load_tokenizer(tokenizer)
         if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
-            (tmp / "tokenizer.json").write_text(enc.json)
+            (tmp / "tokenizer.json").write_text(enc.json, encoding="utf-8")  # as its sha256 is computed
         with contextlib.ExitStack() as files:
             shards = {name: Shard(files.enter_context(open(tmp / name, "wb")), dtype)
                       for name, dtype in shard_dtypes(enc.n_vocab).items()}

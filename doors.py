@@ -27,7 +27,7 @@ import torch
 
 
 class Refused(ValueError):
-    """A file refused at its door: the message is one line naming the file, the problem and the fix."""
+    """An input refused at its door: the message is one line naming it, the problem and the fix."""
 
 
 # What a real model could have: a file that claims more is refused before anything is built (docs/failures.md)

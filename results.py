@@ -55,7 +55,7 @@ def is_output(path: Path, flag: str) -> bool:
     """Whether an existing file (read through a door: a regular file of a sane size) is one this project's
     output of that kind may replace."""
     try:
-        data = doors.read_small(path, doors.MAX_TOKENIZER_BYTES, "output", "")
+        data = doors.read_small(path, doors.MAX_TOKENIZER_BYTES if flag == "out" else doors.MAX_TEXT_BYTES, "", "")
         value = doors.parse(data, "", "") if data and flag != "plot" else None
     except doors.Refused:
         return False

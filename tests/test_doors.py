@@ -458,15 +458,18 @@ def test_the_locks_info_is_never_written_through_a_planted_link(tmp_path):
 
 def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, tmp_path, monkeypatch, capsys):
     """Case 2: links planted at `.ckpt.pt.headless-lm-<pid>.tmp` for a range of pids made the victim the
-    checkpoint. Names now carry a random part; even at a planted name the file is opened O_EXCL|O_NOFOLLOW."""
+    checkpoint. Names now carry a random part; even at a planted name the file is opened O_EXCL|O_NOFOLLOW.
+    (And case 1 through train.py: a link planted as the out_dir's .lock.)"""
     victim = tmp_path / "victim"
     victim.write_text("precious")
     out = tmp_path / "o"
     out.mkdir()
     for pid in range(os.getpid() - 50, os.getpid() + 50):
         (out / f".ckpt.pt{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
+    (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py
     train.main([f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN])
     assert victim.read_text() == "precious" and (out / "ckpt.pt").is_file() and not (out / "ckpt.pt").is_symlink()
+    assert not os.path.lexists(out / ".lock")
     monkeypatch.setattr(common.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
     planted = common.temp_path(tmp_path / "results.json")
     planted.symlink_to(victim)

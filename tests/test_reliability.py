@@ -154,7 +154,7 @@ def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
 
 
 def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    fill_disk_after(monkeypatch, opens=1)  # the save at step 2 succeeds; at step 4 the disk is full
+    fill_disk_after(monkeypatch, opens=2)  # the lock's info and the save at step 2 succeed; at step 4 the disk is full
     flags = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32", "--batch_size=4",
              "--max_iters=4", "--eval_interval=2", "--eval_batches=2", f"--out_dir={tmp_path}",
              "--device=cpu"]
