@@ -33,17 +33,20 @@ from common import UserError, atomic_file, first_line, parse_flags, run_main
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges
-_BPE_NAME = re.compile(r"bpe:(\d+)")
+_BPE_NAME = re.compile(r"bpe:([0-9]{1,8})")  # ASCII digits (\d takes "２５７"), few enough to read as a size
 
 
 def parse_bpe_name(name: str) -> int | None:
-    """The N of a "bpe:N" tokenizer name; None for any other name (gpt2, hf:..., a tokenizer.json)."""
+    """The N of a "bpe:N" tokenizer name; None for any other name (gpt2, hf:..., a tokenizer.json). N is a size
+    a real vocabulary could have (doors.MAXIMA), checked before any work: the trainer aborts on absurd ones."""
+    from doors import MAXIMA
+
     if not name.startswith("bpe:"):
         return None
     match = _BPE_NAME.fullmatch(name)
-    if not match or int(match[1]) < MIN_VOCAB:
-        raise UserError(f"--tokenizer={name}: N must be a whole number of tokens, at least {MIN_VOCAB}, "
-                        "e.g. bpe:8192")
+    if not match or not MIN_VOCAB <= int(match[1]) <= MAXIMA["vocab_size"]:
+        raise UserError(f"--tokenizer={name}: N must be a whole number of tokens from {MIN_VOCAB} to "
+                        f"{MAXIMA['vocab_size']:,} (in ASCII digits), e.g. bpe:8192")
     return int(match[1])
 
 
@@ -185,10 +188,15 @@ def main(argv: list[str]) -> None:
     """python bpe.py --sources=A,B,C --vocab_size=N --out=DIR/tokenizer.json: one byte-level BPE for a mix of
     sources, then `python data.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
     from data import PrepareConfig, documents
+    from doors import MAXIMA
+    from results import check_output_path
 
     cfg = parse_flags(MixConfig, argv)
     if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
         raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")
+    if not MIN_VOCAB <= cfg.vocab_size <= MAXIMA["vocab_size"]:
+        raise UserError(f"--vocab_size must be from {MIN_VOCAB} to {MAXIMA['vocab_size']:,}, got {cfg.vocab_size}")
+    check_output_path(cfg.out, "out")  # before the training: never a checkpoint or a file not a tokenizer.json
     per_source = []
     for source in cfg.sources.split(","):
         items = documents(PrepareConfig(dataset=source, text_field=cfg.text_field))[1]

@@ -1,10 +1,9 @@
 """Run-time plumbing every script shares: settings, one-line errors, device and dtype, processes under
-torchrun, atomic writes, and checkpoints. model.py, loss.py and data.py do the work."""
+torchrun, safe writes, and checkpoints. model.py, loss.py and data.py do the work; files are read through
+their doors (doors.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import difflib
 import errno
 import fcntl
 import importlib.util
@@ -12,12 +11,12 @@ import json
 import math
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import sys
 import time
-import tomllib
-import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -32,8 +31,9 @@ class UserError(Exception):
     """A mistake the user can fix: scripts print its one-line message, no traceback, and exit 2."""
 
 
-class Interrupted(Exception):
-    """Raised by a script's main once a signal's stop has been saved: it exits 128 + the signal's number."""
+class Interrupted(BaseException):
+    """Raised by a script's main once a signal's stop has been saved, or by SIGTERM outside a training loop: it
+    exits 128 + the signal's number. Like KeyboardInterrupt, it passes through `except Exception`."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -42,7 +42,9 @@ class Interrupted(Exception):
 
 def run_main(main: Callable[[list[str]], Any]) -> None:
     """Run a script's main(argv): a user mistake is one line on stderr and exit code 2; a stop by Ctrl-C
-    or SIGTERM (saved first where there is something to save) exits 130 or 143, as a shell expects."""
+    or SIGTERM (saved first where there is something to save) exits 130 or 143, as a shell expects; SIGTERM
+    unwinds as Ctrl-C does, so that what was half-written is removed."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         main(sys.argv[1:])
         if torch.distributed.is_initialized():
@@ -55,10 +57,33 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def through_door(read: Callable[..., Any], *args: Any) -> Any:
+    """What a door (doors.py) reads; its refusal, a ValueError for notebooks, as the scripts' UserError."""
+    import doors
+
+    try:
+        return read(*args)
+    except doors.Refused as e:
+        raise UserError(str(e)) from None
 
 
 def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]  # a library's error, in a one-line message
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # found without importing it
+    if spec is None:
+        raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
+    return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
 
 
 def need_extra(module: str, flag: str) -> None:
@@ -67,82 +92,14 @@ def need_extra(module: str, flag: str) -> None:
         raise UserError(f"{flag} needs {module}.py, which is not in this checkout; restore it or drop {flag}")
 
 
-# Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags
-
-
-def _coerce(key: str, raw: Any, kind: Any) -> Any:
-    """A flag or config value as the field's type, or a UserError saying what is expected."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is Literal:
-        if raw not in args:
-            raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
-        return raw
-    if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
-        return [_coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
-    if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
-        if type(None) in args and raw in (None, "", "none", "None"):
-            return None
-        for member in [a for a in args if a is not type(None)]:
-            with contextlib.suppress(UserError):
-                return _coerce(key, raw, member)
-        if len(args) == 2 and type(None) in args:
-            return _coerce(key, raw, args[0])  # its own message
-        choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
-        raise UserError(f"--{key}={raw!r} is not valid; choose one of: {', '.join(choices)}")
-    if kind is bool and str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return str(raw).lower() in ("1", "true", "yes", "on")
-    try:
-        value = kind(float(raw)) if kind is int and "e" in str(raw).lower() else kind(raw)
-        if kind is bool or isinstance(raw, (bool, list, dict)) or (kind is int and float(raw) != value):
-            raise ValueError
-    except (TypeError, ValueError, OverflowError):
-        raise UserError(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
-    return value
+# Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door
 
 
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
-    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
-    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
-    hints = typing.get_type_hints(cls)
-    if "--help" in argv or "-h" in argv:
-        print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
-            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
-        sys.exit(0)
-    repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
-    values: dict[str, Any] = {}
-    for arg in argv:
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument {arg!r}; settings are given as --key=value")
-        key, sep, raw = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        values[key] = [*values.get(key, []), raw] if key in repeat else raw if sep else "true"
-    if "config" in values:
-        values = {**read_config_file(values.pop("config")), **values}
-    for key in values:
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            raise UserError(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
-                            f"valid settings: {', '.join(hints)}")
-    if quick and _coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
-        values = {**quick, **values}
-    return cls(**{k: _coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
-                  for k, v in values.items()})
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
+    import doors
 
-
-def read_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)  # read as plain data: never executed
-    if not p.is_file() or p.suffix not in (".json", ".toml"):
-        raise UserError(f"config file {path} not found (or not .json/.toml); pass --config=PATH to one")
-    try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
-    except (ValueError, RecursionError) as e:  # JSON and TOML errors, bad UTF-8, absurd nesting
-        raise UserError(f"config file {path} is not valid {p.suffix[1:].upper()}: {first_line(e)}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a table of key = value settings")
-    return data
+    return through_door(doors.settings, cls, argv, quick)
 
 
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:
@@ -227,9 +184,20 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-# Files: written whole or not at all, under temp names no user would choose (so only ours are swept)
+# Files: written whole or not at all, under temp names no user would choose (so only ours are swept), created
+# new (O_EXCL), never through a symbolic link (O_NOFOLLOW) nor waiting on a pipe (O_NONBLOCK)
 
 TEMP_MARK = ".headless-lm-"
+
+
+def temp_path(path: Path) -> Path:
+    """A temp name beside `path`: the pid (for the stale-temp sweep) and a random part nobody can plant a link at."""
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(8)}.tmp")
+
+
+def no_link(path: str, flags: int) -> int:
+    """open()'s opener for the files we write (a file opened to be written anew is a new one) and the lock's."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_EXCL if flags & os.O_TRUNC else 0), 0o666)
 
 
 @contextlib.contextmanager
@@ -238,57 +206,102 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     path = Path(path)
     if path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents):
         raise UserError(f"cannot write {path}: it is a folder, or a folder above it is a file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}.tmp")
+    tmp = temp_path(path)
     try:
-        with open(tmp, mode) as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, mode, opener=no_link) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        while e is not None and not isinstance(e, OSError):
-            e = e.__cause__ or e.__context__  # torch.save wraps the OSError in a RuntimeError
-        if e is None:
-            raise
-        kept = f"{path} is unchanged" if path.exists() else f"no {path} was written"
-        why = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write ({e.strerror})"
-        raise UserError(f"{why} while saving {path}; the partial file was removed and {kept}") from None
+        with contextlib.suppress(OSError):  # a read-only folder must not hide the first error behind a second
+            tmp.unlink(missing_ok=True)
+        raise write_error(e, path, "file") from None
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """A folder built beside `path`, which replaces it as a unit when the block succeeds and is removed when it
+    fails: `path` is the earlier folder, whole, or the new one (a stop between the renames puts it back)."""
+    path = Path(path)
+    remove_stale_temps(path.parent)
+    tmp = temp_path(path)
+    old = temp_path(path)
+    try:
+        tmp.mkdir()
+        yield tmp
+        if os.path.lexists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException as e:
+        if os.path.lexists(old) and not os.path.lexists(path):
+            os.rename(old, path)
+        raise write_error(e, path, "folder") from None
+    finally:
+        for folder in (tmp, old):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_error(e: BaseException, path: Path, what: str) -> BaseException:
+    """A failed write as one line when an OSError caused it (torch.save wraps it in a RuntimeError), else `e`."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return e
+    kept = f"{path} is unchanged" if path.exists() else f"no {path} was written"
+    kept = kept if what == "file" else "any earlier one is unchanged"  # a folder: hold_lock may have made it
+    full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "no space left on device" if full else f"cannot write ({cause.strerror})"
+    return UserError(f"{why} while saving {path}; the partial {what} was removed and {kept}")
 
 
 def remove_stale_temps(folder: str | Path) -> None:
-    """Delete our temp files whose writer is dead (a kill -9 mid-save), and nobody else's files."""
+    """Delete our temp files and folders whose writer is dead (a kill -9 mid-save), and nobody else's files;
+    a link is removed, never followed."""
     for tmp in Path(folder).glob(f".*{TEMP_MARK}*.tmp"):
-        pid = tmp.name.rsplit(TEMP_MARK, 1)[1].removesuffix(".tmp")
+        pid = tmp.name.rsplit(TEMP_MARK, 1)[1].removesuffix(".tmp").split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            tmp.unlink(missing_ok=True)
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
     """An exclusive flock on the folder for the block's life; a second holder is refused in one line naming
-    the first (from folder/.lock). The kernel drops a dead process's lock: a crash leaves no stale lock."""
+    the first (folder/.lock, written anew: never through a planted link). The kernel drops a dead process's
+    lock: a crash leaves no stale lock. The folders it made are removed if the block leaves them empty."""
     folder = Path(folder)
     info = folder / ".lock"
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
     except OSError as e:
         raise UserError(f"cannot create {folder} ({e.strerror}); pass a folder you can write") from None
-    fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = info.read_text().strip() if info.is_file() else "another process"
+        holder = "another process"
+        with contextlib.suppress(OSError), open(info, "rb", opener=no_link) as f:  # a line; no link, no pipe
+            holder = f.read(200).decode(errors="replace").strip() or holder
         raise UserError(f"{folder} is in use by another {what} ({holder}); wait for it to finish or use another "
                         "folder") from None
     try:
-        info.write_text(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        with atomic_file(info, "w") as f:  # anew: a link planted as .lock is replaced, never written through
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
         yield
     finally:
-        info.unlink(missing_ok=True)  # before the lock goes: the next holder's file is never removed
+        with contextlib.suppress(OSError):
+            info.unlink(missing_ok=True)  # before the lock goes: the next holder's file is never removed
         os.close(fd)
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 # A training run's folder: its own while it runs, its log, and Ctrl-C or SIGTERM (rank 0 alone writes)
@@ -305,6 +318,8 @@ def claim_out_dir(out_dir: Path, resumed_step: int | None, overwrite: bool, auto
     ckpt = out_dir / "ckpt.pt"
     if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
         raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
+    if log.is_symlink() or log.is_dir():
+        raise UserError(f"{log} is a folder or a link, not a run's log; move it away or pick another --out_dir")
     if resumed_step is None and not overwrite and (ckpt.exists() or (log.exists() and not auto)):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")
@@ -323,7 +338,7 @@ def claim_out_dir(out_dir: Path, resumed_step: int | None, overwrite: bool, auto
 def append_log(out_dir: Path, record: dict) -> None:
     record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
     try:  # valid JSON always: a null, never NaN or Infinity
-        with open(out_dir / "log.jsonl", "a") as f:
+        with open(out_dir / "log.jsonl", "a", opener=no_link) as f:
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise UserError(f"cannot append to {out_dir / 'log.jsonl'} ({e.strerror}); free some space or fix the "
@@ -400,28 +415,26 @@ def diverged(what: str, value: float, step: int, ckpt: Path) -> UserError:
 
 def last_good_checkpoint(path: str | Path) -> str:
     try:  # what a user can continue from after a refused or failed save
-        return f"the last good checkpoint is {path} (step {torch.load(path, weights_only=True)['step']})"
+        import doors
+        from model import GPTConfig
+
+        return f"the last good checkpoint is {path} (step {doors.checkpoint(path, GPTConfig)['step']})"
     except Exception:  # none yet, or unreadable
         return "there is no earlier checkpoint"
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint dict (tensors read lazily); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
+    """A checkpoint dict through its door (doors.checkpoint: the zip's directory, then every field, before
+    anything is built; tensors read lazily); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
     if str(path).startswith("hf:"):
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint
 
         return hf_checkpoint(str(path))
-    if not Path(path).is_file():
-        raise UserError(f"checkpoint {path} not found; train one with `python train.py` or pass --ckpt=PATH")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?"
-                        ) from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
-        raise UserError(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py one")
-    return ckpt
+    import doors
+    from model import GPTConfig
+
+    return through_door(doors.checkpoint, path, GPTConfig)
 
 
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):

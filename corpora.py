@@ -10,7 +10,6 @@ document, split once near its end.
 from __future__ import annotations
 
 import itertools
-import json
 import multiprocessing
 import re
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from common import UserError, first_line
-from data import PrepareConfig, encode_batches, split_by_hash
+from data import PrepareConfig, encode_batches, load_meta, split_by_hash
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -170,10 +169,10 @@ class Items:
     def check_same_source(self, out: Path) -> None:
         """Prepare again only from the same source: two local folders called `books` map to data_root/books."""
         try:
-            old = json.loads((out / "meta.json").read_text())["source_id"]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            return  # no dataset, or a broken meta.json that vouches for nothing
-        if old != self.source_id:
+            old = load_meta(out).get("source_id")  # through its door: a FIFO or a folder is no meta.json
+        except UserError:
+            return  # no dataset, or a broken one that vouches for nothing
+        if old is not None and old != self.source_id:
             raise UserError(f"{out} already holds a dataset prepared from {old}; preparing {self.source_id} would "
                             f"replace it: pass another --data_root, or delete {out} first")
 

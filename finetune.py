@@ -100,6 +100,7 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
     common.in_range(cfg, "budget_fraction", 0, 1, "(]")
+    common.in_range(cfg, "block_size", 2, base["model_config"].get("block_size", math.inf))  # before any data
     for name in ("tokens", "batch_size", "grad_accum"):
         common.in_range(cfg, name, 1)
     return cfg

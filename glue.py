@@ -305,7 +305,7 @@ def check_config(cfg: GlueConfig) -> None:
     for name in ("warmup_fraction", "dropout"):
         in_range(cfg, name, 0, 1, "[)")
     if cfg.json:
-        check_output_path(cfg.json, "json")
+        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
 
 
 def load_encoder(cfg: GlueConfig, ckpt: dict, task: Task, device: torch.device) -> GPT:

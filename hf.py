@@ -34,8 +34,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from common import UserError, checkpoint_model, first_line, load_checkpoint, parse_flags, run_main
-from data import dataset_tokenizer, gpt2_vocab_files
+from common import (
+    UserError,
+    checkpoint_model,
+    first_line,
+    load_checkpoint,
+    parse_flags,
+    remove_stale_temps,
+    run_main,
+    temp_path,
+)
+from data import dataset_tokenizer, gpt2_vocab_files, load_meta
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
@@ -179,6 +188,18 @@ def bytes_at_offsets(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
     return np.diff(byte_at[ends], prepend=0).astype(np.uint32)
 
 
+def check_same_tokenizer(out: Path, tokenizer: HFTokenizer) -> None:
+    """data.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
+    two tokenizer.json files in folders of one name, or hf:bert-base-cased and -uncased, map to one folder name."""
+    try:
+        old = load_meta(out)
+    except UserError:
+        return  # no dataset, or one its door refuses: it vouches for nothing
+    if old.get("tokenizer_sha256") != tokenizer.sha256:
+        raise UserError(f"{out} holds a dataset of another tokenizer ({old['tokenizer']}); preparing it with "
+                        f"{tokenizer.name} would replace it: pass --name=NAME to prepare this one beside it")
+
+
 def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
     """The tokenizer a checkpoint carries (its tokenizer.json's text)."""
     from tokenizers import Tokenizer
@@ -198,7 +219,9 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
     path = name
     if name.startswith("hf:"):
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import logging as hub_logging
 
+        hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
         try:
             path = hf_hub_download(name.removeprefix("hf:"), "tokenizer.json")
         except Exception as e:  # offline, no such repository, or no tokenizer.json in it
@@ -550,7 +573,9 @@ def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, 
 def _download(repo_id: str) -> Path:
     """A hub repository's config, weights and tokenizer in the local cache (nothing fetched twice)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import logging as hub_logging
 
+    hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json",
                                                                "pytorch_model*.bin"]))
@@ -767,12 +792,12 @@ def export(ckpt: str, out: str) -> Path:
     if damaged:
         raise UserError(f"{ckpt}: weight {damaged} is not finite (NaN or infinity); a damaged or diverged model "
                         "is not exported")
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = temp_path(out_dir)  # the pid (a later export removes it if this one is killed) and a random part
     created: list[Path] = []
     done = False
     try:
         _make_folders(out_dir.parent, created)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_temps(out_dir.parent)
         tmp.mkdir()
         eot = save_tokenizer(dataset_tokenizer(payload), tokenizer, tmp, c.block_size)
         (tmp / "config.json").write_text(json.dumps(hf_config(c, eot), indent=2) + "\n", encoding="utf-8")
@@ -811,6 +836,8 @@ class ExportConfig:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] in (["--help"], ["-h"]):
+        parse_flags(ExportConfig, argv)  # the usage and the settings, exit code 0
     if not argv or argv[0] != "export":
         raise UserError("usage: python hf.py export --ckpt=PATH --out=DIR")
     cfg = parse_flags(ExportConfig, argv[1:])

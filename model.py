@@ -319,9 +319,8 @@ def from_checkpoint(ckpt: dict, **overrides) -> GPT:
 
 
 def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
-    """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs (the
-    scripts load through common.load_checkpoint, which turns every bad file into one line)."""
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path} is not a headless-lm checkpoint (no model weights or model_config)")
-    return from_checkpoint(ckpt).to(device).eval()
+    """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs. Read through
+    the checkpoint's door (doors.checkpoint): a bad file is a ValueError (doors.Refused) naming the problem."""
+    from doors import checkpoint
+
+    return from_checkpoint(checkpoint(path, GPTConfig)).to(device).eval()

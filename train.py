@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import common
+import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import BatchSampler, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, sequential_batches
 from loss import (
@@ -104,13 +105,15 @@ def check_config(cfg: TrainConfig) -> None:
         common.in_range(cfg, name, 0)
     for name in ("dropout", "beta1", "beta2"):
         common.in_range(cfg, name, 0, 1, "[)")
-    common.in_range(cfg, "block_size", 2)
+    common.in_range(cfg, "block_size", 2, doors.MAXIMA["block_size"])
     common.in_range(cfg, "lr", 0, ends="(]")
     common.in_range(cfg, "min_lr", 0, cfg.lr)
     common.in_range(cfg, "eps", 0, ends="(]")
     common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
     common.in_range(cfg, "mix_alpha", 0, ends="(]")
     common.in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
+    if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
+        raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     if "," in cfg.dataset:
@@ -387,10 +390,9 @@ class Run:
         self.val_splits = {d.name: open_val_split(d, model.config.vocab_size, bytes=not self.mask) for d in data_dirs}
         self.scored = self.mask.rate if self.mask else 1.0  # the share of positions the loss scores
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
-        tokenizer_json = data_dirs[0] / "tokenizer.json"
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
-            "tokenizer_json": tokenizer_json.read_text() if tokenizer_json.is_file() else None,
+            "tokenizer_json": common.through_door(doors.dataset, data_dirs[0]).tokenizer_json,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
         self.saved_step = None
         if cfg.compile:

@@ -214,7 +214,7 @@ def check_config(cfg: XnliConfig) -> None:
     if not (0 <= cfg.dropout < 1):
         raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.json:
-        check_output_path(cfg.json, "json")
+        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
 
 
 def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,

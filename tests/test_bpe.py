@@ -132,8 +132,8 @@ def test_parse_bpe_name(name: str, n: int | None) -> None:
 def test_parse_bpe_name_refuses(name: str) -> None:
     with pytest.raises(UserError) as e:
         bpe.parse_bpe_name(name)
-    assert str(e.value) == (f"--tokenizer={name}: N must be a whole number of tokens, at least 257, "
-                            "e.g. bpe:8192")
+    assert str(e.value) == (f"--tokenizer={name}: N must be a whole number of tokens from 257 to 4,194,304 (in "
+                            "ASCII digits), e.g. bpe:8192")
 
 
 def test_sample_documents_reads_only_what_it_keeps() -> None:

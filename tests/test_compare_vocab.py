@@ -98,7 +98,7 @@ def test_finished_size_with_other_settings_is_refused(sweep):
 
 def test_bad_sizes_prepared_folders_and_plots_without_matplotlib_are_one_line(tiny_data_dir, tmp_path,
                                                                                   monkeypatch):
-    with pytest.raises(UserError, match="at least 257"):
+    with pytest.raises(UserError, match="from 257 to"):
         compare.run_vocab_sweep(compare.CompareConfig(vocab_sizes=[1024, 100], out_dir=str(tmp_path)))
     with pytest.raises(UserError, match="prepared dataset"):
         compare.run_vocab_sweep(compare.CompareConfig(vocab_sizes=[1024], dataset=str(tiny_data_dir),

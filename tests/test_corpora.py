@@ -116,11 +116,12 @@ def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
     command = re.search(r"run: python data.py (.*)$", str(e.value))[1]
     data.main(command.split(" "))  # exactly what the hint says
     assert data.load_meta(data.ensure_dataset(str(corpus), root))["documents"] == 1
-    # A folder with shards but no meta.json (an interrupted preparation) holds nothing data.py can read.
+    # A folder with shards but no meta.json (what an interrupted preparation left before datasets were built
+    # beside their folder and renamed into place whole) holds nothing data.py can read.
     broken = tmp_path / "d" / "broken"
     broken.mkdir()
     (broken / "train.bin").write_bytes(b"\0\0")
-    with pytest.raises(UserError, match="holds no .txt/.jsonl/.parquet files to prepare: prepare the corpus"):
+    with pytest.raises(UserError, match="is not prepared .* missing"):
         data.ensure_dataset(str(broken), root)
     with pytest.raises(UserError) as e:
         data.load_meta(broken)

@@ -244,20 +244,22 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
     with pytest.raises(UserError) as e:
         open_split(tiny_data_dir, "val", vocab_size=1000)  # meta says gpt2: caught before reading
     assert_one_line_error(e, "gpt2 (50257 tokens)", "vocab_size is 1000")
-    out = copy_dataset(tiny_data_dir, tmp_path)  # a meta that lies about the vocabulary
+    out = copy_dataset(tiny_data_dir, tmp_path)  # a meta that lies about the vocabulary: its door sees it
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 1000}))
+    with pytest.raises(UserError) as e:
+        open_split(out, "val", vocab_size=1000)
+    assert_one_line_error(e, "token id 50256 is not an id of its 1000 tokens")
+    (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 1000, "eot_token": 999}))  # ... consistently
     with pytest.raises(UserError) as e:
         open_split(out, "val", vocab_size=1000)
     assert_one_line_error(e, "holds token id 50256 >= vocab_size 1000")
 
 
-def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys):
-    calls = []
-    meta = json.dumps({"format": data.DATA_FORMAT, "tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16",
-                       "eot_token": 50256, "train_tokens": 0, "val_tokens": 0, "checksums": {}})
-    monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or (tmp_path / "shakespeare").mkdir()
-                        or (tmp_path / "shakespeare" / "meta.json").write_text(meta))
+def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys, tiny_data_dir):
+    calls = []  # the stand-in preparation: a copy of a small prepared dataset, which its door lets in
+    monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or shutil.copytree(tiny_data_dir,
+                                                                                          tmp_path / "shakespeare"))
     assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
     assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
     assert len(calls) == 1 and calls[0].data_root == str(tmp_path) and "preparing" in capsys.readouterr().err

@@ -513,8 +513,8 @@ GLUE_FAULTS = {  # fault: (train.jsonl text, data_meta changes, words)
     "5000-digit label": ('{"sentence1": "a", "sentence2": "b", "label": 1%s}\n' % ("0" * 5000), {},
                          ["train.jsonl line 1", "too long"]),
     "eot beyond the vocabulary": (GOOD_ROW, {"eot_token": 60000}, ["eot_token 60000", "0..50303"]),
-    "negative eot": (GOOD_ROW, {"eot_token": -1}, ["eot_token -1"]),
-    "eot not a number": (GOOD_ROW, {"eot_token": "50256"}, ["eot_token '50256'"]),
+    "negative eot": (GOOD_ROW, {"eot_token": -1}, ["data_meta.eot_token is -1"]),  # at the checkpoint's door
+    "eot not a number": (GOOD_ROW, {"eot_token": "50256"}, ["data_meta.eot_token is '50256', not int"]),
 }
 
 

@@ -154,7 +154,7 @@ def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
 
 
 def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    fill_disk_after(monkeypatch, opens=1)  # the save at step 2 succeeds; at step 4 the disk is full
+    fill_disk_after(monkeypatch, opens=2)  # the lock's info and the save at step 2 succeed; at step 4 the disk is full
     flags = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32", "--batch_size=4",
              "--max_iters=4", "--eval_interval=2", "--eval_batches=2", f"--out_dir={tmp_path}",
              "--device=cpu"]
@@ -171,9 +171,13 @@ def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch
 
 
 def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
-    fill_disk_after(monkeypatch, opens=0, room=5000)
-    with pytest.raises(UserError, match=r"^no space left on device while saving \S+\.bin; the partial file "
-                                        r"was removed and no \S+ was written$"):
+    def opener(path, mode="r", *args, **kwargs):  # the dataset's files, in the folder built beside its place
+        f = open(path, mode, *args, **kwargs)
+        return FullDisk(f, 5000) if common.TEMP_MARK in str(path) else f
+
+    monkeypatch.setattr(data, "open", opener, raising=False)
+    with pytest.raises(UserError, match=r"^no space left on device while saving \S+shakespeare; the partial folder "
+                                        r"was removed and any earlier one is unchanged$"):
         data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=2, data_root=str(tmp_path / "d")))
     assert not (tmp_path / "d").exists()
 

@@ -1,0 +1,448 @@
+"""The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
+checkpoint(path, GPTConfig), dataset(folder, files). A door checks a file (a regular one, of a sane size), then
+every field's type and range, and against the weights or the data where they constrain it, before anything is
+allocated or built; bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It
+imports no other file of this project (model.load_model reads through it), so a refusal is a Refused, a
+ValueError: the scripts show it as their one-line UserError (common.through_door)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import re
+import stat
+import sys
+import tomllib
+import typing
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+
+
+class Refused(ValueError):
+    """An input refused at its door: the message is one line naming it, the problem and the fix."""
+
+
+# What a real model could have: a file that claims more is refused before anything is built (docs/failures.md)
+MAXIMA = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "d_model": 1 << 16, "n_head": 1024,
+          "mlp_hidden": 1 << 18}
+MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, results files that an output would replace
+MAX_TOKENIZER_BYTES = 256 << 20  # a dataset's tokenizer.json (real ones: a few MB)
+MAX_PICKLE_BYTES = 64 << 20  # a checkpoint's data.pkl: the structure around the tensors, unpickled whole
+MAX_HASHED_BYTES = 2 << 30  # shards up to this size are checked against their sha256 at every start
+BIG = 1 << 62  # any count
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+# ---------------------------------------------------------------------------------------------- small files
+
+
+def opened(path: str | Path, what: str, fix: str) -> tuple[IO[bytes], os.stat_result]:
+    """`path` opened for reading, and its stat, if it is a regular file: checked before a byte is read (/dev/zero
+    never ends), and opened without blocking (a FIFO would wait for a writer forever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        why = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        raise Refused(f"{what} {path} {why}; {fix}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a device, pipe or socket)"
+        raise Refused(f"{what} {path} is {kind}; {fix}")
+    return os.fdopen(fd, "rb"), info
+
+
+def read_small(path: str | Path, limit: int, what: str, fix: str) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, refused by its size before it is read."""
+    f, info = opened(path, what, fix)
+    with f:
+        if info.st_size > limit:
+            raise Refused(f"{what} {path} is {info.st_size:,} bytes, more than a {what} can be ({limit:,}); {fix}")
+        return f.read(limit + 1)
+
+
+def parse(data: bytes, where: str, fix: str, kind: str = "JSON") -> Any:
+    """JSON or TOML read from a file's bytes: any way they are broken is one line."""
+    try:
+        return json.loads(data) if kind == "JSON" else tomllib.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON, TOML or UTF-8, a 5,000-digit number, absurd nesting
+        raise Refused(f"{where} is not valid {kind}: {(str(e).splitlines() or ['?'])[0]}; {fix}") from None
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """repr(value) cut short, for a value from a file in a one-line message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more than 4300 digits
+        return f"a {type(value).__name__} too long to show"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def config_file(path: str | Path) -> dict[str, Any]:
+    """A --config file: a table of settings in JSON or TOML, read as plain data (never executed)."""
+    fix = "pass --config=PATH to a .json or .toml file of settings"
+    kind = {".json": "JSON", ".toml": "TOML"}.get(Path(path).suffix)
+    if kind is None:
+        raise Refused(f"config file {path} is not .json or .toml; {fix}")
+    values = parse(read_small(path, MAX_TEXT_BYTES, "config file", fix), f"config file {path}", fix, kind)
+    if not isinstance(values, dict):
+        raise Refused(f"config file {path} must hold a table of key = value settings")
+    return values
+
+
+def coerce(key: str, raw: Any, kind: Any) -> Any:
+    """A flag or config value as the field's type, or a refusal saying what is expected."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is Literal:
+        if raw not in args:
+            raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
+        return raw
+    if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
+        return [coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
+    if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
+        if type(None) in args and raw in (None, "", "none", "None"):
+            return None
+        for member in [a for a in args if a is not type(None)]:
+            with contextlib.suppress(Refused):
+                return coerce(key, raw, member)
+        if len(args) == 2 and type(None) in args:
+            return coerce(key, raw, args[0])  # its own message
+        choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
+        raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(choices)}")
+    if kind is bool and str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return str(raw).lower() in ("1", "true", "yes", "on")
+    try:
+        value = kind(float(raw)) if kind is int and "e" in str(raw).lower() else kind(raw)
+        if kind is bool or isinstance(raw, (bool, list, dict)) or (kind is int and float(raw) != value):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise Refused(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
+    return value
+
+
+def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
+    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
+    hints = typing.get_type_hints(cls)
+    if "--help" in argv or "-h" in argv:
+        print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
+            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
+        sys.exit(0)
+    repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
+    values: dict[str, Any] = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise Refused(f"unexpected argument {arg!r}; settings are given as --key=value")
+        key, sep, raw = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        values[key] = [*values.get(key, []), raw] if key in repeat else raw if sep else "true"
+    if "config" in values:
+        values = {**config_file(values.pop("config")), **values}
+    for key in values:
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            raise Refused(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
+                          f"valid settings: {', '.join(hints)}")
+    if quick and coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
+        values = {**quick, **values}
+    return cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
+                  for k, v in values.items()})
+
+
+# ---------------------------------------------------------------------------------------------- fields
+
+
+def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300) -> str | None:
+    """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes
+    whole numbers too; int never takes a bool), or a list of the values allowed. Numbers: in [low, high]."""
+    if isinstance(kinds, list):
+        fits = isinstance(value, (str, int, type(None))) and not isinstance(value, bool) and value in kinds
+        return None if fits else f"is {brief(value)}, not one of: {', '.join(map(str, kinds))}"
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if value is None and None in kinds:
+        return None
+    types = tuple(k for k in kinds if k is not None) + ((int,) if float in kinds else ())
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in kinds):
+        return f"is {brief(value)}, not {' or '.join(getattr(k, '__name__', 'null') for k in kinds)}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:  # NaN too
+        return f"is {brief(value)}, outside [{low:g}, {'inf)' if high >= BIG else f'{high:g}]'}"
+    return None
+
+
+def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = (),
+                   others: bool = False) -> str | None:
+    """The first way a table (`name`) breaks its rules: not a table, a needed field missing, a field of no rule
+    (unless `others`: then a plain value, a number, string, true/false, null or a list of them), a bad value."""
+    table = f"{name} " if name else ""
+    if not isinstance(values, dict):
+        return f"{table}is {brief(values)}, not a table"
+    if missing := [k for k in needs if k not in values]:
+        return f"{table}lacks {', '.join(missing)}"
+    for key, value in values.items():
+        if key in rules:
+            why = problem(value, *rules[key])
+        elif others:
+            why = next(filter(None, (problem(v, (bool, float, str, None)) for v in
+                                     (value if isinstance(value, list) else [value]))), None)
+        else:
+            why = "is not a field of this code's"
+        if why:
+            return f"{name}.{str(key)[:60]} {why}" if name else f"{str(key)[:60]} {why}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+
+# meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
+DATA_FORMAT = 3
+META_RULES = {"format": ([DATA_FORMAT],), "tokenizer": (str,), "tokenizer_sha256": ((str, None),), "dtype": (str,),
+              "documents": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]), "eot_token": (int, 0, BIG),
+              "mask_token": ((int, None), 0, BIG), "special_tokens": ((list, None),), "source": (str,),
+              "source_id": (str,), "skipped_rows": (int, 0, BIG), "settings": (dict,), "checksums": (dict,),
+              "train_tokens": (int, 1, BIG), "val_tokens": (int, 1, BIG), "val_bytes": (int, 0, BIG)}
+META_NEEDS = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "val_bytes", "checksums")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)  # uint16 halves disk and RAM
+
+
+def shard_dtypes(vocab_size: int) -> dict[str, np.dtype]:
+    """The files of a prepared dataset, each an array of this dtype: the token ids of each split, and the
+    UTF-8 bytes each validation token stands for (a count can exceed 65,535 where a tokenizer drops text)."""
+    return {"train.bin": token_dtype(vocab_size), "val.bin": token_dtype(vocab_size), "val.bytes": np.dtype(np.uint32)}
+
+
+@dataclasses.dataclass
+class Shard:
+    """Appends values to an open shard file, counting, summing and hashing them as it goes (data.prepare)."""
+    file: IO[bytes]
+    dtype: np.dtype
+    tokens: int = 0
+    total: int = 0
+    sha256: Any = dataclasses.field(default_factory=hashlib.sha256)
+
+    def write(self, values: np.ndarray) -> None:
+        data = values.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha256.update(data)
+        self.tokens += len(values)
+        self.total += int(values.sum(dtype=np.int64))
+
+
+class Dataset(NamedTuple):
+    """A dataset its door let in: meta.json, tokenizer.json's text (None: tiktoken's), the files as memmaps."""
+    meta: dict
+    tokenizer_json: str | None
+    arrays: dict[str, np.memmap]
+
+
+def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | None = None) -> Dataset:
+    """A prepared dataset folder through its door: meta.json (its format, every field's type and range, the dtype
+    its vocabulary implies), tokenizer.json against the sha256 meta.json records, then each of `files` (train.bin,
+    val.bin, val.bytes): meta.json's count of values, its sha256 (up to MAX_HASHED_BYTES: more would cost seconds
+    at every start), no id beyond the model's vocab_size if given; val.bytes sums to val_bytes."""
+    folder = Path(folder)
+    meta = dataset_meta(folder)
+    redo = f"prepare the dataset again: python data.py --dataset={meta.get('settings', {}).get('dataset', '...')}"
+    path = folder / "tokenizer.json"
+    sha256 = meta.get("tokenizer_sha256")  # None: tiktoken's, and no tokenizer.json
+    data = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer file", redo) if sha256 or os.path.lexists(path) else b""
+    if (sha256 or data) and hashlib.sha256(data).hexdigest() != sha256:
+        raise Refused(f"{path} is not the tokenizer {meta['tokenizer']} that meta.json records (its sha256 differs): "
+                      f"a swapped or stray file; put the dataset's own back, or {redo}")
+    if vocab_size is not None and meta["vocab_size"] > vocab_size:
+        raise Refused(f"{folder} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but the "
+                      f"model's vocab_size is {vocab_size}; match the model to the data")
+    return Dataset(meta, data.decode() or None, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
+
+
+def dataset_meta(folder: Path) -> dict:
+    path = folder / "meta.json"
+    redo = f"prepare its corpus again with python data.py --dataset=SOURCE --data_root={folder.parent}"
+    meta = parse(read_small(path, MAX_TEXT_BYTES, "dataset file", redo), str(path), redo)
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    if isinstance(settings, dict) and isinstance(settings.get("dataset"), str):
+        redo = redo.replace("SOURCE", settings["dataset"])
+    version = meta.get("format", meta.get("split_rule", 1)) if isinstance(meta, dict) else DATA_FORMAT
+    if version in (1, 2):
+        old = {1: "by an older rule that cut every document into train and val",
+               2: "before val.bytes (bits per byte) was recorded"}[version]
+        raise Refused(f"{folder} was prepared {old}; {redo}")
+    if why := fields_problem(meta, META_RULES, "", META_NEEDS, others=True) or meta_problem(meta):
+        raise Refused(f"{path}: {why}; {redo}")
+    sums = meta["checksums"]
+    if sorted(sums) != ["train", "val", "val.bytes"] or not all(SHA256.fullmatch(str(v)) for v in sums.values()):
+        raise Refused(f"{path}: checksums is {brief(sums)}, not the sha256 of train, val and val.bytes; {redo}")
+    return meta
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What a meta.json's (or data_meta's) fields say that cannot be: ids outside its vocabulary, another dtype."""
+    vocab = meta.get("vocab_size", BIG)
+    ids = [meta.get("eot_token"), meta.get("mask_token"), *(meta.get("special_tokens") or [])]
+    if bad := [i for i in ids if i is not None and problem(i, int, 0, vocab - 1)]:
+        return f"token id {brief(bad[0])} is not an id of its {vocab} tokens"
+    if "dtype" in meta and "vocab_size" in meta and meta["dtype"] != token_dtype(vocab).name:
+        return f"dtype is {brief(meta['dtype'])}, but {vocab} tokens are stored as {token_dtype(vocab).name}"
+    return None
+
+
+def shard(path: Path, meta: dict, redo: str, vocab_size: int | None) -> np.memmap:
+    """One of a dataset's files as a read-only memmap, checked first (see dataset)."""
+    dtype = shard_dtypes(meta["vocab_size"])[path.name]
+    count = meta["val_tokens" if path.name == "val.bytes" else f"{path.stem}_tokens"]
+    info = os.stat(path) if os.path.exists(path) else None
+    if info is None or not stat.S_ISREG(info.st_mode) or info.st_size != count * dtype.itemsize:
+        what = "byte counts" if path.name == "val.bytes" else "tokens"
+        raise Refused(f"{path} is missing, or not the {count} {dtype.name} {what} meta.json says (truncated or "
+                      f"corrupt); {redo}")
+    values = np.memmap(path, dtype=dtype, mode="r")
+    recorded = meta["checksums"][path.name.removesuffix(".bin")]
+    if info.st_size <= MAX_HASHED_BYTES and sha256_of_array(values) != recorded:
+        raise Refused(f"{path} does not match the checksum in meta.json (modified or corrupt); {redo}")
+    if path.name == "val.bytes" and values.sum(dtype=np.int64) != meta["val_bytes"]:
+        raise Refused(f"{path} does not sum to meta.json's val_bytes; {redo}")
+    if vocab_size is not None and path.name != "val.bytes" and largest_value(values) >= vocab_size:
+        raise Refused(f"{path} holds token id {largest_value(values)} >= vocab_size {vocab_size}; {redo}")
+    return values
+
+
+def sha256_of_array(values: np.ndarray, chunk: int = 1 << 24) -> str:
+    sha256 = hashlib.sha256()
+    for start in range(0, len(values), chunk):  # bounded memory
+        sha256.update(values[start:start + chunk])
+    return sha256.hexdigest()
+
+
+def largest_value(values: np.ndarray, chunk: int = 1 << 24) -> int:
+    return max((int(values[start:start + chunk].max()) for start in range(0, len(values), chunk)), default=0)
+
+
+def same_tokenizer(meta: dict, other: dict) -> bool:
+    """Whether two datasets' (or data_meta's) tokenizers are one: by their tokenizer.json's sha256, else by name."""
+    return (meta.get("tokenizer_sha256") or meta["tokenizer"]) == (other.get("tokenizer_sha256") or other["tokenizer"])
+
+
+def special_ids(meta: dict) -> list[int]:
+    """The ids of a dataset's special tokens (end-of-text at least), which stand for no text."""
+    return list(meta.get("special_tokens") or [meta["eot_token"]])
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+COUNT = (int, 0, BIG)
+METRICS = ((dict, None),)  # validation metrics
+CHECKPOINT_RULES = {"model": (dict,), "model_config": (dict,), "objective": (dict,), "optimizer": (dict,),
+                    "scaler": ((dict, None),), "train_config": (dict,), "state": (dict,), "step": COUNT,
+                    "loss": ((float, None),), "val": METRICS, "first_val": METRICS, "tokens_seen": COUNT,
+                    "flops": (float, 0), "base_tokens": COUNT, "base_flops": (float, 0), "data_meta": (dict,),
+                    "mask_spec": ((dict, None),), "tokenizer_json": ((str, None),), "mix": METRICS, "rng": (dict,)}
+STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": (float, 0), "earlier_tokens": COUNT,
+               "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
+               "val_step": ((int, None), 0, BIG)}
+# The settings a script takes from a checkpoint's train_config (finetune.py inherits some); any other is plain
+TRAIN_RULES = {"dataset": ((str, None),), "preset": ((str, None),), "block_size": ((int, None), 2, BIG),
+               "batch_size": (int, 1, BIG), "grad_accum": (int, 1, BIG), "eval_batches": (int, 1, BIG),
+               "max_iters": (int, 1, BIG), "warmup_iters": ((int, None), 0, BIG), "lr": (float, 0),
+               "min_lr": ((float, None), 0), "temperature": (float, 1e-3, 1e3), "mix_alpha": ((float, None), 0),
+               "objective": (["causal", "mlm"],), "loss": (str,), "device": (["auto", "cpu", "cuda", None],),
+               "dtype": (["auto", "bfloat16", "float16", "float32", None],), "compile": ((bool, None),)}
+MODEL_RANGES = {**{name: (1, most) for name, most in MAXIMA.items()}, "dropout": (0, 0.999999),
+                "rotary_pct": (0, 1), "norm_eps": (1e-30, 1), "rope_base": (1, 1e12)}
+
+
+def checkpoint(path: str | Path, config_class: type) -> dict:
+    """A train.py or finetune.py checkpoint through its door: a regular file whose zip directory is what torch.save
+    writes (every entry stored, within the file; one data.pkl of at most MAX_PICKLE_BYTES), checked before anything
+    is unpickled; then torch.load (weights_only: never code; mmap: the tensors stay on disk); then every field."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    f, info = opened(path, "checkpoint", "train one with `python train.py` or pass --ckpt=PATH")
+    with f:
+        why = zip_problem(f, info.st_size)
+    if why:
+        raise Refused(f"checkpoint {path} {why}; {fix}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise Refused(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
+        raise Refused(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py one")
+    if why := next(filter(None, checkpoint_problems(ckpt, config_class)), None):
+        raise Refused(f"checkpoint {path}: {why}; {fix}")
+    return ckpt
+
+
+def zip_problem(f: IO[bytes], size: int) -> str | None:
+    """Why a file is not what torch.save writes, from its zip directory alone (nothing is decompressed)."""
+    try:
+        entries = zipfile.ZipFile(f).infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return "is not a torch.save file (it has no zip directory)"
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED:
+            return f"holds a compressed entry ({brief(entry.filename)}), which torch.save never writes"
+        if entry.header_offset + entry.file_size > size:
+            return f"holds an entry ({brief(entry.filename)}) larger than the file"
+    pickles = [e.file_size for e in entries if e.filename.endswith("/data.pkl")]
+    if len(pickles) != 1 or pickles[0] > MAX_PICKLE_BYTES:
+        return f"does not hold one data.pkl of at most {MAX_PICKLE_BYTES >> 20} MiB, as torch.save writes"
+    return None
+
+
+def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
+    """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
+    (tensors), model_config, train_config, state, rng, data_meta; with a state (it can resume), the optimizer too."""
+    yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
+    for key in ("model", "objective"):
+        tensors = ckpt.get(key, {})
+        yield fields_problem(tensors, dict.fromkeys(tensors, (torch.Tensor,)), key)
+    yield model_config_problem(ckpt["model_config"], config_class)
+    yield fields_problem(ckpt.get("train_config", {}), TRAIN_RULES, "train_config", others=True)
+    yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
+    yield fields_problem(ckpt.get("data_meta", {}), {**META_RULES, "format": COUNT}, "data_meta", others=True)
+    rng = ckpt.get("rng", {})
+    yield fields_problem(rng, {"torch": (torch.Tensor,), "cuda": ((torch.Tensor, None),)}, "rng")
+    if "torch" in rng and (rng["torch"].dtype != torch.uint8 or rng["torch"].shape != torch.get_rng_state().shape):
+        yield "rng.torch is not the state of torch's generator"
+    meta = ckpt.get("data_meta", {})
+    yield meta_problem(meta) and f"data_meta {meta_problem(meta)}"
+    block = ckpt["model_config"].get("block_size", BIG)
+    if (ckpt.get("train_config", {}).get("block_size") or 0) > block:
+        yield f"train_config.block_size is more than the model's {block} tokens of context"
+    if "state" in ckpt and ckpt["state"].get("step") != ckpt.get("step"):
+        yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
+
+
+def model_config_problem(values: Any, config_class: type) -> str | None:
+    """model_config as config_class's fields (GPTConfig: of its types, a Literal's values, within MAXIMA; block_size,
+    which no weight checks, too), then together: heads that divide the width, rotary channels that fit a head."""
+    rules = {}
+    for name, hint in typing.get_type_hints(config_class).items():
+        args = typing.get_args(hint)
+        kinds = list(args) if typing.get_origin(hint) is Literal else tuple(a if a is not type(None) else None
+                                                                            for a in args) or hint
+        rules[name] = (kinds, *MODEL_RANGES.get(name, ()))
+    if why := fields_problem(values, rules, "model_config"):
+        return why
+    c = config_class(**values)
+    head = c.d_model // c.n_head
+    if c.d_model % c.n_head:
+        return f"model_config.d_model {c.d_model} is not a multiple of n_head {c.n_head}"
+    if c.rotary_dims + c.rotary_dims % 2 > head:
+        return f"model_config.rotary_pct {c.rotary_pct} rotates more than a head's {head} channels"
+    return None

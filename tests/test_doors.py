@@ -1,0 +1,684 @@
+"""The file doors (issue 27): each case of the fault-injection pass, grouped by door and table-driven. A case is
+checked as a user sees it where that is cheap: `python SCRIPT.py` run in-process, one `error:` line, exit code 2,
+no traceback, nothing changed or left behind. Large inputs are stand-ins (a sparse file, a zip directory that
+claims more than the file holds); what a refusal costs in memory and time is measured in one subprocess.
+Case numbers are issue 27's ("26.6": issue 26's sixth)."""
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from test_faults import run_cli, snapshot
+
+import bpe
+import common
+import data
+import doors
+import eval as evaluation
+import finetune
+import generate
+import glue
+import hf
+import model
+import train
+from common import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["--preset=tiny", "--block_size=16", "--batch_size=2", "--max_iters=1", "--eval_batches=1", "--device=cpu"]
+
+
+def refused(main, argv: list[str], words: str, monkeypatch, capsys, folder: Path | None = None) -> str:
+    """`python SCRIPT.py ARGV` exits 2 with one error line holding `words`; `folder` is left as it was."""
+    before = snapshot(folder) if folder else None
+    code, out, err = run_cli(main, argv, monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and words in err, (code, err)
+    assert "Traceback" not in out + err
+    if folder:
+        assert snapshot(folder) == before
+    return err
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dict() -> dict:
+    """A checkpoint as today's train.py writes it, every key of it, around a tiny model (block_size 16)."""
+    torch.manual_seed(0)
+    config = model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16)
+    net = model.GPT(config)
+    optimizer = model.adamw(net, 1e-3, 0.1, (0.9, 0.95))
+    state = dict(step=4, micro_batches=4, tokens=128, flops=1.0e6, earlier_tokens=0, earlier_flops=0.0, loss=3.5,
+                 first_val={"val_ce": 4.0}, val={"val_ce": 3.0}, val_step=4)
+    return {"model": net.state_dict(), "model_config": vars(config).copy(), "objective": {},
+            "optimizer": optimizer.state_dict(), "scaler": {}, "state": state, "step": 4, "loss": 3.5,
+            "val": {"val_ce": 3.0}, "first_val": {"val_ce": 4.0}, "tokens_seen": 128, "flops": 1.0e6,
+            "base_tokens": 0, "base_flops": 0.0, "mask_spec": None, "tokenizer_json": None, "mix": None,
+            "train_config": {"dataset": "shakespeare", "preset": "tiny", "block_size": 16, "batch_size": 2,
+                             "max_iters": 4, "loss": "ce", "objective": "causal", "device": "cpu", "seed": 0},
+            "data_meta": {"tokenizer": "gpt2", "tokenizer_sha256": None, "vocab_size": 50, "dtype": "uint16",
+                          "eot_token": 49, "format": 3},
+            "rng": {"torch": torch.get_rng_state(), "cuda": None}}
+
+
+def edited(ckpt: dict, path: str, value) -> dict:
+    """A deep copy of ckpt with the field at `path` ("state/step") set to value (or removed: DELETE)."""
+    ckpt = copy.deepcopy(ckpt)
+    *parents, key = path.split("/")
+    table = ckpt
+    for name in parents:
+        table = table[name]
+    if value is DELETE:
+        del table[key]
+    else:
+        table[key] = value
+    return ckpt
+
+
+DELETE = object()
+CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
+    ("4", "model_config/block_size", 10**10, "model_config.block_size is 10000000000, outside [1, 1.04858e+06]"),
+    ("4", "model_config/block_size", 10**8, "model_config.block_size is 100000000, outside"),
+    ("10", "step", -5, "step is -5, outside"),
+    ("10", "state/step", -5, "state.step is -5, outside"),
+    ("10", "model_config/gelu", "fast", "model_config.gelu is 'fast', not one of: exact, tanh"),
+    ("10", "model_config/norm", "batchnorm", "model_config.norm is 'batchnorm', not one of: layernorm, rmsnorm"),
+    ("11", "model_config/n_head", 3, "model_config.d_model 16 is not a multiple of n_head 3"),
+    ("11", "model_config/n_head", 0, "model_config.n_head is 0, outside [1, 1024]"),
+    ("11", "model_config/block_size", -5, "model_config.block_size is -5, outside"),
+    ("11", "model_config/rotary_pct", 5, "model_config.rotary_pct is 5, outside [0, 1]"),
+    ("11", "model_config/causal", "no", "model_config.causal is 'no', not bool"),
+    ("11", "model_config/bogus", 1, "model_config.bogus is not a field of this code's"),
+    ("11", "model/wte.weight", [1.0, 2.0], "model.wte.weight is [1.0, 2.0], not Tensor"),
+    ("11", "train_config", None, "train_config is None, not dict"),
+    ("11", "train_config", [1, 2], "train_config is [1, 2], not dict"),
+    ("11", "train_config/block_size", 1000, "train_config.block_size is more than the model's 16 tokens"),
+    ("11", "train_config/batch_size", "abc", "train_config.batch_size is 'abc', not int"),
+    ("11", "train_config/max_iters", "abc", "train_config.max_iters is 'abc', not int"),
+    ("11", "train_config/device", "tpu", "train_config.device is 'tpu', not one of"),
+    ("11", "data_meta", [1], "data_meta is [1], not dict"),
+    ("11", "data_meta/tokenizer", 5, "data_meta.tokenizer is 5, not str"),
+    ("11", "data_meta/dtype", "float16", "data_meta dtype is 'float16', but 50 tokens are stored as uint16"),
+    ("11", "state/bogus", 1, "state.bogus is not a field of this code's"),
+    ("11", "state", None, "state is None, not dict"),
+    ("11", "state/micro_batches", -1, "state.micro_batches is -1, outside"),
+    ("11", "rng", DELETE, "lacks rng"),
+    ("11", "rng/torch", torch.zeros(7, dtype=torch.uint8), "rng.torch is not the state of torch's generator"),
+    ("11", "step", "5", "step is '5', not int"),
+    ("11", "state/step", 3, "state.step 3 is not its step 4"),
+    ("11", "tokenizer_json", 5, "tokenizer_json is 5, not str"),
+]
+
+
+@pytest.mark.parametrize("case, field, value, words", CHECKPOINT_FIELDS,
+                         ids=[f"{c}-{f}={v if not isinstance(v, torch.Tensor) else 'tensor'}"
+                              for c, f, v, _ in CHECKPOINT_FIELDS])
+def test_the_checkpoint_door_refuses_each_bad_field(case, field, value, words, checkpoint_dict, tmp_path,
+                                                    monkeypatch, capsys):
+    path = tmp_path / "ckpt.pt"
+    torch.save(edited(checkpoint_dict, field, value), path)
+    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
+    with pytest.raises(ValueError, match="checkpoint"):  # the notebook API reads through the same door
+        model.load_model(str(path))
+
+
+def compressed_pickle(path: Path, ckpt: dict) -> None:
+    """Case 3: a torch.save file whose data.pkl is DEFLATE-compressed, its directory claiming 2 GB inside."""
+    torch.save(ckpt, path)
+    with zipfile.ZipFile(path) as z:
+        entries = {i.filename: z.read(i) for i in z.infolist()}
+    with zipfile.ZipFile(path, "w") as z:
+        for name, payload in entries.items():
+            z.writestr(name, payload, zipfile.ZIP_DEFLATED if name.endswith("data.pkl") else zipfile.ZIP_STORED)
+    claim_size(path, "data.pkl", 2 << 30)
+
+
+def claim_size(path: Path, entry: str, size: int) -> None:
+    """Rewrite an entry's uncompressed size in the zip's central directory (the door reads only that)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.rfind(b"PK\x01\x02" + b"", 0)
+    while at >= 0:
+        name_length = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46:at + 46 + name_length].decode().endswith(entry):
+            struct.pack_into("<I", raw, at + 24, size)
+        at = raw.rfind(b"PK\x01\x02", 0, at)
+    path.write_bytes(bytes(raw))
+
+
+def stored_but_huge(path: Path, ckpt: dict) -> None:
+    torch.save(ckpt, path)
+    claim_size(path, "data.pkl", 2 << 30)
+    with zipfile.ZipFile(path) as z:  # the directory now claims more than the file holds; nothing else changed
+        assert next(i for i in z.infolist() if i.filename.endswith("data.pkl")).file_size == 2 << 30
+
+
+CHECKPOINT_FILES = [  # (case, how the file is made, what the one line says)
+    ("3", compressed_pickle, "holds a compressed entry"),
+    ("3", stored_but_huge, "larger than the file"),
+    ("3", lambda p, c: p.write_bytes(os.urandom(4096)), "is not a torch.save file"),
+    ("3", lambda p, c: torch.save(c, p, _use_new_zipfile_serialization=False), "is not a torch.save file"),
+    ("5", lambda p, c: p.symlink_to("/dev/zero"), "is not a regular file"),
+    ("5", lambda p, c: os.mkfifo(p), "is not a regular file"),
+    ("5", lambda p, c: p.mkdir(), "is a folder"),
+    ("old", lambda p, c: torch.save([1, 2], p), "is not a headless-lm checkpoint"),
+]
+
+
+@pytest.mark.parametrize("case, make, words", CHECKPOINT_FILES, ids=[f"{c}-{w}" for c, _, w in CHECKPOINT_FILES])
+def test_the_checkpoint_door_reads_the_zip_directory_before_anything_is_unpickled(case, make, words,
+                                                                                    checkpoint_dict, tmp_path,
+                                                                                    monkeypatch, capsys):
+    path = tmp_path / "ckpt.pt"
+    make(path, checkpoint_dict)
+    loaded = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(a) or {})
+    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
+    assert not loaded or words == "is not a headless-lm checkpoint"
+
+
+# Any JSON-like value, the awkward ones often: huge, negative or non-finite numbers, strings of digits, nesting
+ANY_VALUE = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, 1, -1, 10**12])
+                         | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
+                         | st.sampled_from(["5", "gpt2", "uint8", "float16", "mlm", "exact", "cuda"]),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                     max_size=3), max_leaves=4)
+FIELDS = ([f"model_config/{f}" for f in vars(model.GPTConfig())] + [f"state/{f}" for f in ("step", "tokens", "val")]
+          + [f"train_config/{f}" for f in doors.TRAIN_RULES] + [f"data_meta/{f}" for f in doors.META_RULES]
+          + ["step", "rng", "rng/torch", "model", "objective", "tokenizer_json", "val"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), value=ANY_VALUE)
+def test_any_value_in_any_field_is_let_in_or_refused_in_one_line(checkpoint_dict, field, value):
+    """The invariant behind cases 4, 10 and 11: whatever a checkpoint's field holds, its door lets it in (and the
+    model is then built, or refused in one line by the weights check) or refuses it in one line."""
+    ckpt = edited(checkpoint_dict, field, value)
+    why = next(filter(None, doors.checkpoint_problems(ckpt, model.GPTConfig)), None)
+    if why is not None:
+        assert isinstance(why, str) and "\n" not in why
+        return
+    try:
+        common.checkpoint_model(ckpt, "ckpt.pt")
+    except UserError as e:
+        assert "\n" not in str(e) and "does not match this model code" in str(e)
+
+
+def test_a_checkpoint_written_by_todays_main_loads(checkpoint_dict, tmp_path):
+    """Old files: today's checkpoints (every key train.py writes) go through the door as they are."""
+    path = tmp_path / "ckpt.pt"
+    torch.save(checkpoint_dict, path)
+    ckpt = common.load_checkpoint(path)
+    assert set(ckpt) == set(checkpoint_dict) and ckpt["state"] == checkpoint_dict["state"]
+    assert common.checkpoint_model(ckpt, path).config.block_size == 16
+    assert model.load_model(str(path)).config == model.GPTConfig(**checkpoint_dict["model_config"])
+    assert common.last_good_checkpoint(path) == f"the last good checkpoint is {path} (step 4)"
+    hf_style = {k: checkpoint_dict[k] for k in ("model", "model_config")} | {"data_meta": {}, "train_config": {}}
+    torch.save(hf_style, path)  # the few keys an imported model has, and an older run's
+    assert common.load_checkpoint(path)["train_config"] == {}
+
+
+def test_a_tokenizer_that_cannot_be_downloaded_is_one_line(checkpoint_dict, tmp_path, monkeypatch, capsys):
+    """Case 11: data_meta names tiktoken's cl100k_base, which is downloaded on first use: offline, one line
+    (generate.py and data.py alike), not 88 lines of ConnectionError."""
+    def offline(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): Max retries exceeded")
+
+    monkeypatch.setattr(data.tiktoken, "get_encoding", offline)
+    path = tmp_path / "ckpt.pt"
+    torch.save(edited(checkpoint_dict, "data_meta/tokenizer", "cl100k_base"), path)
+    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], "could not be downloaded",
+            monkeypatch, capsys)
+    refused(data.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "could not be downloaded",
+            monkeypatch, capsys)
+    assert not (tmp_path / "d").exists()
+
+
+# ------------------------------------------------------------------------------------------ datasets
+
+
+def meta_edit(**changes):
+    def edit(folder: Path) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return edit
+
+
+def as_uint8(folder: Path) -> None:
+    """Case 10: dtype uint8 with every count doubled: the same bytes, so size and checksum agree."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.update(dtype="uint8", train_tokens=2 * meta["train_tokens"], val_tokens=2 * meta["val_tokens"])
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def replace_meta(how):
+    def edit(folder: Path) -> None:
+        (folder / "meta.json").unlink()
+        how(folder / "meta.json")
+    return edit
+
+
+DATASET_CASES = [  # (case, edit, what the one line says)
+    ("5", meta_edit(vocab_size=10**12), "vocab_size is 1000000000000, outside [1, 4.1943e+06]"),
+    ("5", replace_meta(lambda p: p.symlink_to("/dev/zero")), "meta.json is not a regular file"),
+    ("5", replace_meta(os.mkfifo), "meta.json is not a regular file"),
+    ("10", as_uint8, "dtype is 'uint8', but 50257 tokens are stored as uint16"),
+    ("12", meta_edit(vocab_size="50257"), "vocab_size is '50257', not int"),
+    ("12", meta_edit(dtype="float16"), "dtype is 'float16'"),
+    ("12", meta_edit(dtype="int8"), "dtype is 'int8'"),
+    ("12", meta_edit(dtype="nonsense"), "dtype is 'nonsense'"),
+    ("12", meta_edit(checksums=None), "checksums is None, not dict"),
+    ("12", meta_edit(checksums={"train": "x"}), "checksums is {'train': 'x'}, not the sha256"),
+    ("12", meta_edit(format=4), "format is 4, not one of: 3"),
+    ("12", replace_meta(lambda p: p.mkdir()), "meta.json is a folder"),
+    ("12", lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json is not the tokenizer gpt2"),
+]
+
+
+@pytest.mark.parametrize("case, edit, words", DATASET_CASES, ids=[f"{c}-{w[:30]}" for c, _, w in DATASET_CASES])
+def test_the_dataset_door_refuses_each_bad_field_or_file(case, edit, words, tiny_data_dir, tmp_path, monkeypatch,
+                                                          capsys):
+    folder = Path(shutil.copytree(tiny_data_dir, tmp_path / "d" / "books"))
+    edit(folder)
+    with pytest.raises(UserError) as e:
+        data.open_split(folder, "train", 50304)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    refused(train.main, [f"--dataset={folder}", f"--out_dir={tmp_path / 'o'}", *TRAIN], words, monkeypatch,
+            capsys, tmp_path / "d")
+    assert not (tmp_path / "o").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(sorted(doors.META_RULES) + ["checksums/train", "settings/dataset"]), value=ANY_VALUE)
+def test_any_value_in_any_meta_field_is_let_in_or_refused_in_one_line(dataset_copy, field, value):
+    """The same invariant at the dataset door (cases 5, 10, 12): meta.json as a table of anything."""
+    folder, meta = dataset_copy
+    (folder / "meta.json").write_text(json.dumps(edited(meta, field, value)))
+    try:
+        doors.dataset(folder, ("train.bin", "val.bin", "val.bytes"), 50304)
+    except doors.Refused as e:
+        assert "\n" not in str(e)
+
+
+@pytest.fixture(scope="module")
+def dataset_copy(tiny_data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    folder = Path(shutil.copytree(tiny_data_dir, tmp_path_factory.mktemp("doors") / "books"))
+    return folder, data.load_meta(folder)
+
+
+def test_a_swapped_tokenizer_json_is_refused_and_never_carried(tmp_path, monkeypatch, capsys):
+    """Case 9: meta.json's sha256 of tokenizer.json is checked: a swapped file (another valid tokenizer) neither
+    trains nor reaches a checkpoint."""
+    root = tmp_path / "d"
+    data.prepare(data.PrepareConfig(dataset=str(small_corpus(tmp_path / "corpus")), tokenizer="bpe:260",
+                                    data_root=str(root)))
+    folder = root / "corpus-bpe260"
+    assert data.dataset_tokenizer(folder).n_vocab == 260
+    bpe.save_tokenizer_json(bpe.train_bpe(["another text, another tokenizer"], 260), folder / "tokenizer.json")
+    refused(train.main, [f"--dataset={folder}", f"--out_dir={tmp_path / 'o'}", *TRAIN],
+            "tokenizer.json is not the tokenizer bpe:260 that meta.json records", monkeypatch, capsys, root)
+    assert not (tmp_path / "o" / "ckpt.pt").exists()
+
+
+def test_a_dataset_written_by_todays_main_loads_and_an_older_one_names_its_fix(tiny_data_dir, tmp_path):
+    """Old files: a format-3 meta.json with exactly the fields today's data.py writes loads; an older format is
+    refused in one line naming the command that prepares it again."""
+    meta = data.load_meta(tiny_data_dir)
+    assert sorted(meta) == ["checksums", "documents", "dtype", "eot_token", "format", "mask_token", "settings",
+                            "skipped_rows", "source", "source_id", "special_tokens", "tokenizer", "tokenizer_sha256",
+                            "train_tokens", "val_bytes", "val_tokens", "vocab_size"]
+    folder = Path(shutil.copytree(tiny_data_dir, tmp_path / "books"))
+    meta_edit(format=2)(folder)
+    with pytest.raises(UserError, match=r"prepared before val.bytes .* python data.py --dataset=shakespeare"):
+        data.load_meta(folder)
+
+
+# ------------------------------------------------------------------------------------------ settings and flags
+
+
+def sparse(size: int, suffix: str):
+    def make(tmp_path: Path) -> Path:
+        path = tmp_path / f"big{suffix}"
+        with open(path, "wb") as f:
+            f.truncate(size)  # no blocks on disk: a 10 GB file that costs nothing to make (and is never read)
+        return path
+    return make
+
+
+def fifo(tmp_path: Path) -> Path:
+    os.mkfifo(tmp_path / "pipe.json")
+    return tmp_path / "pipe.json"
+
+
+SETTINGS_CASES = [  # (case, the flags (a function of tmp_path), what the one line says)
+    ("6", lambda t: [f"--config={sparse(10 << 30, '.json')(t)}"], "is 10,737,418,240 bytes, more than"),
+    ("6", lambda t: [f"--config={sparse(10 << 30, '.toml')(t)}"], "is 10,737,418,240 bytes, more than"),
+    ("6", lambda t: [f"--config={sparse(2 << 30, '.json')(t)}"], "is 2,147,483,648 bytes, more than"),
+    ("6", lambda t: [f"--config={fifo(t)}"], "is not a regular file"),
+    ("10", lambda t: ["--out_dir="], "must be given (not empty)"),
+    ("14", lambda t: ["--seed=-1"], "--seed must be in [0, 4.29497e+09], got -1"),
+    ("14", lambda t: ["--seed=1e20"], "--seed must be in [0, 4.29497e+09]"),
+    ("14", lambda t: ["--block_size=1e10"], "--block_size must be in [2, 1.04858e+06], got 10000000000"),
+    ("15", lambda t: ["--dataset=shakespeare,"], "each name of --dataset must be given (not empty)"),
+    ("15", lambda t: ["--resume", "--overwrite"], "pass one of them"),
+]
+
+
+@pytest.mark.parametrize("case, flags, words", SETTINGS_CASES, ids=[f"{c}-{w[:40]}" for c, _, w in SETTINGS_CASES])
+def test_settings_are_refused_before_anything_is_written(case, flags, words, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"  # the current folder, which --out_dir= would be; the config files lie beside it
+    work.mkdir()
+    (work / "keep.txt").write_text("a user's file")
+    monkeypatch.chdir(work)
+    refused(train.main, [f"--out_dir={work / 'o'}", f"--data_root={work / 'data'}", *flags(tmp_path)],
+            words, monkeypatch, capsys, work)
+
+
+def test_a_micro_batch_larger_than_the_training_split_is_refused(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    """Case 14: --batch_size=1e8 (5e7 x 32 tokens was killed at 23 GB): more than the split, one line at once."""
+    refused(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN, "--batch_size=1e8"],
+            "block_size=16 x batch_size=100000000 needs 1600000000 tokens; the split holds", monkeypatch, capsys)
+    assert not (tmp_path / "o" / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["bpe:２５７", "bpe:" + "1" + "0" * 23, f"bpe:{2**64 + 1}", "bpe:1000000000"])
+def test_bpe_sizes_no_vocabulary_has_are_refused_before_any_work(name, tmp_path, monkeypatch, capsys):
+    """Cases 10 and 14: full-width digits (the folder was named shakespeare-bpe), 10^23 and 2^64 + 1 (an
+    OverflowError), 10^9 (the tokenizer library aborted after 70 GB, leaving a .lock)."""
+    refused(data.main, [f"--tokenizer={name}", f"--data_root={tmp_path / 'd'}"], "N must be a whole number",
+            monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finetune_refuses_a_block_size_beyond_the_checkpoints_before_preparing_data(checkpoint_dict, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Case 10: finetune.py's bad --block_size used to prepare the built-in dataset before refusing."""
+    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
+    refused(finetune.main, [f"--ckpt={tmp_path / 'ckpt.pt'}", "--block_size=1000", f"--data_root={tmp_path / 'd'}",
+                            f"--out_dir={tmp_path / 'o'}"], "--block_size must be in [2, 16], got 1000",
+            monkeypatch, capsys, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+def output_cases(tmp_path: Path) -> list[tuple]:
+    """Case 7 and its relatives: (script, flags, what the one line says); CKPT is a checkpoint, an input."""
+    ckpt = tmp_path / "ckpt.pt"
+    (tmp_path / "notes.txt").write_text("a user's notes")
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
+    (tmp_path / "plot.png").write_text("not an image")
+    os.mkfifo(tmp_path / "pipe.json")
+    return [(evaluation.main, [f"--ckpt={ckpt}", f"--json={ckpt}"], "is also an input of this command"),
+            (glue.main, [f"--ckpt={ckpt}", f"--json={ckpt}", "--task=rte"], "is also an input of this command"),
+            (bpe.main, [f"--out={ckpt}", "--vocab_size=300"], "exists and is not a tokenizer.json"),
+            (evaluation.main, [f"--ckpt={tmp_path / 'other.pt'}", f"--json={tmp_path / 'notes.txt'}"],
+             "exists and is not results"),
+            (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'link.json'}"], "is a symbolic link"),
+            (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'pipe.json'}"], "exists and is not results"),
+            (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'ckpt.pt' / 'x.json'}"], "is a file")]
+
+
+def test_an_output_is_never_an_input_a_link_or_another_kind_of_file(checkpoint_dict, tmp_path, monkeypatch, capsys):
+    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
+    for main, flags, words in output_cases(tmp_path):
+        refused(main, flags, words, monkeypatch, capsys, tmp_path)
+    (tmp_path / "old.json").write_text('{"task": "val", "ce": 3.0}\n')  # this project's results: replaced
+    (tmp_path / "empty.json").write_text("")
+    for name in ("old.json", "empty.json", "new.json"):
+        from results import check_output_path
+
+        check_output_path(tmp_path / name, "json", (str(tmp_path / "ckpt.pt"),))
+
+
+# ------------------------------------------------------------------------------------------ files we write
+
+
+def test_the_locks_info_is_never_written_through_a_planted_link(tmp_path):
+    """Case 1: `ln -s ~/notes.txt o/.lock; train.py --out_dir=o` wrote "pid ..." into notes.txt."""
+    victim = tmp_path / "notes.txt"
+    victim.write_text("my notes")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / ".lock").symlink_to(victim)
+    with common.hold_lock(tmp_path / "o", "training run"):
+        assert not (tmp_path / "o" / ".lock").is_symlink() and "pid" in (tmp_path / "o" / ".lock").read_text()
+    assert victim.read_text() == "my notes" and list((tmp_path / "o").iterdir()) == []
+
+
+def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    """Case 2: links planted at `.ckpt.pt.headless-lm-<pid>.tmp` for a range of pids made the victim the
+    checkpoint. Names now carry a random part; even at a planted name the file is opened O_EXCL|O_NOFOLLOW.
+    (And case 1 through train.py: a link planted as the out_dir's .lock.)"""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "o"
+    out.mkdir()
+    for pid in range(os.getpid() - 50, os.getpid() + 50):
+        (out / f".ckpt.pt{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
+    (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py
+    train.main([f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN])
+    assert victim.read_text() == "precious" and (out / "ckpt.pt").is_file() and not (out / "ckpt.pt").is_symlink()
+    assert not os.path.lexists(out / ".lock")
+    monkeypatch.setattr(common.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
+    planted = common.temp_path(tmp_path / "results.json")
+    planted.symlink_to(victim)
+    with pytest.raises(UserError, match="cannot write .File exists. while saving"):
+        with common.atomic_file(tmp_path / "results.json", "w") as f:
+            f.write("results")
+    assert victim.read_text() == "precious" and not (tmp_path / "results.json").exists()
+
+
+def small_corpus(folder: Path) -> Path:
+    """Two documents, one of each split (the folder's own train and validation files): bpe:260 in no time."""
+    folder.mkdir(parents=True)
+    (folder / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    (folder / "validation.txt").write_text("a lazy dog sleeps in the sun by the quick brown fox. " * 5)
+    return folder
+
+
+@pytest.mark.parametrize("stop_in", ["train_bpe", "save_tokenizer_json", "encode_batches", "write_meta", "rename"])
+def test_an_interrupted_bpe_preparation_leaves_the_earlier_dataset_whole(stop_in, tmp_path, monkeypatch):
+    """Case 8: Ctrl-C while preparing a bpe dataset over an existing one replaced its tokenizer.json first (4 of
+    4 timings). Now the new dataset is built beside it and renamed into place as a unit."""
+    settings = dict(dataset=str(small_corpus(tmp_path / "corpus")), tokenizer="bpe:260", data_root=str(tmp_path / "d"))
+    data.prepare(data.PrepareConfig(**settings))
+    before = snapshot(tmp_path / "d")
+    assert sorted(before) == [f"corpus-bpe260/{f}" for f in ("meta.json", "tokenizer.json", "train.bin", "val.bin",
+                                                              "val.bytes")]
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    renames = []
+    if stop_in == "rename":  # between taking the earlier dataset away and putting the new one in its place
+        monkeypatch.setattr(common.os, "rename", lambda a, b: renames.append(a) or (
+            stop() if len(renames) == 2 else os.replace(a, b)))
+    elif stop_in == "write_meta":
+        monkeypatch.setattr(data.json, "dumps", stop)
+    elif stop_in == "encode_batches":
+        monkeypatch.setattr(data, stop_in, stop)
+    else:
+        monkeypatch.setattr(bpe, stop_in, stop)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(data.PrepareConfig(**settings))
+    assert snapshot(tmp_path / "d") == before  # the dataset, and no temp folder or .lock beside it
+    assert len(renames) == (3 if stop_in == "rename" else 0)  # away, (stopped), back
+
+
+def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    """Case 13: an out_dir on a read-only mount, a full disk at start, a mount that turns read-only mid-save
+    (removing the temp file failed too, masking the first error), log.jsonl a folder, bpe.py --out read-only."""
+    real_open = os.open
+
+    def failing(errno_: int, where: str):
+        def open_(path, flags, *args, **kwargs):
+            if where in str(path):
+                raise OSError(errno_, os.strerror(errno_), str(path))
+            return real_open(path, flags, *args, **kwargs)
+        return open_
+
+    flags = [f"--dataset={tiny_data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN]
+    for code, words in ((errno.EROFS, "cannot write (Read-only file system) while saving"),
+                        (errno.ENOSPC, "no space left on device while saving")):
+        monkeypatch.setattr(common.os, "open", failing(code, ".lock"))
+        refused(train.main, flags, f"{words} {tmp_path / 'o' / '.lock'}", monkeypatch, capsys)
+        assert not (tmp_path / "o").exists()  # the folder the lock made is removed again
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):  # removing the temp file fails too, as on a read-only mount
+        if str(self).endswith(".tmp"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(common.os, "open", failing(errno.EROFS, ".tmp"))
+    monkeypatch.setattr(Path, "unlink", unlink)
+    refused(train.main, flags, "cannot write (Read-only file system) while saving", monkeypatch, capsys)
+    monkeypatch.undo()
+    for extra in (["--overwrite"], ["--resume=auto"]):
+        shutil.rmtree(tmp_path / "o", ignore_errors=True)
+        (tmp_path / "o" / "log.jsonl").mkdir(parents=True)
+        refused(train.main, flags + extra, "log.jsonl is a folder or a link", monkeypatch, capsys, tmp_path / "o")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    refused(bpe.main, [f"--out={tmp_path / 'tok.json'}", "--vocab_size=300"], "is not writable", monkeypatch,
+            capsys, tmp_path)
+
+
+def test_sigterm_while_preparing_data_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """Case 15: SIGTERM early in data.py left an empty dataset folder with a .lock. It now unwinds as Ctrl-C
+    does (exit 143): the folder and the temp folder beside it are removed."""
+    real = data.write_shards
+
+    def terminated(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "write_shards", terminated)
+    monkeypatch.setattr(sys, "argv", ["data.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(data.main)
+    assert e.value.code == 143 and not (tmp_path / "d").exists()
+    assert signal.getsignal(signal.SIGTERM) is not common._terminate
+
+
+def test_a_killed_exports_temp_folder_is_removed_by_the_next(checkpoint_dict, tmp_path, monkeypatch, capsys):
+    """Case 15: kill -9 during `hf.py export` left a temp folder no later export removed; temp names now hold
+    the pid, which the sweep checks. `hf.py --help` exits 0."""
+    stale = tmp_path / f".hf{common.TEMP_MARK}999999999-0123456789abcdef.tmp"  # pid 999999999: long dead
+    (stale / "part").mkdir(parents=True)
+    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
+
+    def fails(*args):
+        raise UserError("stopped while writing the tokenizer")
+
+    monkeypatch.setattr(hf, "save_tokenizer", fails)
+    with pytest.raises(UserError, match="stopped while writing"):
+        hf.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # the stale folder and its own, removed
+    monkeypatch.setattr(sys, "argv", ["hf.py", "--help"])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(hf.main)
+    assert e.value.code == 0 and "settings (--key=value)" in capsys.readouterr().out
+
+
+def test_offline_hub_access_is_one_line(monkeypatch, capfd):
+    """Case 15: offline, the hub client logged each of its retries (~11 lines) before the one-line error."""
+    import huggingface_hub
+    from huggingface_hub.utils import logging as hub_logging
+
+    def retrying(*args, **kwargs):
+        for n in range(5):
+            hub_logging.get_logger("huggingface_hub.utils._http").warning(f"Retrying in 1s [Retry {n + 1}/5].")
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", retrying)
+    with pytest.raises(UserError, match="could not get the tokenizer"):
+        hf.load_hf_tokenizer("hf:EleutherAI/pythia-70m")
+    assert "Retrying" not in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ 26.6
+
+
+def test_two_tokenizers_of_one_folder_name_never_replace_each_others_dataset(tmp_path, monkeypatch, capsys):
+    """Issue 26.6: tokA/mytok/tokenizer.json then tokB/mytok/tokenizer.json both map to data/corpus-mytok;
+    the second preparation replaced the first. meta.json records the sha256, and the second is refused."""
+    for name, text in (("tokA", "the first tokenizer's text"), ("tokB", "another text altogether")):
+        (tmp_path / name / "mytok").mkdir(parents=True)
+        bpe.save_tokenizer_json(bpe.train_bpe([text], 260), tmp_path / name / "mytok" / "tokenizer.json")
+    flags = [f"--dataset={small_corpus(tmp_path / 'corpus')}", f"--data_root={tmp_path / 'd'}"]
+    data.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])
+    data.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])  # the same: prepared again
+    err = refused(data.main, [*flags, f"--tokenizer={tmp_path / 'tokB' / 'mytok' / 'tokenizer.json'}"],
+                  "holds a dataset of another tokenizer", monkeypatch, capsys, tmp_path / "d")
+    assert "pass --name=NAME" in err
+    assert data.load_meta(tmp_path / "d" / "corpus-mytok")["tokenizer"].startswith(str(tmp_path / "tokA"))
+
+
+# ------------------------------------------------------------------------------------------ cost of a refusal
+
+COSTLY = r"""
+import json, os, resource, sys, time, zipfile
+sys.path.insert(0, ROOT)
+import torch
+import common, data, doors, model
+from common import UserError
+tmp = TMP
+cases = {}
+def timed(name, read):
+    start = time.time()
+    try:
+        read()
+        cases[name] = "accepted"
+    except UserError as e:
+        cases[name] = [time.time() - start, str(e)[:80]]
+def config(size, suffix):
+    path = os.path.join(tmp, "big" + suffix)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return lambda: common.parse_flags(__import__("train").TrainConfig, ["--config=" + path])
+timed("6: a 10 GB sparse --config", config(10 << 30, ".toml"))
+timed("6: a 2 GB sparse --config", config(2 << 30, ".json"))
+net = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16))
+ckpt = {"model": net.state_dict(), "model_config": {"vocab_size": 64, "block_size": 10**10, "n_layer": 1,
+        "n_head": 2, "d_model": 16}}
+torch.save(ckpt, os.path.join(tmp, "long.pt"))
+timed("4: block_size 1e10", lambda: common.checkpoint_model(common.load_checkpoint(os.path.join(tmp, "long.pt")), "x"))
+with zipfile.ZipFile(os.path.join(tmp, "bomb.pt"), "w", zipfile.ZIP_DEFLATED) as z, z.open("bomb/data.pkl", "w") as f:
+    for _ in range(512):  # a 512 MB string that compresses to half a MB, written a MB at a time
+        f.write(b"\0" * (1 << 20))
+timed("3: a DEFLATE data.pkl of 512 MB", lambda: common.load_checkpoint(os.path.join(tmp, "bomb.pt")))
+folder = os.path.join(tmp, "books")
+os.makedirs(folder)
+meta = {"format": 3, "tokenizer": "gpt2", "vocab_size": 10**12, "dtype": "uint32", "eot_token": 0,
+        "train_tokens": 1, "val_tokens": 1, "val_bytes": 0, "checksums": {}}
+open(os.path.join(folder, "meta.json"), "w").write(json.dumps(meta))
+timed("5: vocab_size 10^12", lambda: data.open_split(folder, "train"))
+os.remove(os.path.join(folder, "meta.json"))
+os.symlink("/dev/zero", os.path.join(folder, "meta.json"))
+timed("5: meta.json a link to /dev/zero", lambda: data.load_meta(folder))
+os.remove(os.path.join(folder, "meta.json"))
+os.mkfifo(os.path.join(folder, "meta.json"))
+timed("5: meta.json a FIFO", lambda: data.load_meta(folder))
+print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cases": cases}))
+"""
+
+
+def test_a_refused_input_costs_little_memory_and_time(tmp_path):
+    """Done when: a refused input costs under 1.5 GiB peak memory and under 30 s (one process for them all, so
+    its peak bounds each; torch's own import is part of it)."""
+    script = COSTLY.replace("ROOT", repr(str(ROOT))).replace("TMP", repr(str(tmp_path)))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert all(case != "accepted" and case[0] < 30 for case in report["cases"].values()), report
+    assert len(report["cases"]) == 7 and report["peak_mib"] < 1536, report
