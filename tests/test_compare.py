@@ -147,13 +147,16 @@ def test_an_out_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no dataset prepared
 
 
-def test_a_run_stopped_before_its_last_validation_is_not_finished(tmp_path):
+@pytest.mark.usefixtures("small_tiny_preset")
+def test_a_run_stopped_before_its_last_validation_is_not_finished(tiny_data_dir, tmp_path):
     """compare.py --resume took a run at its last step for finished even when the stop came before that
     step's validation, and tabled the previous validation's numbers."""
-    run_cfg = train.TrainConfig(out_dir=str(tmp_path), max_iters=4)
-    state = {"step": 4, "val_step": 2}
-    torch.save({"model": {}, "model_config": {}, "step": 4, "state": state, "train_config": {}}, tmp_path / "ckpt.pt")
-    assert compare.finished_run(run_cfg) is None
-    torch.save({"model": {}, "model_config": {}, "step": 4, "state": {**state, "val_step": 4}, "train_config": {}},
-               tmp_path / "ckpt.pt")
+    from test_train import tiny_config
+
+    run_cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2)
+    train.train(run_cfg)
     assert compare.finished_run(run_cfg)["step"] == 4
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["state"]["val_step"] = 2  # as a stop during step 4 leaves it
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    assert compare.finished_run(run_cfg) is None
