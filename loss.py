@@ -67,11 +67,12 @@ def fp32(scores: torch.Tensor) -> torch.Tensor:
 def training_loss(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch.Tensor,
                   output_weight: torch.Tensor, loss: LossName, temperature: float = 1.0,
                   negatives: Literal["all", "unique"] = "all", num_negatives: int | None = None,
-                  generator: torch.Generator | None = None, chunk_size: int | None = None,
+                  generator: torch.Generator | torch.Tensor | None = None, chunk_size: int | None = None,
                   negatives_scope: Literal["local", "global"] = "local") -> torch.Tensor:
     """The pre-training objective by name, from hidden states (..., d) and targets (...). `output_weight` is
     the LM head (or E when tied). `chunk_size` makes every score matrix in blocks (same value); the
-    other negatives (`unique`, a sampled subset, every rank's) come from negatives.py."""
+    other negatives (`unique`, a sampled subset drawn with `generator` or drawn ahead, every rank's) come
+    from negatives.py."""
     h = h.reshape(-1, h.size(-1))
     targets = targets.reshape(-1)
     if negatives != "all" or num_negatives is not None or negatives_scope != "local":
@@ -110,11 +111,17 @@ def contrastive_accuracy(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor
     return (targets[best] == targets).float().mean()
 
 
-def masked_rows(h: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
-    """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, so each
-    objective runs over those alone (for CWT, the negatives are the other masked positions' tokens)."""
+def masked_rows(h: torch.Tensor, targets: torch.Tensor, rows: int | None = None, ignore_index: int = -100):
+    """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, in order,
+    so each objective runs over those alone (for CWT, the negatives are the other masked positions' tokens).
+    Given their number M (`rows`: masking.py fixes it), no shape depends on the data: one compiled graph."""
+    h = h.reshape(-1, h.size(-1))
+    targets = targets.reshape(-1)
     keep = targets != ignore_index
-    return h[keep], targets[keep]
+    if rows is None:
+        return h[keep], targets[keep]
+    order = torch.argsort(keep.int(), descending=True, stable=True)[:rows]  # the masked positions first
+    return h[order], targets[order]
 
 
 # What validation_sums adds up over the batches, by name (evaluate all-reduces them as one vector)

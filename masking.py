@@ -1,9 +1,12 @@
 """BERT masking for masked-language-model encoders (train.py --objective=mlm), the paper's other half.
 
-Every sequence has 15% of its ordinary positions chosen (a fixed count, as BERT's create_pretraining_data);
-a chosen input becomes [MASK] with probability 0.8, a random ordinary token with 0.1, and stays itself with
-0.1. The losses then score the chosen positions only (loss.masked_rows): for CWT, a masked position's
-negatives are the original tokens of the other masked positions of the micro-batch, as in the paper.
+Every window of T tokens has round(15% of T) positions chosen (a fixed count, as BERT's
+create_pretraining_data counts them), ordinary tokens only unless a window has fewer (special ones then
+make up the count); a chosen input becomes [MASK] with probability 0.8, a random ordinary token with 0.1,
+and stays itself with 0.1. The losses then score the chosen positions only (loss.masked_rows): for CWT, a
+masked position's negatives are the original tokens of the other masked positions of the micro-batch, as
+in the paper. Their number is the same in every micro-batch: a static shape, so torch.compile traces the
+masked objective as one graph.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class MaskSpec:
     """What masking needs to know of the tokenizer; stored in MLM checkpoints as `mask_spec`."""
     mask_token: int  # GPT-2 has no [MASK]: the first unused id of the padded embedding
     vocab_size: int  # the tokenizer's ids are below this; random replacements are drawn among them
-    special_tokens: tuple[int, ...]  # never chosen nor drawn as a replacement (end-of-text)
+    special_tokens: tuple[int, ...]  # never drawn as a replacement, chosen only to make up the count (end-of-text)
 
 
 def mask_spec(meta: dict) -> MaskSpec:
@@ -34,6 +37,11 @@ def mask_spec(meta: dict) -> MaskSpec:
     mask = meta.get("mask_token")
     return MaskSpec(mask_token=meta["vocab_size"] if mask is None else mask, vocab_size=meta["vocab_size"],
                     special_tokens=tuple(special_ids(meta)))
+
+
+def masked_count(length: int, rate: float = MASK_RATE) -> int:
+    """The positions chosen in every window of `length` tokens: round(rate x length), at least one."""
+    return min(length, max(1, round(rate * length)))
 
 
 def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
@@ -50,10 +58,8 @@ def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
         drawn += drawn >= s
     replacement = torch.from_numpy(drawn).to(device)
     special = torch.isin(tokens, torch.tensor(spec.special_tokens, dtype=tokens.dtype, device=device))
-    ordinary = (~special).sum(dim=1)
-    count = torch.minimum((rate * ordinary).round().clamp(min=1), ordinary)
-    rank = keys.masked_fill(special, 2.0).argsort(dim=1).argsort(dim=1)  # specials rank last
-    chosen = rank < count[:, None]
+    rank = (keys + special).argsort(dim=1).argsort(dim=1)  # specials rank last, in random order among them
+    chosen = rank < masked_count(tokens.size(1), rate)
     inputs = torch.where(chosen & (action < 0.8), spec.mask_token, tokens)
     inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), replacement, inputs)
     return inputs, torch.where(chosen, tokens, NOT_MASKED)
