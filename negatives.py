@@ -4,7 +4,8 @@
 - unique: each row scores the U distinct target tokens of the batch instead, so repeats of its own token
   are no longer false negatives; cost O(N U d) with U <= min(N, V).
 - num_negatives=k: each row scores its positive plus k candidates drawn at random (shared by all rows,
-  without replacement); a drawn copy of the row's own positive is skipped.
+  without replacement); a drawn copy of the row's own positive is skipped. The draw may come in drawn
+  ahead, as a permutation (`draw`), so that a compiled objective has no random generator inside.
 - scope="global" (torchrun): the candidates are every rank's rows, as one process over the concatenated
   batches; gradients reach the ranks that own them.
 """
@@ -22,7 +23,7 @@ from loss import LossName, ce_loss, fp32
 
 def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0, *,
                      targets: torch.Tensor | None = None, negatives: Literal["all", "unique"] = "all",
-                     num_negatives: int | None = None, generator: torch.Generator | None = None,
+                     num_negatives: int | None = None, generator: torch.Generator | torch.Tensor | None = None,
                      chunk_size: int | None = None, scope: Literal["local", "global"] = "local") -> torch.Tensor:
     """cwt_loss with other candidates: row i of h must pick e[i] (the embedding of targets[i])."""
     h, e = h.reshape(-1, h.size(-1)), e.reshape(-1, e.size(-1))
@@ -31,6 +32,7 @@ def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
         first = n * (dist.get_rank() if dist.is_initialized() else 0)  # this rank's rows among all ranks'
         e = gather_rows(e)
         targets = None if targets is None else gather_rows(targets.reshape(-1))
+    candidates = e.size(0)  # before deduplication: known ahead, where the U distinct tokens are not
     if negatives == "unique":
         if targets is None:
             raise ValueError("negatives='unique' needs the target ids (targets=...)")
@@ -40,8 +42,8 @@ def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
         labels = torch.arange(first, first + n, device=h.device)
     else:
         raise ValueError(f"negatives must be 'all' or 'unique', got {negatives!r}")
-    if num_negatives is not None and num_negatives < e.size(0):
-        return sampled_loss(h, e, labels, temperature, num_negatives, generator, chunk_size)
+    if num_negatives is not None and num_negatives < candidates:  # k >= U: all U, drawn, give the same loss
+        return sampled_loss(h, e, labels, temperature, min(num_negatives, e.size(0)), generator, chunk_size)
     if chunk_size:
         from chunked import chunked_cross_entropy
 
@@ -78,7 +80,7 @@ def unique_candidates(e: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 
 def sampled_loss(h, e, labels, temperature, k, generator, chunk_size=None) -> torch.Tensor:
     """Softmax over [positive, k shared random candidates], skipping a candidate equal to the positive."""
-    drawn = torch.randperm(e.size(0), generator=generator, device="cpu")[:k].to(h.device)
+    drawn = draw(e.size(0), k, generator).to(h.device)
     if chunk_size:  # each row's positive is its own extra candidate; its drawn copy (slot) is left out
         from chunked import chunked_softmax_loss
 
@@ -89,6 +91,15 @@ def sampled_loss(h, e, labels, temperature, k, generator, chunk_size=None) -> to
     neg = fp32(h @ e[drawn].T) / temperature  # (N, k)
     neg = neg.masked_fill(drawn[None, :] == labels[:, None], float("-inf"))
     return F.cross_entropy(torch.cat([pos, neg], dim=1), torch.zeros_like(labels))
+
+
+def draw(n: int, k: int, generator: torch.Generator | torch.Tensor | None) -> torch.Tensor:
+    """k of range(n) at random, without replacement: the first k entries of a permutation drawn with the
+    generator, or of one drawn with it ahead (`generator` is then that permutation, of at least n entries,
+    as a compiled function takes it: train.py draws it outside), skipping the entries n and above."""
+    if isinstance(generator, torch.Tensor):
+        return generator[torch.argsort((generator >= n).int(), stable=True)[:k]]
+    return torch.randperm(n, generator=generator, device="cpu")[:k]
 
 
 class _GatherRows(torch.autograd.Function):
