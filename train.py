@@ -124,9 +124,6 @@ def check_config(cfg: TrainConfig) -> None:
         common.need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
     if cfg.objective == "mlm":
         common.need_extra("masking", "--objective=mlm")
-    if cfg.objective == "mlm" and cfg.negatives_scope == "global":
-        raise UserError("--negatives_scope=global gathers equal-sized micro-batches, but an MLM's masked "
-                        "positions differ per rank: use --negatives_scope=local with --objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
@@ -307,41 +304,49 @@ class Objective(torch.nn.Module):
         self.model = model
         self.cfg = cfg
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor,
+                generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a micro-batch; sampled negatives drawn with `generator`, or drawn ahead (negatives.draw)."""
         cfg = self.cfg
         h = self.model.hidden(x)
         if cfg.objective == "mlm":  # the masked positions only: no MLM transform head, the model is headless
-            h, y = masked_rows(h, y)
+            h, y = masked_rows(h, y, scored_rows(y))
         return training_loss(h, y, self.model.wte.weight, self.model.output_weight, cfg.loss, cfg.temperature,
                              cfg.negatives, cfg.num_negatives, generator, cfg.loss_chunk_size or None,
                              cfg.negatives_scope)
 
 
+def scored_rows(y: torch.Tensor) -> int:
+    """An encoder's masked positions in a batch of targets (B, T): a fixed number (masking.py)."""
+    from masking import masked_count
+
+    return y.size(0) * masked_count(y.size(1))
+
+
 def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
-             mask: Any = None, byte_counts: np.ndarray | None = None,
-             special: list[int] | None = None) -> dict[str, float]:
+             mask: Any = None, byte_counts: np.ndarray | None = None, special: list[int] | None = None,
+             compile: bool = False) -> dict[str, float]:
     """Validation on the split's first batches (loss.validation_sums): val_ce; given a contrastive table,
     val_cwt and val_acc; given the bytes each token stands for (data.open_val_bytes) and the tokenizer's
     special ids, val_bpb. An encoder (`mask`: a masking.Masking) is scored on fixed masks, over its masked
-    positions. Each rank scores every world_size-th batch."""
+    positions. Each rank scores every world_size-th batch. `compile`: full batches through one compiled
+    graph of their own (a short last one runs eagerly, rather than compile another)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(len(VALIDATION_SUMS), dtype=torch.float64, device=device)
     special_tensor = torch.tensor(special or [], dtype=torch.long, device=device)
     batches = sequential_batches(tokens, batch_size, block_size, device, max_batches, common.rank(),
                                  common.world_size(), byte_counts)
+    compiled = torch.compile(batch_sums, fullgraph=True, dynamic=False) if compile else batch_sums
     with torch.no_grad():
         for i, x, y, y_bytes in batches:
             if mask:
                 x, y = mask.validation_batch(x, i)
             with common.autocast_context(device, dtype):
-                h = model.hidden(x)
-                if mask:
-                    h, y = masked_rows(h, y)
-                sums = validation_sums(h, y, model.output_weight, contrastive, temperature, chunk_size, y_bytes,
-                                       special_tensor)
+                sums = (compiled if x.size(0) == batch_size else batch_sums)(
+                    model, x, y, mask is not None, contrastive, temperature, chunk_size, y_bytes, special_tensor)
             totals += torch.stack([sums[name] for name in VALIDATION_SUMS])
     model.train(was_training)
     sums = dict(zip(VALIDATION_SUMS, common.all_reduce_sum(totals).tolist()))
@@ -349,6 +354,14 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
         raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
                         "--block_size")
     return validation_metrics(sums, contrastive is not None, byte_counts is not None)
+
+
+def batch_sums(model: GPT, x: torch.Tensor, y: torch.Tensor, masked: bool, *sums_args) -> dict[str, torch.Tensor]:
+    """One validation batch's loss.validation_sums (its arguments after the output weight: `sums_args`)."""
+    h = model.hidden(x)
+    if masked:
+        h, y = masked_rows(h, y, scored_rows(y))
+    return validation_sums(h, y, model.output_weight, *sums_args)
 
 
 # The run: everything the loop needs, built once; one step; logs; checkpoints
@@ -395,8 +408,13 @@ class Run:
             "tokenizer_json": common.through_door(doors.dataset, data_dirs[0]).tokenizer_json,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
         self.saved_step = None
-        if cfg.compile:
-            self.objective.compile()
+        if cfg.compile and cfg.negatives == "unique" and cfg.loss_chunk_size and cfg.loss != "ce":
+            note("note: --compile: the chunked loss over --negatives=unique's data-dependent count of candidates "
+                 "would recompile for each count; only the model's blocks compile, the loss runs eagerly")
+            for block in model.blocks:
+                block.compile(fullgraph=True)
+        elif cfg.compile:  # as one graph: any graph break is an error (fullgraph), none is left (tests/test_compile.py)
+            self.objective.compile(fullgraph=True)
         self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
         if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True)
@@ -451,7 +469,7 @@ class Run:
         table = contrastive_table(self.model, cfg.loss, encoder=self.mask is not None)
         per_source = {name: evaluate(self.model, v.tokens, cfg.batch_size, self.block, self.device, self.dtype,
                                      cfg.eval_batches, table, cfg.temperature, cfg.loss_chunk_size or None,
-                                     self.mask, v.byte_counts, v.special)
+                                     self.mask, v.byte_counts, v.special, cfg.compile)
                       for name, v in self.val_splits.items()}
         val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
         if not math.isfinite(val["val_ce"]):
@@ -476,12 +494,15 @@ class Run:
             x, y = self.sampler.get(index)
             if self.mask:
                 x, y = self.mask.training_batch(x, index)
-            negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+            order = None  # sampled negatives: drawn here from (seed, i), so that no generator runs in a compiled graph
+            if cfg.num_negatives:
+                rng = negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+                order = torch.randperm(y.numel() * common.world_size(), generator=rng).to(self.device)
             torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
             last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
             with self.wrapped.no_sync() if common.world_size() > 1 and not last else contextlib.nullcontext():
                 with common.autocast_context(self.device, self.dtype):
-                    loss = self.wrapped(x, y, negatives_rng) / cfg.grad_accum
+                    loss = self.wrapped(x, y, order) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             self.state.flops += self.flops_of(y)
