@@ -70,6 +70,22 @@ def test_subset_of_negatives_matches_reference(negatives):
     assert got.item() == pytest.approx(naive_sampled(h, cand, labels, drawn), abs=1e-12)
 
 
+def test_negatives_drawn_ahead_are_the_first_of_the_permutation_that_index_a_candidate():
+    """What a compiled objective gets: a permutation of at least the candidates (train.py draws one of the
+    micro-batch's positions on every rank); entries past the candidates are skipped."""
+    from negatives import draw
+
+    g = torch.Generator().manual_seed(6)
+    h, table = torch.randn(10, 4, generator=g), torch.randn(6, 4, generator=g)
+    t = torch.tensor([0, 1, 2, 3, 4, 5, 0, 2, 2, 5])
+    order = torch.randperm(40, generator=g)
+    got = contrastive_loss(h, table[t], targets=t, negatives="unique", num_negatives=3, generator=order)
+    drawn = [int(i) for i in order if i < 6][:3]
+    assert got.item() == pytest.approx(naive_sampled(h, table, t, drawn), abs=1e-12)
+    same = torch.randperm(10, generator=torch.Generator().manual_seed(7))  # as many as the candidates: the
+    assert torch.equal(draw(10, 4, same), draw(10, 4, torch.Generator().manual_seed(7)))  # generator's draw
+
+
 def test_subset_is_deterministic_with_a_seeded_generator():
     h, e = torch.randn(20, 4), torch.randn(20, 4)
     a = contrastive_loss(h, e, num_negatives=5, generator=torch.Generator().manual_seed(0))
