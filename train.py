@@ -408,12 +408,7 @@ class Run:
             "tokenizer_json": common.through_door(doors.dataset, data_dirs[0]).tokenizer_json,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
         self.saved_step = None
-        if cfg.compile and cfg.negatives == "unique" and cfg.loss_chunk_size and cfg.loss != "ce":
-            note("note: --compile: the chunked loss over --negatives=unique's data-dependent count of candidates "
-                 "would recompile for each count; only the model's blocks compile, the loss runs eagerly")
-            for block in model.blocks:
-                block.compile(fullgraph=True)
-        elif cfg.compile:  # as one graph: any graph break is an error (fullgraph), none is left (tests/test_compile.py)
+        if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)
         self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
         if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
