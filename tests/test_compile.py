@@ -102,6 +102,24 @@ def test_masked_rows_static_shape_equals_boolean_indexing():
             assert torch.equal(a, b)
 
 
+def test_encoder_validation_compiled_gives_eager_figures(monkeypatch):
+    """evaluate(compile=True) for an encoder: masked rows gathered in the graph, full batches through one
+    compiled graph, the short last batch eager, the figures eager's."""
+    import numpy as np
+
+    from masking import Masking
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=BACKEND))
+    cfg = TrainConfig(objective="mlm")
+    model = tiny_model(cfg)
+    tokens = np.random.default_rng(0).integers(0, 59, 5 * T + 1).astype(np.uint16)  # batches of 2, 2 and 1
+    args = (model, tokens, 2, T, torch.device("cpu"), torch.float32, None, model.wte.weight)
+    mask = Masking(seed=0, spec=SPEC)
+    want = train.evaluate(*args, mask=mask)
+    got = train.evaluate(*args, mask=mask, compile=True)
+    assert got == pytest.approx(want, rel=1e-5) and graphs() == 1
+
+
 @pytest.mark.usefixtures("small_tiny_preset")
 def test_train_compile_validates_in_its_own_graph_and_matches_eager(tiny_data_dir, tmp_path, monkeypatch):
     """train.py --compile: the objective and validation compile once each (the step-0 validation, the
