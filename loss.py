@@ -115,13 +115,11 @@ def masked_rows(h: torch.Tensor, targets: torch.Tensor, rows: int | None = None,
     """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, in order,
     so each objective runs over those alone (for CWT, the negatives are the other masked positions' tokens).
     Given their number M (`rows`: masking.py fixes it), no shape depends on the data: one compiled graph."""
-    h = h.reshape(-1, h.size(-1))
-    targets = targets.reshape(-1)
     keep = targets != ignore_index
     if rows is None:
         return h[keep], targets[keep]
-    order = torch.argsort(keep.int(), descending=True, stable=True)[:rows]  # the masked positions first
-    return h[order], targets[order]
+    order = torch.argsort(keep.flatten().int(), descending=True, stable=True)[:rows]  # the masked ones first
+    return h.flatten(0, -2)[order], targets.flatten()[order]
 
 
 # What validation_sums adds up over the batches, by name (evaluate all-reduces them as one vector)

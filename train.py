@@ -306,7 +306,6 @@ class Objective(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
-        """The loss of a micro-batch; sampled negatives drawn with `generator`, or drawn ahead (negatives.draw)."""
         cfg = self.cfg
         h = self.model.hidden(x)
         if cfg.objective == "mlm":  # the masked positions only: no MLM transform head, the model is headless
