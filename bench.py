@@ -81,9 +81,9 @@ from common import (
     run_main,
     world_size,
 )
-from loss import masked_rows, scored_columns, training_loss
-from masking import MASK_RATE, NOT_MASKED, MaskSpec, mask_tokens
-from model import PRESETS, PresetName, build_model
+from loss import scored_columns, training_loss
+from masking import MASK_RATE, NOT_MASKED, MaskSpec, mask_tokens, masked_rows
+from model import PRESETS, PresetName, adamw, build_model
 from results import check_output_path, import_pyplot, save_figure, save_results
 from train import Objective, TrainConfig, optimizer_step
 
@@ -177,7 +177,7 @@ def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int,
         raise UserError(f"step tokens {tokens} must be a multiple of --block_size={block}")
     torch.manual_seed(seed)
     model = build_model(preset, vocab, block_size=block, causal=causal).to(device)
-    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
+    optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
     seq = zipf_tokens(tokens // block * (block + 1), vocab, gen).view(-1, block + 1).to(device)
     return model, optimizer, seq
 
@@ -276,7 +276,6 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
     of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
     from train import contrastive_table, evaluate
-
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -402,7 +401,6 @@ def bench_data() -> str:
             encoded = data.encode_batches(items, "gpt2")
         else:
             from corpora import encode_in_processes
-
             encoded = encode_in_processes(items, "gpt2", num_proc)
         n = sum(len(ids) for _, ids, _, _ in encoded)
         seconds = time.perf_counter() - start
@@ -901,7 +899,7 @@ def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, 
     """Train on one fixed batch under autocast (fp16: with a GradScaler) and fused AdamW: the loss must be
     finite and fall. Returns the loss, tokens/s and MFU (where the device's peak is known)."""
     model, x, y = _check_model(shape, device)
-    optimizer = model.configure_optimizer(1e-3, 0.1, (0.9, 0.95))
+    optimizer = adamw(model, 1e-3, 0.1, (0.9, 0.95))
     require(optimizer.defaults["fused"], "AdamW is not fused")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     losses, start = [], 0.0
@@ -946,7 +944,6 @@ def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.
     """The model's causal attention runs on the flash kernel alone (forward and backward), and agrees with
     the plain math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
     model, x, _ = _check_model(shape, device)
     outputs = {}
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
@@ -965,9 +962,8 @@ def measure_step(device: torch.device, shape: CheckShape, dtype: torch.dtype, lo
     steady step's is the compile time, with inductor's caches off: what a first run pays), then eager and
     compiled steps in turn (medians). Graph breaks and recompiles come from dynamo's counters."""
     from torch._dynamo.utils import counters
-
     model, x, y = _check_model(shape, device)
-    optimizer = model.configure_optimizer(1e-4, 0.1, (0.9, 0.95))
+    optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
     objective = Objective(model, TrainConfig(loss=loss))
     generator = torch.Generator()
     torch._dynamo.reset()  # each row compiles afresh
@@ -1029,7 +1025,6 @@ def check_compile(device: torch.device, shapes: list[CheckShape], dtype: torch.d
 def check_kv_cache(device: torch.device, shape: CheckShape, new_tokens: int = 48) -> str:
     """Greedy generation with the KV cache gives the tokens that re-reading the whole prefix gives."""
     from generate import generate
-
     model, x, _ = _check_model(shape, device)
     model.eval()
     prompt = x[0, :16].tolist()

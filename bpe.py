@@ -40,7 +40,6 @@ def parse_bpe_name(name: str) -> int | None:
     """The N of a "bpe:N" tokenizer name; None for any other name (gpt2, hf:..., a tokenizer.json). N is a size
     a real vocabulary could have (doors.MAXIMA), checked before any work: the trainer aborts on absurd ones."""
     from doors import MAXIMA
-
     if not name.startswith("bpe:"):
         return None
     match = _BPE_NAME.fullmatch(name)
@@ -60,7 +59,6 @@ def sample_documents(texts: Iterable[str], max_docs: int, progress: bool = False
     docs = itertools.islice(texts, max_docs)
     if progress:
         from tqdm import tqdm
-
         docs = tqdm(docs, total=max_docs, desc="documents", unit="doc", file=sys.stderr)
     return list(docs)
 
@@ -69,7 +67,6 @@ def _byte_level(model: Any) -> Any:
     """A Tokenizer around `model` with GPT-2's byte-level pre-tokenizer, decoder and post-processor
     (hf.gpt2_tokenizer's settings, so that exports treat both alike)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
-
     tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -97,7 +94,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> 
     "<|endoftext|>" at vocab_size - 1. UserError when the corpus has too few
     distinct pairs for vocab_size - 257 merges, naming the largest size it supports."""
     from tokenizers import AddedToken, models, pre_tokenizers, trainers
-
     if vocab_size < MIN_VOCAB:
         raise UserError(f"--tokenizer=bpe:{vocab_size}: a byte-level BPE has at least {MIN_VOCAB} tokens "
                         f"(256 bytes and {EOT}); pass --tokenizer=bpe:{MIN_VOCAB} or more, e.g. bpe:8192")
@@ -109,7 +105,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> 
     docs = iter(texts)
     if progress:
         from tqdm import tqdm
-
         docs = tqdm(docs, desc="reading documents", unit="doc", file=sys.stderr)
     with _stdout_to_stderr() if progress else contextlib.nullcontext():
         tok.train_from_iterator(docs, trainer)
@@ -190,7 +185,6 @@ def main(argv: list[str]) -> None:
     from data import PrepareConfig, documents
     from doors import MAXIMA
     from results import check_output_path
-
     cfg = parse_flags(MixConfig, argv)
     if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
         raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")

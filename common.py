@@ -68,7 +68,6 @@ def _terminate(signum: int, frame: Any) -> None:
 def through_door(read: Callable[..., Any], *args: Any) -> Any:
     """What a door (doors.py) reads; its refusal, a ValueError for notebooks, as the scripts' UserError."""
     import doors
-
     try:
         return read(*args)
     except doors.Refused as e:
@@ -98,7 +97,6 @@ def need_extra(module: str, flag: str) -> None:
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
     """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
     import doors
-
     return through_door(doors.settings, cls, argv, quick)
 
 
@@ -417,7 +415,6 @@ def last_good_checkpoint(path: str | Path) -> str:
     try:  # what a user can continue from after a refused or failed save
         import doors
         from model import GPTConfig
-
         return f"the last good checkpoint is {path} (step {doors.checkpoint(path, GPTConfig)['step']})"
     except Exception:  # none yet, or unreadable
         return "there is no earlier checkpoint"
@@ -429,18 +426,15 @@ def load_checkpoint(path: str | Path) -> dict:
     if str(path).startswith("hf:"):
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint
-
         return hf_checkpoint(str(path))
     import doors
     from model import GPTConfig
-
     return through_door(doors.checkpoint, path, GPTConfig)
 
 
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):
     """The model of a loaded checkpoint, its weights checked against its config first (model.from_checkpoint)."""
     from model import from_checkpoint
-
     try:
         return from_checkpoint(ckpt, **overrides)
     except (TypeError, ValueError) as e:

@@ -67,7 +67,7 @@ from data import (
     ensure_dataset,
     load_meta,
     open_split,
-    open_val_bytes,
+    open_val_split,
     prepare,
     special_ids,
 )
@@ -341,7 +341,6 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
     the whole validation split (val_ce, val_bpb). A size whose result.json (written atomically once the size is
     done) exists is skipped, if it was made with the same settings."""
     from bpe import parse_bpe_name
-
     sizes = sorted(set(cfg.vocab_sizes))
     for n in sizes:
         parse_bpe_name(f"bpe:{n}")  # a bad size is one line before any work
@@ -413,7 +412,7 @@ def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
     model = checkpoint_model(ckpt, ckpt_path).to(device)
     block = run_cfg["block_size"]
     tokens = open_split(data_dir, "val", model.config.vocab_size)
-    byte_counts = open_val_bytes(data_dir)
+    byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
     val = evaluate(model, tokens, max(1, 4096 // block), block, device, pick_dtype(run_cfg["dtype"], device),
                    byte_counts=byte_counts, special=special_ids(load_meta(data_dir)))
     scored = (len(tokens) - 1) // block * block  # the targets of every whole block
@@ -467,7 +466,6 @@ def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
     check_config(cfg)
     need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
     from bench import parse_variant
-
     cfg = dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
     series = negatives_series(cfg)
     seeds = cfg.seeds or [cfg.seed]
@@ -503,7 +501,6 @@ def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
 def negatives_series(cfg: CompareConfig) -> dict[str, list[tuple[int, str]]]:
     """The points (batch size, bench.py variant) of each series; bad values refused in one line."""
     from bench import negatives_variants
-
     series = {}
     if cfg.negatives_sweep:
         variants = negatives_variants(cfg.negatives_sweep, cfg.batch_size * cfg.block_size)
@@ -575,7 +572,6 @@ def negatives_cost(cfg: CompareConfig, series: dict, vocab: int) -> dict[tuple[i
     """ms per step and peak extra memory of one pre-training step of each point's objective at its batch size:
     bench.py's interleaved timing of the study's shape (on Zipf-distributed tokens, not the dataset's)."""
     from bench import BenchConfig, run_bench
-
     by_batch = {}
     for batch, variant in dict.fromkeys(p for pts in series.values() for p in pts):
         by_batch.setdefault(batch, []).append(variant)
@@ -596,7 +592,6 @@ def negatives_row(cfg: CompareConfig, series: str, batch: int, variant: str, pai
                   cost: dict) -> dict:
     """One point of a series over its seeds: (its result, CE's at the same batch and seed) for each seed."""
     from bench import negatives_label, parse_variant
-
     kw = parse_variant(variant)
     per_seed = [seed_scores(result, ce) for result, ce in pairs]
     first = pairs[0][0]

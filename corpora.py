@@ -102,7 +102,6 @@ def own_splits(train: Iterable[str], val: Iterable[str]) -> Iterator[tuple[str, 
 
 def split_names(cfg: PrepareConfig) -> list[str]:
     import datasets
-
     try:
         return datasets.get_dataset_split_names(cfg.dataset, cfg.subset)
     except Exception as e:
@@ -119,7 +118,6 @@ def read_files(files: list[Path], builder: str, source: str) -> Any:
 
 def load(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
     import datasets  # slow to import, and only real corpora need it
-
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported here, in one line
     try:
         return datasets.load_dataset(*args, **kwargs)

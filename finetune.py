@@ -2,11 +2,9 @@
 
     python finetune.py --ckpt=out/ckpt.pt               # ~2% of the pre-training tokens, into out-ft/
 
-The head is an untied Linear(d, V) initialised as a copy of the input embeddings, so fine-tuning starts
-exactly from the raw model's tied scores; the whole model trains (--freeze_body: the head alone). This is
-train.py's loop with other defaults: every train.py flag works, data, shape, batch and device come from
-the checkpoint's run, and the learning rate from the preset's recipe (FINETUNE_RECIPES).
-"""
+The head is an untied Linear(d, V), a copy of the input embeddings: fine-tuning starts from the raw model's
+tied scores; the whole model trains (--freeze_body: the head alone). It is train.py's loop: every flag works,
+data, shape, batch and device come from the checkpoint's run, the learning rate from FINETUNE_RECIPES."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,10 +59,6 @@ INHERITED = ("dataset", "mix_alpha", "preset", "block_size", "batch_size", "grad
              "dtype", "compile")
 
 
-def finetune_recipe(preset: str | None) -> dict:
-    return FINETUNE_RECIPES.get(preset, FINETUNE_RECIPES["pythia-70m"])
-
-
 def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float = 0.02,
                     tokens: int | None = None, max_iters: int | None = None) -> int:
     """Steps to run: max_iters, else the token budget over the tokens of a step, rounded up."""
@@ -95,7 +89,7 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     defaults = TrainConfig()
     cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
                                       if getattr(cfg, k) is None})
-    recipe = finetune_recipe(cfg.preset)
+    recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
     lr = recipe["lr"] if cfg.lr is None else cfg.lr
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
@@ -121,7 +115,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     warmup = cfg.warmup_iters
     if warmup is None:
-        warmup = max(1, round(finetune_recipe(cfg.preset)["warmup"] * steps))
+        warmup = max(1, round(FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])["warmup"] * steps))
     share = "pre-training tokens unknown"
     if pretrain_tokens:
         share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens"
@@ -130,7 +124,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
                                         add_lm_head=True))
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
-                   compute_fraction=spent / pretrain_flops if pretrain_flops else float("nan"))
+                   compute_fraction=spent / pretrain_flops if pretrain_flops else None)
     if summary["first_val"] and summary["val"]:
         compute = f" | compute: {100 * summary['compute_fraction']:.2f}% of pre-training" if pretrain_flops else ""
         note(f"validation CE: {summary['first_val']['val_ce']:.4f} before -> {summary['val']['val_ce']:.4f} after "

@@ -4,9 +4,8 @@
     python generate.py --ckpt=out-ft/ckpt.pt --prompt="To be" --prompt="Once upon" --num_samples=3
     python generate.py --prompt_file=prompts.txt --temperature=0  # greedy; prompts split by blank lines
 
-Works on CE checkpoints, fine-tuned headless ones (through their LM head) and raw headless ones (scored
-against the tied input embeddings, which are not calibrated: finetune.py gives better text).
-"""
+CE checkpoints, fine-tuned headless ones (their LM head) and raw headless ones (the tied embeddings, not
+calibrated: finetune.py gives better text)."""
 from __future__ import annotations
 
 import itertools
@@ -15,11 +14,11 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import common
+import doors
 from common import DeviceName, DtypeName, UserError
 from data import dataset_tokenizer
 from model import GPT, KVCache
@@ -70,14 +69,10 @@ def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
 def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eot_token: int | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, vocab_size: int | None = None) -> Iterator[int]:
-    """Yield up to max_new_tokens new ids, one at a time; stop (without yielding it) at eot_token.
-
-    With the KV cache each new token runs the model on one position; both paths see the same tokens at the
-    same positions, so greedy output is identical. Past the window, generation slides: without the cache
-    the model re-reads the last block_size tokens; with it, a full cache is rebuilt from the last half
-    window (about two positions per token instead of a window). `vocab_size` keeps sampling within the
-    tokenizer's ids (the model's vocabulary is padded). Under autocast the cache is in the autocast dtype.
-    """
+    """Yield up to max_new_tokens new ids, one at a time; stop (without yielding it) at eot_token. With the KV
+    cache a new token runs the model on one position, the same tokens at the same positions as without it. Past
+    the window generation slides: the model re-reads the last block_size tokens, or a full cache is rebuilt from
+    the last half window. `vocab_size` keeps sampling within the tokenizer's ids (the vocabulary is padded)."""
     if not prompt_ids:
         raise ValueError("generate() needs at least one prompt token")
     block = model.config.block_size
@@ -108,14 +103,13 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
 def read_prompts(cfg: GenerateConfig) -> list[str]:
     """Every --prompt, then the prompts of --prompt_file (separated by blank lines)."""
     prompts = list(cfg.prompt)
-    if cfg.prompt_file:
-        path = Path(cfg.prompt_file)
-        if not path.is_file():
-            raise UserError(f"prompt file {path} not found; pass --prompt_file=PATH to a text file")
+    if cfg.prompt_file:  # a regular file of sane size (its door), UTF-8
+        fix = "pass --prompt_file=PATH to a text file"
+        data = common.through_door(doors.read_small, cfg.prompt_file, doors.MAX_TEXT_BYTES, "prompt file", fix)
         try:
-            prompts += [p.strip() for p in re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8")) if p.strip()]
+            prompts += [p.strip() for p in re.split(r"\n[ \t]*\n", data.decode("utf-8")) if p.strip()]
         except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+            raise UserError(f"prompt file {cfg.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     if not prompts:
         raise UserError("no prompt given; pass --prompt=TEXT (repeat for several) or --prompt_file=PATH")
     return prompts

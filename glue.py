@@ -11,7 +11,7 @@ Head: dropout and a linear layer on the mean of the final hidden states over the
 [CLS] vector: pre-training has no [CLS] token and no sentence-level objective, so no single position is
 trained to summarise the input, while every position's state is shaped by the (contrastive or CE) token
 objective and, with bidirectional attention, has seen the whole input.
-Training: AdamW (the model's own `configure_optimizer`: decay on matrices only), gradient clipping 1.0,
+Training: AdamW (`model.adamw`: decay on matrices only), gradient clipping 1.0,
 warmup over the first --warmup_fraction of the steps, then linear decay to zero, --epochs epochs;
 cross-entropy, or mean squared error on one output for STS-B. The validation split is scored after
 every epoch; the last epoch's scores are the result (no selection on the validation set).
@@ -49,7 +49,7 @@ from common import (
     run_main,
 )
 from data import dataset_tokenizer
-from model import GPT
+from model import GPT, adamw
 from results import check_finite, check_output_path, parse_jsonl_line, write_json
 from train import optimizer_step
 
@@ -174,7 +174,6 @@ def load_split(cfg: GlueConfig, split: str) -> list[dict]:
     if cfg.data:
         return read_rows(Path(cfg.data) / f"{split}.jsonl")
     from corpora import load  # the datasets library, through the real-corpora extra
-
     rows = load(f"{GLUE_HUB} {cfg.task} {split}", "offline? pass --data=DIR with .jsonl files",
                          GLUE_HUB, cfg.task, split=split)
     return rows.to_list()
@@ -247,7 +246,7 @@ def padded_batch(examples: list[list[int]], rows: np.ndarray, pad: int,
 
 def add_classifier(model: GPT, num_labels: int, dropout: float) -> None:
     """Dropout and a linear layer on the pooled states, registered on the encoder so that its optimizer
-    (`configure_optimizer`), `.to()` and `.train()` cover them. BERT's initialisation: N(0, 0.02), bias 0."""
+    (`model.adamw`), `.to()` and `.train()` cover them. BERT's initialisation: N(0, 0.02), bias 0."""
     head = nn.Linear(model.config.d_model, num_labels)
     nn.init.normal_(head.weight, std=0.02)
     nn.init.zeros_(head.bias)
@@ -370,7 +369,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
         labels = check_rows(rows, task, split_name(cfg, split))  # before encoding: a bad row is one line
         validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length), labels)
     model = load_encoder(cfg, ckpt, task, device)
-    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay, (0.9, 0.999))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     steps_per_epoch = math.ceil(len(train_examples) / cfg.batch_size)
     total = cfg.epochs * steps_per_epoch

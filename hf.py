@@ -130,7 +130,6 @@ class HFTokenizer:
 
     def __init__(self, name: str, tokenizer: Any):
         from tokenizers import Tokenizer
-
         self.name = name
         self._special = tokenizer  # "<|endoftext|>" written in the text is the special token
         self._ordinary = Tokenizer.from_str(tokenizer.to_str())
@@ -203,7 +202,6 @@ def check_same_tokenizer(out: Path, tokenizer: HFTokenizer) -> None:
 def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
     """The tokenizer a checkpoint carries (its tokenizer.json's text)."""
     from tokenizers import Tokenizer
-
     try:
         return HFTokenizer(name, Tokenizer.from_str(text))
     except UserError:
@@ -215,12 +213,10 @@ def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
 def load_hf_tokenizer(name: str) -> HFTokenizer:
     """A tokenizer.json file, or "hf:ID": the tokenizer.json of a Hugging Face hub repository."""
     from tokenizers import Tokenizer
-
     path = name
     if name.startswith("hf:"):
         from huggingface_hub import hf_hub_download
         from huggingface_hub.utils import logging as hub_logging
-
         hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
         try:
             path = hf_hub_download(name.removeprefix("hf:"), "tokenizer.json")
@@ -550,7 +546,6 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
 def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint folder: model.safetensors or pytorch_model.bin, whole or sharded."""
     from safetensors.torch import load_file
-
     state = {}
     for f in files or weight_files(folder):
         if f.suffix == ".bin":
@@ -574,7 +569,6 @@ def _download(repo_id: str) -> Path:
     """A hub repository's config, weights and tokenizer in the local cache (nothing fetched twice)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import logging as hub_logging
-
     hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json",
@@ -663,7 +657,6 @@ def _gpt2_merges() -> list[str]:
 def gpt2_tokenizer() -> Any:
     """GPT-2's byte-level BPE as a `tokenizers.Tokenizer`, from the same files tiktoken's gpt2 reads."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = json.loads(gpt2_vocab_files()["vocab"].read_text(encoding="utf-8"))
     merges = [tuple(m.split(" ")) for m in _gpt2_merges()]
     tok = Tokenizer(models.BPE(vocab, merges))
@@ -680,13 +673,11 @@ def save_tokenizer(enc: Any, name: str, out: Path, max_length: int) -> int:
         tok = gpt2_tokenizer()
     elif getattr(enc, "json", None):  # a Hugging Face tokenizer (not isinstance: as a script this file is __main__)
         from tokenizers import Tokenizer
-
         tok = Tokenizer.from_str(enc.json)
     else:
         raise UserError(f"tokenizer {name!r} is a tiktoken encoding with no tokenizer.json; export supports "
                         "gpt2 and Hugging Face tokenizers")
     from transformers import PreTrainedTokenizerFast
-
     eot = tok.id_to_token(enc.eot_token)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, unk_token=eot,
                                    model_max_length=max_length, clean_up_tokenization_spaces=False)
@@ -777,7 +768,6 @@ def export(ckpt: str, out: str) -> Path:
     A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
     parent folder the export created."""
     from safetensors.torch import save_file
-
     out_dir = export_target(out)
     payload = load_checkpoint(ckpt)
     model = checkpoint_model(payload, ckpt).eval()

@@ -1,10 +1,7 @@
-"""The training objectives, in pure torch: cross-entropy over the vocabulary, and the paper's Contrastive
-Weight Tying (CWT). Hidden states come flattened to rows, h (N, d); every loss is a scalar in fp32.
-
-Scores are made in the inputs' dtype (bf16 under autocast, for tensor-core speed), then upcast before the
-softmax, which F.cross_entropy computes stably for any score size (the paper's code takes exp(scores)
-directly and overflows above ~88).
-"""
+"""The training objectives in pure torch, cross-entropy over the vocabulary and the paper's Contrastive Weight
+Tying (CWT), and the validation sums. Hidden states come as rows h (N, d); every loss is an fp32 scalar: scores
+are made in the inputs' dtype (bf16 under autocast), then upcast for a softmax that F.cross_entropy computes
+stably for any score (the paper's code takes exp(scores) directly and overflows above ~88)."""
 from __future__ import annotations
 
 import math
@@ -28,7 +25,6 @@ def cwt_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
     positives = torch.arange(h.size(0), device=h.device)  # row i's target is candidate i
     if chunk_size:
         from chunked import chunked_cross_entropy  # the memory-flat extra
-
         return chunked_cross_entropy(h, e, positives, temperature, chunk_size)
     scores = fp32(h @ e.T)
     return F.cross_entropy(scores / temperature if temperature != 1.0 else scores, positives)
@@ -42,7 +38,6 @@ def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     targets = targets.reshape(-1)
     if chunk_size:
         from chunked import chunked_cross_entropy
-
         return chunked_cross_entropy(h, weight, targets, 1.0, chunk_size)
     return F.cross_entropy(fp32(h @ weight.T), targets)
 
@@ -69,15 +64,12 @@ def training_loss(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch
                   negatives: Literal["all", "unique"] = "all", num_negatives: int | None = None,
                   generator: torch.Generator | torch.Tensor | None = None, chunk_size: int | None = None,
                   negatives_scope: Literal["local", "global"] = "local") -> torch.Tensor:
-    """The pre-training objective by name, from hidden states (..., d) and targets (...). `output_weight` is
-    the LM head (or E when tied). `chunk_size` makes every score matrix in blocks (same value); the
-    other negatives (`unique`, a sampled subset drawn with `generator` or drawn ahead, every rank's) come
-    from negatives.py."""
+    """The pre-training objective by name, from hidden states (..., d) and targets (...); `output_weight` is the
+    LM head (or E when tied), `chunk_size` scores in blocks (chunked.py), other negatives come from negatives.py."""
     h = h.reshape(-1, h.size(-1))
     targets = targets.reshape(-1)
     if negatives != "all" or num_negatives is not None or negatives_scope != "local":
         from negatives import training_loss_with_negatives  # the extra, not in the paper
-
         return training_loss_with_negatives(h, targets, input_embedding, output_weight, loss, temperature,
                                             negatives, num_negatives, generator, chunk_size, negatives_scope)
     if loss == "ce":
@@ -111,19 +103,8 @@ def contrastive_accuracy(h: torch.Tensor, e: torch.Tensor, targets: torch.Tensor
     return (targets[best] == targets).float().mean()
 
 
-def masked_rows(h: torch.Tensor, targets: torch.Tensor, rows: int | None = None, ignore_index: int = -100):
-    """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, in order,
-    so each objective runs over those alone (for CWT, the negatives are the other masked positions' tokens).
-    Given their number M (`rows`: masking.py fixes it), no shape depends on the data: one compiled graph."""
-    keep = targets != ignore_index
-    if rows is None:
-        return h[keep], targets[keep]
-    order = torch.argsort(keep.flatten().int(), descending=True, stable=True)[:rows]  # the masked ones first
-    return h.flatten(0, -2)[order], targets.flatten()[order]
-
-
 # What validation_sums adds up over the batches, by name (evaluate all-reduces them as one vector)
-VALIDATION_SUMS = ("ce", "tokens", "cwt", "correct", "text_ce", "bytes")
+VAL_SUMS = ("ce", "tokens", "cwt", "correct", "text_ce", "bytes")
 
 
 @torch.no_grad()
@@ -131,29 +112,30 @@ def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch
                     contrastive: torch.Tensor | None = None, temperature: float = 1.0,
                     chunk_size: int | None = None, target_bytes: torch.Tensor | None = None,
                     special_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """One validation batch's sums (float64 scalars, keyed as VALIDATION_SUMS): `ce`, the cross-entropy
-    through the LM head or the tied E (as the model's logits) over its `tokens`; against `contrastive`, the
-    CWT loss (in-batch negatives) and the top-1 hits, summed over rows; given the UTF-8 bytes each target
-    stands for, `text_ce`, the CE of the targets that are text (not `special_ids`), and their `bytes`:
-    bits per byte is text_ce / ln 2 / bytes, which compares across tokenizers (nanochat's measure)."""
+    """One validation batch's float64 sums, keyed as VAL_SUMS: `ce` over its `tokens` (through the model's logits);
+    against `contrastive`, the CWT loss and top-1 hits over rows; given each target's UTF-8 bytes, `text_ce` over
+    the targets that are text (not `special_ids`) and their `bytes`: bits per byte = text_ce / ln 2 / bytes."""
     h = h.reshape(-1, h.size(-1))
     y = targets.reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=h.device)
-    sums = dict.fromkeys(VALIDATION_SUMS, zero)
-    row_ce = row_losses(h, output_weight, y, 1.0, chunk_size).double()
+    sums = dict.fromkeys(VAL_SUMS, zero)
+    if chunk_size:  # memory-flat, as the run's training loss (chunked.py)
+        from chunked import chunked_row_losses
+        row_ce = chunked_row_losses(h, output_weight, y, 1.0, chunk_size).double()
+    else:
+        row_ce = F.cross_entropy(fp32(h @ output_weight.T), y, reduction="none").double()
     sums["ce"] = row_ce.sum()
     sums["tokens"] = zero + y.numel()
     if contrastive is not None:
         sums["cwt"] = cwt_loss(h, contrastive[y], temperature, chunk_size).double() * y.numel()
         sums["correct"] = contrastive_accuracy(h, contrastive[y], y, chunk_size).double() * y.numel()
     if target_bytes is not None:
-        is_text = ~torch.isin(y, special_ids) if special_ids is not None else torch.ones_like(y, dtype=torch.bool)
-        sums["text_ce"] = (row_ce * is_text).sum()
+        sums["text_ce"] = (row_ce * ~torch.isin(y, special_ids)).sum()
         sums["bytes"] = target_bytes.reshape(-1).double().sum()
     return sums
 
 
-def validation_metrics(sums: dict[str, float], contrastive: bool, bits_per_byte: bool) -> dict[str, float]:
+def val_metrics(sums: dict[str, float], contrastive: bool, bits_per_byte: bool) -> dict[str, float]:
     """Means of validation_sums, each over the tokens (rows) it was summed over."""
     ce = sums["ce"] / sums["tokens"]
     metrics = {"val_ce": ce, "val_ppl": math.exp(min(ce, 700.0))}
@@ -170,13 +152,3 @@ def contrastive_table(model: torch.nn.Module, loss: str, encoder: bool = False) 
     but encoders report them for every objective (against the tied E), as the paper's tables do."""
     table = {"ce": None, "nce": model.output_weight}.get(loss, model.wte.weight)
     return model.output_weight if table is None and encoder else table
-
-
-def row_losses(h: torch.Tensor, candidates: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-               chunk_size: int | None = None) -> torch.Tensor:
-    """Each row's softmax cross-entropy (N,) over its scores against the candidates (no mean)."""
-    if chunk_size:
-        from chunked import chunked_row_losses
-
-        return chunked_row_losses(h, candidates, labels, temperature, chunk_size)
-    return F.cross_entropy(fp32(h @ candidates.T) / temperature, labels, reduction="none")

@@ -3,7 +3,7 @@
 Every window of T tokens has round(15% of T) positions chosen (a fixed count, as BERT's
 create_pretraining_data counts them), ordinary tokens only unless a window has fewer (special ones then
 make up the count); a chosen input becomes [MASK] with probability 0.8, a random ordinary token with 0.1,
-and stays itself with 0.1. The losses then score the chosen positions only (loss.masked_rows): for CWT, a
+and stays itself with 0.1. The losses then score the chosen positions only (masked_rows): for CWT, a
 masked position's negatives are the original tokens of the other masked positions of the micro-batch, as
 in the paper. Their number is the same in every micro-batch: a static shape, so torch.compile traces the
 masked objective as one graph.
@@ -65,6 +65,16 @@ def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
     return inputs, torch.where(chosen, tokens, NOT_MASKED)
 
 
+def masked_rows(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, in order, so
+    each objective runs over those alone (for CWT, the negatives are the other masked positions' tokens). M is
+    fixed by masked_count: no shape depends on the data, so the objective compiles as one graph."""
+    rows = targets.size(0) * masked_count(targets.size(1))
+    keep = targets.flatten() != NOT_MASKED
+    order = torch.argsort(keep.int(), descending=True, stable=True)[:rows]  # the masked ones first
+    return h.flatten(0, -2)[order], targets.flatten()[order]
+
+
 class Masking:
     """What --objective=mlm does to train.py's batches: BERT masking, a pure function of (seed, index) so a
     resumed run sees the same masks; validation on fixed masks, the same for every run."""
@@ -77,3 +87,6 @@ class Masking:
 
     def validation_batch(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return mask_tokens(x, VAL_MASK_SEED, i, self.spec)
+
+    def scored(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return masked_rows(h, targets)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import UserError
+from common import UserError, note
 from data import BatchSampler, load_meta, open_split, same_tokenizer
 
 _MIX_STREAM = 11  # keeps the source draws apart from the batches' and the masks', which share (seed, index)
@@ -44,6 +44,7 @@ class MixedSampler:
                                       device) for d in data_dirs]
         self.probabilities = mix_probabilities([m["train_tokens"] for m in metas], cfg.mix_alpha)
         self.cumulative, self.seed = np.cumsum(self.probabilities), cfg.seed
+        note(self.describe())
 
     def source(self, index: int) -> int:
         """Which source micro-batch `index` comes from."""

@@ -1,11 +1,9 @@
 """The transformer: GPT-NeoX (Pythia), the paper's decoder, in pure torch (no files but `load_model`).
 
-Pre-norm blocks with LayerNorm, a parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), rotary positions on
-the first quarter of each head's channels, flash attention through SDPA, exact GELU and biases; GPTConfig
-keeps GPT-NeoX's few switches, and causal=False makes it a bidirectional masked-LM encoder. The model is
-headless: hidden(idx) gives the states the losses consume; forward(idx) scores them against the LM head
-if there is one (a fine-tuned headless model, nce, an untied CE baseline), else the tied embeddings E.
-"""
+Pre-norm blocks, a parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), rotary positions on a quarter of each
+head's channels, flash attention (SDPA), exact GELU, biases; GPTConfig keeps GPT-NeoX's few switches, and
+causal=False makes a masked-LM encoder. Headless: hidden(idx) gives what the losses consume; forward(idx)
+scores it against the LM head if there is one, else the tied embeddings E."""
 from __future__ import annotations
 
 import math
@@ -44,9 +42,8 @@ class GPTConfig:
         return int(self.d_model // self.n_head * self.rotary_pct)  # as GPT-NeoX rounds it
 
 
-# Shapes only: the vocabulary comes from the tokenizer, the attention from train.py's --objective.
-# pythia-70m is the paper's decoder, bert-base its encoder, bert-small its ablation encoder, and
-# mbert-distil its multilingual encoder (distilled multilingual BERT's shape); tiny fits a CPU.
+# Shapes only (the vocabulary comes from the tokenizer): the paper's decoder pythia-70m, encoder bert-base,
+# ablation encoder bert-small, multilingual encoder mbert-distil (distilled mBERT's shape); tiny fits a CPU.
 PresetName = Literal["tiny", "pythia-70m", "pythia-160m", "gpt2-124m", "bert-tiny", "bert-small", "bert-base",
                      "mbert-distil"]
 PRESETS: dict[str, dict] = {
@@ -228,10 +225,6 @@ class GPT(nn.Module):
             with torch.no_grad():
                 self.lm_head.weight.copy_(self.wte.weight)
 
-    def drop_lm_head(self) -> None:
-        self.config.lm_head = False
-        self.lm_head = None
-
     def num_params(self, embeddings: bool = True) -> int:
         """Parameter count; without embeddings means without the V x d tables (E and any head)."""
         total = sum(p.numel() for p in self.parameters())
@@ -240,20 +233,15 @@ class GPT(nn.Module):
         return total - self.wte.weight.numel() - (self.lm_head.weight.numel() if self.lm_head is not None else 0)
 
     def flops_per_token(self, seq_len: int, scored_columns: float, body_backward: bool = True) -> float:
-        """Training FLOPs per token, PaLM-style: 2 per weight and 4 n_layer d T (the attention scores)
-        forward, twice that backward, and an output layer scored against C columns (C = V for CE, the
-        candidate embeddings for CWT): 2 d C forward, 4 d C backward. With the body frozen, backward
-        makes only the output layer's weight gradient (2 d C): nothing flows into the body."""
+        """Training FLOPs per token, PaLM-style: 2 per weight and 4 n_layer d T (attention scores) forward, twice
+        that backward; an output layer scored against C columns (V for CE, the candidates for CWT): 2 d C forward,
+        4 d C backward. A frozen body's backward makes only the output layer's weight gradient (2 d C)."""
         c = self.config
         body = 2 * self.num_params(False) + 4 * c.n_layer * c.d_model * seq_len
         output = 2 * c.d_model * scored_columns
         if body_backward:
             return 3 * body + 3 * output
         return body + 2 * output
-
-    def configure_optimizer(self, lr: float, weight_decay: float, betas: tuple[float, float],
-                            eps: float = 1e-8) -> torch.optim.AdamW:
-        return adamw(self, lr, weight_decay, betas, eps)
 
 
 def adamw(module: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -287,9 +275,8 @@ def build_model(preset: str, vocab_size: int, **overrides) -> GPT:
 
 
 def weights_problem(config: GPTConfig, state: dict[str, torch.Tensor]) -> str | None:
-    """The first way a state dict does not fit `config` (a missing, extra or misshaped tensor), or None.
-    The layer count and E come first; only then is a model built, on the meta device (no memory), so a
-    config's sizes are never trusted before the weights agree with them."""
+    """The first way a state dict does not fit `config` (a missing, extra or misshaped tensor), or None: the layer
+    count and E first, then a model built on the meta device (no memory) for every other shape."""
     layers = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
     if layers != config.n_layer:
         return f"the weights hold {layers} layers but the config says {config.n_layer}"
@@ -322,5 +309,4 @@ def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
     """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs. Read through
     the checkpoint's door (doors.checkpoint): a bad file is a ValueError (doors.Refused) naming the problem."""
     from doors import checkpoint
-
     return from_checkpoint(checkpoint(path, GPTConfig)).to(device).eval()

@@ -46,7 +46,6 @@ def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
         return sampled_loss(h, e, labels, temperature, min(num_negatives, e.size(0)), generator, chunk_size)
     if chunk_size:
         from chunked import chunked_cross_entropy
-
         return chunked_cross_entropy(h, e, labels, temperature, chunk_size)
     return F.cross_entropy(fp32(h @ e.T) / temperature, labels)
 
@@ -83,7 +82,6 @@ def sampled_loss(h, e, labels, temperature, k, generator, chunk_size=None) -> to
     drawn = draw(e.size(0), k, generator).to(h.device)
     if chunk_size:  # each row's positive is its own extra candidate; its drawn copy (slot) is left out
         from chunked import chunked_softmax_loss
-
         slot = torch.full((e.size(0),), -1, device=h.device, dtype=torch.long)
         slot[drawn] = torch.arange(k, device=h.device)
         return chunked_softmax_loss(h, e[drawn], temperature, chunk_size, positives=e[labels], exclude=slot[labels])

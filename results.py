@@ -97,7 +97,6 @@ def import_pyplot():
     """matplotlib is optional (--plot): a one-line error without it."""
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -5,11 +5,9 @@
     python train.py --preset=pythia-70m --dataset=tinystories --compile     # the paper's decoder, a GPU
     torchrun --standalone --nproc_per_node=8 train.py ...                   # several GPUs
 
-Settings are TrainConfig's fields, as --key=value flags or --config=FILE.json|toml (--help lists them).
-The whole training story, top to bottom: the settings; where the weights come from (fresh, --resume,
---init_from); the objective; validation; the run (its start, one step, logs, checkpoints); the loop,
-train(). Run-time plumbing (processes, files, signals) is reached as common.X. finetune.py and compare.py
-run the same loop through train(cfg).
+The whole training story, top to bottom: the settings (TrainConfig: --key=value flags or --config=FILE,
+--help lists them); where the weights come from; the objective; validation; the run; the loop, train(),
+which finetune.py and compare.py call too. Plumbing (processes, files, signals) is reached as common.X.
 """
 from __future__ import annotations
 
@@ -27,17 +25,8 @@ import torch
 import common
 import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
-from data import BatchSampler, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, sequential_batches
-from loss import (
-    VALIDATION_SUMS,
-    LossName,
-    contrastive_table,
-    masked_rows,
-    scored_columns,
-    training_loss,
-    validation_metrics,
-    validation_sums,
-)
+from data import BatchSampler, ensure_dataset, open_split, open_val_split, same_tokenizer, sequential_batches
+from loss import VAL_SUMS, LossName, contrastive_table, scored_columns, training_loss, val_metrics, validation_sums
 from model import GPT, PRESETS, PresetName, adamw, build_model, optimizer_step, padded_vocab_size
 
 
@@ -164,64 +153,62 @@ RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "nega
                "init_from", "untied_head")
 
 
-@dataclass
-class Start:
-    """Where a run starts: its settings (unset ones filled in), its model, and the checkpoint it resumes."""
-    cfg: TrainConfig
-    model: GPT
-    state: State
-    resumed: dict | None = None
-
-
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.device) -> Start:
-    """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from)."""
-    resuming = will_resume(cfg, ckpt_path, device)
-    source = ckpt_path if resuming else cfg.init_from
-    if not source:
-        cfg = with_schedule(cfg, {}, resuming=False)
-        return Start(cfg, fresh_model(cfg, meta), State())
-    start = common.load_checkpoint(source)
-    check_continuation(cfg, meta, start, source, resuming)
-    cfg = with_schedule(cfg, start.get("train_config", {}), resuming)
-    model = common.checkpoint_model(start, source, dropout=cfg.dropout)
-    if resuming:
-        note_schedule_change(cfg, start)
-        return Start(cfg, model, resumed_state(start, source), resumed=start)
-    fit_output_layer(model, cfg, source)
-    earlier = State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
-                    earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
-    return Start(cfg, model, earlier)
-
-
-def will_resume(cfg: TrainConfig, ckpt_path: Path, device: torch.device) -> bool:
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
+                   device: torch.device) -> tuple[TrainConfig, GPT, State, dict | None]:
+    """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from): the settings
+    (unset ones filled in), the model, the counts, and the checkpoint resumed (if any)."""
     found = ckpt_path.is_file()
     if common.all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, common.world_size()):
         raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
                         "every node shares")
     if cfg.resume is True and not found:
         raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
-    return found if cfg.resume == "auto" else cfg.resume
+    resuming = found if cfg.resume == "auto" else cfg.resume
+    source = ckpt_path if resuming else cfg.init_from
+    if not source:
+        cfg = with_schedule(cfg, {})
+        return cfg, fresh_model(cfg, meta), State(), None
+    start = common.load_checkpoint(source)
+    check_continuation(cfg, meta, start, source, resuming)
+    cfg = with_schedule(cfg, start.get("train_config", {}), start["step"] if resuming else None)
+    model = common.checkpoint_model(start, source, dropout=cfg.dropout)
+    if resuming:
+        if "state" not in start:
+            raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
+                            f"exactly; start a new run from its weights with --init_from={source}")
+        state = State(**{"val_step": start["step"], **start["state"]})  # older ones validated at their step
+        return cfg, model, state, start
+    fit_output_layer(model, cfg, source)
+    earlier = State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
+                    earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
+    return cfg, model, earlier, None
 
 
-def with_schedule(cfg: TrainConfig, before: dict, resuming: bool) -> TrainConfig:
-    """The preset (the checkpoint's, else tiny) and the schedule: a resumed run keeps its own warmup and
-    final lr unless given; otherwise the preset's recipe sets them."""
+def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = None) -> TrainConfig:
+    """The preset (the checkpoint's, else tiny) and the schedule: a run resumed at resumed_step keeps its own
+    warmup and final lr unless given (and says so when a longer --max_iters stretches its cosine); otherwise
+    the preset's recipe sets them."""
     preset = cfg.preset or before.get("preset") or "tiny"
     recipe = RECIPES.get(preset, DEFAULT_RECIPE)
     warmup = cfg.warmup_iters
     min_lr = cfg.min_lr
-    if resuming:
+    if resumed_step is not None:
         warmup = before.get("warmup_iters") if warmup is None else warmup
         min_lr = before.get("min_lr") if min_lr is None else min_lr
     if warmup is None:
         warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
     if min_lr is None:
         min_lr = recipe["final_lr"] * cfg.lr
-    cfg = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
-    if cfg.min_lr > cfg.lr:
-        raise UserError(f"--lr={cfg.lr:g} is below the min_lr {cfg.min_lr:g} this run resumes with; pass --min_lr "
+    new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
+    if new.min_lr > new.lr:
+        raise UserError(f"--lr={new.lr:g} is below the min_lr {new.min_lr:g} this run resumes with; pass --min_lr "
                         "too (at most --lr)")
-    return cfg
+    old = dataclasses.replace(new, max_iters=before.get("max_iters", new.max_iters))
+    if resumed_step is not None and old.max_iters != new.max_iters and new.lr_schedule == "cosine":
+        note(f"note: --max_iters changed from {old.max_iters} to {new.max_iters} on resume: the cosine schedule now "
+             f"decays over {new.max_iters} steps (lr at step {resumed_step}: {lr_at(resumed_step, new):.2e}, was "
+             f"{lr_at(resumed_step, old):.2e})")
+    return new
 
 
 def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
@@ -239,27 +226,12 @@ def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
     if cfg.add_lm_head or (cfg.untied_head and model.lm_head is None):
         model.add_lm_head()
     elif cfg.loss == "cwt" and model.lm_head is not None:
-        model.drop_lm_head()
+        model.lm_head = None
+        model.config.lm_head = False
         note(f"note: {source} has an untied LM head, but --loss=cwt trains a headless model: the head is dropped "
              "(finetune.py adds a fresh one)")
     if cfg.loss == "nce" and model.lm_head is None:
         raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
-
-
-def resumed_state(start: dict, source: Path) -> State:
-    if "state" not in start:
-        raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
-                        f"exactly; start a new run from its weights with --init_from={source}")
-    return State(**{"val_step": start["state"]["step"], **start["state"]})  # older ones validated at their step
-
-
-def note_schedule_change(cfg: TrainConfig, start: dict) -> None:
-    old = start.get("train_config", {}).get("max_iters", cfg.max_iters)
-    if old != cfg.max_iters and cfg.lr_schedule == "cosine":
-        was = lr_at(start["step"], dataclasses.replace(cfg, max_iters=old))
-        note(f"note: --max_iters changed from {old} to {cfg.max_iters} on resume: the cosine schedule now decays "
-             f"over {cfg.max_iters} steps (lr at step {start['step']}: {lr_at(start['step'], cfg):.2e}, was "
-             f"{was:.2e})")
 
 
 def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
@@ -296,30 +268,24 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
 
 class Objective(torch.nn.Module):
     """The model and its loss as one module: DDP averages the gradients of what runs through its forward
-    (hidden states, then the loss against the embeddings), and torch.compile fuses both. The optimizer and
-    the checkpoint take every parameter it holds: a trainable piece of a loss belongs here."""
+    (hidden states, then the loss against the embeddings), torch.compile fuses both, and the optimizer takes
+    every parameter it holds (a trainable piece of a loss belongs here: docs/hacking.md)."""
 
-    def __init__(self, model: GPT, cfg: TrainConfig):
+    def __init__(self, model: GPT, cfg: TrainConfig, mask: Any = None):
         super().__init__()
         self.model = model
         self.cfg = cfg
+        self.mask = mask  # an encoder's masking.Masking: the masked positions only, no MLM transform head
 
     def forward(self, x: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         h = self.model.hidden(x)
-        if cfg.objective == "mlm":  # the masked positions only: no MLM transform head, the model is headless
-            h, y = masked_rows(h, y, scored_rows(y))
+        if self.mask:
+            h, y = self.mask.scored(h, y)
         return training_loss(h, y, self.model.wte.weight, self.model.output_weight, cfg.loss, cfg.temperature,
                              cfg.negatives, cfg.num_negatives, generator, cfg.loss_chunk_size or None,
                              cfg.negatives_scope)
-
-
-def scored_rows(y: torch.Tensor) -> int:
-    """An encoder's masked positions in a batch of targets (B, T): a fixed number (masking.py)."""
-    from masking import masked_count
-
-    return y.size(0) * masked_count(y.size(1))
 
 
 def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
@@ -327,14 +293,13 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
              contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
              mask: Any = None, byte_counts: np.ndarray | None = None, special: list[int] | None = None,
              compile: bool = False) -> dict[str, float]:
-    """Validation on the split's first batches (loss.validation_sums): val_ce; given a contrastive table,
-    val_cwt and val_acc; given the bytes each token stands for (data.open_val_bytes) and the tokenizer's
-    special ids, val_bpb. An encoder (`mask`: a masking.Masking) is scored on fixed masks, over its masked
-    positions. Each rank scores every world_size-th batch. `compile`: full batches through one compiled
-    graph of their own (a short last one runs eagerly, rather than compile another)."""
+    """Validation on the split's first batches, each rank every world_size-th: val_ce; against a contrastive
+    table, val_cwt and val_acc; given the bytes each token stands for and the special ids (data.ValSplit),
+    val_bpb. An encoder (`mask`: a masking.Masking) is scored on fixed masks. `compile`: full batches through
+    a compiled graph of their own (a short last one eagerly, rather than compile another)."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(len(VALIDATION_SUMS), dtype=torch.float64, device=device)
+    totals = torch.zeros(len(VAL_SUMS), dtype=torch.float64, device=device)
     special_tensor = torch.tensor(special or [], dtype=torch.long, device=device)
     batches = sequential_batches(tokens, batch_size, block_size, device, max_batches, common.rank(),
                                  common.world_size(), byte_counts)
@@ -345,21 +310,21 @@ def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, d
                 x, y = mask.validation_batch(x, i)
             with common.autocast_context(device, dtype):
                 sums = (compiled if x.size(0) == batch_size else batch_sums)(
-                    model, x, y, mask is not None, contrastive, temperature, chunk_size, y_bytes, special_tensor)
-            totals += torch.stack([sums[name] for name in VALIDATION_SUMS])
+                    model, x, y, mask, contrastive, temperature, chunk_size, y_bytes, special_tensor)
+            totals += torch.stack([sums[name] for name in VAL_SUMS])
     model.train(was_training)
-    sums = dict(zip(VALIDATION_SUMS, common.all_reduce_sum(totals).tolist()))
+    sums = dict(zip(VAL_SUMS, common.all_reduce_sum(totals).tolist()))
     if sums["tokens"] == 0:
         raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
                         "--block_size")
-    return validation_metrics(sums, contrastive is not None, byte_counts is not None)
+    return val_metrics(sums, contrastive is not None, byte_counts is not None)
 
 
-def batch_sums(model: GPT, x: torch.Tensor, y: torch.Tensor, masked: bool, *sums_args) -> dict[str, torch.Tensor]:
+def batch_sums(model: GPT, x: torch.Tensor, y: torch.Tensor, mask: Any, *sums_args) -> dict[str, torch.Tensor]:
     """One validation batch's loss.validation_sums (its arguments after the output weight: `sums_args`)."""
     h = model.hidden(x)
-    if masked:
-        h, y = masked_rows(h, y, scored_rows(y))
+    if mask:
+        h, y = mask.scored(h, y)
     return validation_sums(h, y, model.output_weight, *sums_args)
 
 
@@ -378,33 +343,38 @@ class Run:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
         data_dirs = [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
-        meta = load_meta(data_dirs[0])
+        first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
+        meta = first.meta
         self.out_dir = Path(cfg.out_dir)
-        start = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
-        self.cfg = cfg = start.cfg
-        self.state = start.state
-        self.resumed_step = start.resumed["step"] if start.resumed else None
-        self.model = model = start.model.to(self.device)
+        cfg, model, self.state, resumed = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
+        self.cfg = cfg
+        self.resumed_step = resumed["step"] if resumed else None
+        self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
         self.mask = None
         if cfg.objective == "mlm":
             from masking import Masking  # BERT masking of every batch, validation on fixed masks
-
             self.mask = Masking(meta, cfg.seed)
-        self.objective = Objective(model, cfg)
+        self.objective = Objective(model, cfg, self.mask)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        if start.resumed:
-            self.restore(start.resumed)
+        if resumed:
+            self.restore(resumed)
         self.block = cfg.block_size or model.config.block_size
-        self.sampler = training_sampler(cfg, data_dirs, self.block, model.config.vocab_size, self.device)
-        self.val_splits = {d.name: open_val_split(d, model.config.vocab_size, bytes=not self.mask) for d in data_dirs}
+        vocab = model.config.vocab_size
+        if len(data_dirs) == 1:
+            self.sampler = BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, self.block, cfg.seed,
+                                        self.device)
+        else:  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
+            from mixing import MixedSampler
+            self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
+        self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
         self.scored = self.mask.rate if self.mask else 1.0  # the share of positions the loss scores
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
-            "tokenizer_json": common.through_door(doors.dataset, data_dirs[0]).tokenizer_json,
+            "tokenizer_json": first.tokenizer_json,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
         self.saved_step = None
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
@@ -415,18 +385,12 @@ class Run:
         self.describe()
 
     def restore(self, resumed: dict) -> None:
-        """Continue exactly: the objective's own tensors, the optimizer, the fp16 loss scale, the random state."""
-        ckpt = self.out_dir / "ckpt.pt"
-        saved = resumed.get("objective", {})
-        if set(saved) != set(own_state(self.objective)):
-            raise UserError(f"{ckpt} holds the loss tensors {sorted(saved)} but this code's Objective has "
-                            f"{sorted(own_state(self.objective))}; resume it with the code that wrote it")
-        self.objective.load_state_dict(saved, strict=False)  # the model's weights are in already
+        """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
         try:
             self.optimizer.load_state_dict(resumed["optimizer"])
         except (KeyError, ValueError):
-            raise UserError(f"{ckpt} holds the optimizer of other trainable parameters; resume with the "
-                            "interrupted run's settings (--freeze_body, --loss)") from None
+            raise UserError(f"{self.out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume "
+                            "with the interrupted run's settings (--freeze_body, --loss)") from None
         if self.scaler.is_enabled() and resumed.get("scaler"):
             self.scaler.load_state_dict(resumed["scaler"])
         torch.set_rng_state(resumed["rng"]["torch"])
@@ -437,14 +401,13 @@ class Run:
         cfg = self.cfg
         if cfg.num_negatives is not None and cfg.loss != "ce" and common.is_main_process():
             from negatives import warn_if_every_negative
-
             warn_if_every_negative(cfg.num_negatives, round(self.scored * cfg.batch_size * self.block))
         trainable = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
         ranks = f" x {common.world_size()} ranks" if common.world_size() > 1 else ""
-        note(f"model {cfg.preset or 'of ' + cfg.init_from}: {self.model.num_params(False) / 1e6:.2f}M parameters "
-             f"without embeddings, {self.model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | "
-             f"loss {cfg.loss} | {self.device.type}{ranks} {str(self.dtype).removeprefix('torch.')} | "
-             f"{self.tokens_per_step:,} tokens/step")
+        dtype = str(self.dtype).removeprefix("torch.")
+        note(f"model {cfg.preset}: {self.model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
+             f"{self.model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
+             f"{self.device.type}{ranks} {dtype} | {self.tokens_per_step:,} tokens/step")
 
     def log(self, record: dict) -> None:
         """The one writer of log.jsonl: every record carries the step and the tokens seen."""
@@ -515,16 +478,14 @@ class Run:
             candidates *= common.world_size()
         if cfg.negatives == "unique" and cfg.loss != "ce":
             from negatives import distinct_targets
-
             candidates = distinct_targets(y, cfg.negatives_scope)
         columns = scored_columns(cfg.loss, self.model.config.vocab_size, candidates, cfg.num_negatives)
         per_token = self.model.flops_per_token(self.block, self.scored * columns, body_backward=not cfg.freeze_body)
         return per_token * cfg.batch_size * self.block * common.world_size()
 
     def log_progress(self, loss_sum: torch.Tensor, stop: common.StopFlag, since: tuple[float, int]) -> bool:
-        """Every log_interval steps: one all-reduce (the mean loss over ranks, and whether any rank must
-        stop), a progress line (tokens/s and MFU since `since`, a (time, step) pair) and a log record;
-        returns whether to stop."""
+        """One all-reduce (the mean loss over ranks, and whether any rank must stop), a progress line (tokens/s and
+        MFU since `since`: a (time, step) pair) and a log record; returns whether to stop."""
         cfg = self.cfg
         state = self.state
         totals = common.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
@@ -551,8 +512,8 @@ class Run:
         state = self.state
         payload = {
             "model": self.model.state_dict(), "model_config": dataclasses.asdict(self.model.config),
-            "objective": own_state(self.objective), "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(), "train_config": dataclasses.asdict(self.cfg),
+            "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+            "train_config": dataclasses.asdict(self.cfg),
             "state": dataclasses.asdict(state), "step": state.step, "loss": state.loss, "val": state.val,
             "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
             "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops, **self.saved_with,
@@ -560,21 +521,6 @@ class Run:
                     "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
         with stop.deferred():
             common.save_checkpoint(self.out_dir / "ckpt.pt", payload)
-
-
-def own_state(objective: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors of the objective that are not the model's (a trainable piece of a loss), for checkpoints."""
-    return {k: v for k, v in objective.state_dict().items() if not k.startswith("model.")}
-
-
-def training_sampler(cfg: TrainConfig, data_dirs: list[Path], block: int, vocab: int, device: torch.device):
-    if len(data_dirs) == 1:
-        return BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, block, cfg.seed, device)
-    from mixing import MixedSampler  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
-
-    sampler = MixedSampler(data_dirs, cfg, block, vocab, device)
-    note(sampler.describe())
-    return sampler
 
 
 # The loop

@@ -42,6 +42,7 @@ from tqdm import tqdm
 import glue
 from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
 from data import dataset_tokenizer
+from model import adamw
 from results import check_finite, check_output_path, parse_jsonl_line, write_json
 
 XNLI_HUB = "facebook/xnli"
@@ -149,7 +150,6 @@ def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:
     """(position, row) of one language's split of facebook/xnli, downloaded once into the datasets cache."""
     try:
         import datasets  # imported here: slow, and --data runs never need it
-
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line
         rows = datasets.load_dataset(XNLI_HUB, lang, split=split)
     except Exception as e:
@@ -222,7 +222,7 @@ def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]],
     """A fresh copy of the checkpoint with a new head, fine-tuned on one language; and its mean training
     loss per epoch."""
     model = glue.load_encoder(cfg, ckpt, NLI, device)  # reads cfg.ckpt, cfg.dropout, cfg.seed
-    optimizer = model.configure_optimizer(cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay, (0.9, 0.999))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
     total = cfg.epochs * steps_per_epoch

@@ -37,7 +37,7 @@ def test_val_bytes_hold_each_documents_bytes(tiny_data_dir):
     plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()[:4]]
     val_docs = [p for p in plays if expected_splits([p], 0.25)[1]]
     meta = data.load_meta(tiny_data_dir)
-    counts = data.open_val_bytes(tiny_data_dir)
+    counts = data.open_val_split(tiny_data_dir, 50304).byte_counts
     tokens = data.open_split(tiny_data_dir, "val")
     assert meta["val_bytes"] == int(counts.sum()) == sum(len(d.encode()) for d in val_docs)
     assert counts[tokens == 50256].tolist() == [0] * len(val_docs)  # end-of-text stands for no text

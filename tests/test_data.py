@@ -64,7 +64,7 @@ def test_gpt2_tokenizer_gives_gpt2_ids_offline():
 def test_unknown_tokenizer_is_a_user_error():
     with pytest.raises(UserError) as e:
         data.load_tokenizer("gpt5_base")
-    assert_one_line_error(e, "gpt5_base", "cl100k_base")
+    assert_one_line_error(e, "gpt5_base", "gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME")
 
 
 def test_token_dtype_fits_the_vocabulary():

@@ -229,18 +229,18 @@ def test_a_checkpoint_written_by_todays_main_loads(checkpoint_dict, tmp_path):
     assert common.load_checkpoint(path)["train_config"] == {}
 
 
-def test_a_tokenizer_that_cannot_be_downloaded_is_one_line(checkpoint_dict, tmp_path, monkeypatch, capsys):
-    """Case 11: data_meta names tiktoken's cl100k_base, which is downloaded on first use: offline, one line
-    (generate.py and data.py alike), not 88 lines of ConnectionError."""
-    def offline(name):
-        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net'): Max retries exceeded")
+def test_a_tokenizer_that_would_be_downloaded_is_one_line(checkpoint_dict, tmp_path, monkeypatch, capsys):
+    """Case 11: data_meta names tiktoken's cl100k_base, which tiktoken downloads on first use (88 lines of
+    ConnectionError offline): refused in one line naming the offline tokenizers and hf:, never fetched."""
+    def fetched(name):
+        raise AssertionError("a tokenizer was fetched")
 
-    monkeypatch.setattr(data.tiktoken, "get_encoding", offline)
+    monkeypatch.setattr(data.tiktoken, "get_encoding", fetched)
     path = tmp_path / "ckpt.pt"
     torch.save(edited(checkpoint_dict, "data_meta/tokenizer", "cl100k_base"), path)
-    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], "could not be downloaded",
+    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], "unknown tokenizer 'cl100k_base'",
             monkeypatch, capsys)
-    refused(data.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "could not be downloaded",
+    refused(data.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "hf:ORG/NAME",
             monkeypatch, capsys)
     assert not (tmp_path / "d").exists()
 

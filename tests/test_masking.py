@@ -7,7 +7,7 @@ import torch
 import model as model_module
 import train
 from common import UserError
-from masking import NOT_MASKED, MaskSpec, mask_tokens
+from masking import NOT_MASKED, Masking, MaskSpec, mask_tokens
 from model import GPT, GPTConfig, KVCache
 from train import TrainConfig
 
@@ -86,7 +86,7 @@ def test_mlm_loss_matches_float64_reference_over_masked_positions(loss):
     spec = MaskSpec(mask_token=60, vocab_size=60, special_tokens=(59,))
     inputs, targets = mask_tokens(x, 0, 0, spec)
     cfg = TrainConfig(objective="mlm", loss=loss)
-    got = train.Objective(model, cfg)(inputs, targets, torch.Generator())
+    got = train.Objective(model, cfg, Masking(spec=spec))(inputs, targets, torch.Generator())
     with torch.no_grad():
         h, e = model.hidden(inputs).reshape(-1, 32), model.wte.weight
     rows = [i for i, t in enumerate(targets.flatten().tolist()) if t != NOT_MASKED]

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from model import GPT, PRESETS, GPTConfig, KVCache, build_model, load_model, padded_vocab_size
+from model import GPT, PRESETS, GPTConfig, KVCache, adamw, build_model, load_model, padded_vocab_size
 
 
 def small_model(**overrides) -> GPT:
@@ -140,7 +140,7 @@ def test_flops_per_token_formula():
 
 def test_weight_decay_groups():
     model = small_model(lm_head=True)
-    opt = model.configure_optimizer(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = adamw(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])

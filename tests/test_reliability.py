@@ -234,7 +234,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     ("finetune", ["--ckpt=CKPT", "--budget_fraction=2"], "--budget_fraction must be in (0, 1], got 2.0"),
     ("generate", ["--prompt=Hi", "--temperature=nan"], "--temperature must be a finite number, got nan"),
     ("generate", ["--prompt=Hi", "--temperature=1e-40"], "too small to mean anything but greedy"),
-    ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 text (byte 3)"),
+    ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 (byte 3)"),
     ("data", ["--val_fraction=nan"], "--val_fraction must be a finite number, got nan"),
     ("data", ["--num_proc=0"], "--num_proc must be at least 1, got 0"),
 ])
@@ -307,9 +307,12 @@ def test_resuming_a_finished_run_adds_nothing(tiny_data_dir, tmp_path):
 
 
 def test_finetune_recipe_of_a_shape_without_one():
-    assert finetune.finetune_recipe("tiny")["lr"] == 3e-4
-    assert finetune.finetune_recipe("bert-tiny") == finetune.finetune_recipe(None) == \
-        finetune.FINETUNE_RECIPES["pythia-70m"]
+    def recipe(preset):
+        base = {"model_config": {"block_size": 64}, "train_config": {"preset": preset}}
+        cfg = finetune.inherit_settings(finetune.FinetuneConfig(ckpt="x"), base)
+        return cfg.lr, cfg.lr_schedule
+    assert recipe("tiny") == (3e-4, "constant")
+    assert recipe("bert-tiny") == recipe(None) == (1e-4, "cosine")  # the official config's
 
 
 # ---------------------------------------------------------------------- 8, 10. data: skipped rows, hints
