@@ -604,14 +604,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     lines = ["| kind | loss | V | tokens | ms/step | time ×smallest V | peak MiB | memory ×smallest V | time ×CE "
              "| memory ×CE |", "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['loss']} | {r['vocab_size']:,} | {r['tokens']:,} | {r['step_ms']:,.1f} | "
-                     f"{r['time_vs_smallest']:.2f} | {fmt(r['peak_mib'], ',.1f')} | "
-                     f"{fmt(r['memory_vs_smallest'], '.2f')} | {fmt(r['time_vs_ce'], '.3f')} | "
-                     f"{fmt(r['memory_vs_ce'], '.3f')} |")
+                     f"{r['time_vs_smallest']:.2f} | {optional(r['peak_mib'], ',.1f')} | "
+                     f"{optional(r['memory_vs_smallest'], '.2f')} | {optional(r['time_vs_ce'], '.3f')} | "
+                     f"{optional(r['memory_vs_ce'], '.3f')} |")
     if rows:
         r = rows[0]
         lines += ["", f"{r['device']}, {r['dtype']}, shape {r['preset']}; loss: the objective alone (fwd+bwd), step: "

@@ -45,6 +45,7 @@ from common import (
     temp_path,
 )
 from data import dataset_tokenizer, gpt2_vocab_files, load_meta
+from doors import brief
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
@@ -104,15 +105,6 @@ def read_json_file(path: Path, what: str) -> Any:
 
 def _short(e: BaseException, limit: int = 200) -> str:
     text = first_line(e)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _brief(value: Any, limit: int = 60) -> str:
-    """repr(value) cut short, for a value from a file in a one-line message."""
-    try:
-        text = repr(value)
-    except ValueError:  # an integer of more than 4300 digits
-        return f"a {type(value).__name__} too long to show"
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -245,7 +237,7 @@ def config_from_hf(hf: Any, source: str) -> GPTConfig:
         return UserError(f"{source}: {why}; only exact GPT-NeoX equivalents are imported")
 
     def bad(key: str, value: Any, expected: str) -> UserError:
-        return UserError(f"{source}: config.json {key} is {_brief(value)}, not {expected}; fix config.json")
+        return UserError(f"{source}: config.json {key} is {brief(value)}, not {expected}; fix config.json")
 
     def get(key: str, default: Any = None) -> Any:  # null is absent, as transformers reads it
         value = hf.get(key)
@@ -281,22 +273,22 @@ def config_from_hf(hf: Any, source: str) -> GPTConfig:
         raise UserError(f"{source}: config.json holds a JSON {type(hf).__name__}, not an object; is it a "
                         "Hugging Face config.json?")
     if hf.get("model_type") != "gpt_neox":
-        raise refuse(f"model_type {_brief(hf.get('model_type'))} is not gpt_neox (Pythia)")
+        raise refuse(f"model_type {brief(hf.get('model_type'))} is not gpt_neox (Pythia)")
     act = get("hidden_act", "gelu")
     if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise refuse(f"hidden_act {_brief(act)} is not one of {', '.join(ACTIVATIONS)}")
+        raise refuse(f"hidden_act {brief(act)} is not one of {', '.join(ACTIVATIONS)}")
     rope = get("rope_parameters", {})  # transformers 5 nests the rotary settings here
     if not isinstance(rope, dict):
         raise bad("rope_parameters", rope, "an object")
     rope_type = rope.get("rope_type") or "default"
     if hf.get("rope_scaling") or rope_type != "default":
-        raise refuse(f"rope scaling {_brief(hf.get('rope_scaling') or rope_type)} is not supported")
+        raise refuse(f"rope scaling {brief(hf.get('rope_scaling') or rope_type)} is not supported")
     if not flag("attention_bias", True):
         raise refuse("attention_bias=false (attention without biases) is not supported")
     d, heads = size("hidden_size"), size("num_attention_heads")
     head_dim = get("head_dim", d // heads)
     if d % heads or head_dim != d // heads:
-        raise refuse(f"head_dim {_brief(head_dim)} is not hidden_size / num_attention_heads "
+        raise refuse(f"head_dim {brief(head_dim)} is not hidden_size / num_attention_heads "
                      f"({d} / {heads})")
 
     def rotary(key: str, old_key: str, default: float) -> tuple[str, Any]:  # transformers 5 or 4 spelling
@@ -445,22 +437,22 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             continue
         if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
                 and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)):
-            raise broken(f"the entry of tensor {_brief(name, 80)} is not {{dtype, shape, data_offsets}}")
+            raise broken(f"the entry of tensor {brief(name, 80)} is not {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        tensor = f"tensor {_brief(name, 80)}"
+        tensor = f"tensor {brief(name, 80)}"
         if dtype not in SAFETENSORS_DTYPES:
-            raise broken(f"{tensor} has unknown dtype {_brief(dtype, 20)}")
+            raise broken(f"{tensor} has unknown dtype {brief(dtype, 20)}")
         if len(shape) > 64 or not all(_is_count(n) for n in shape):
-            raise broken(f"{tensor} has shape {_brief(shape, 40)}, not a list of sizes")
+            raise broken(f"{tensor} has shape {brief(shape, 40)}, not a list of sizes")
         if len(offsets) != 2 or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]:
-            raise broken(f"{tensor} has data_offsets {_brief(offsets, 40)}, not [begin, end]")
+            raise broken(f"{tensor} has data_offsets {brief(offsets, 40)}, not [begin, end]")
         if offsets[1] > data_bytes:
-            raise broken(f"{tensor} ends at byte {_brief(offsets[1], 40)} of the {data_bytes} data bytes "
+            raise broken(f"{tensor} ends at byte {brief(offsets[1], 40)} of the {data_bytes} data bytes "
                          "(truncated?)")
         if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
             raise broken(f"{tensor} has {offsets[1] - offsets[0]} bytes, not the "
-                         f"{_brief(math.prod(shape) * SAFETENSORS_DTYPES[dtype], 40)} of shape "
-                         f"{_brief(shape, 40)} in {dtype}")
+                         f"{brief(math.prod(shape) * SAFETENSORS_DTYPES[dtype], 40)} of shape "
+                         f"{brief(shape, 40)} in {dtype}")
         shapes[name] = tuple(shape)
     return shapes
 
@@ -475,7 +467,7 @@ def load_bin(path: Path) -> dict[str, torch.Tensor]:
     except Exception as e:  # a refused pickle is an UnpicklingError whose message runs over many lines
         text = str(e)
         if refused := re.search(r"GLOBAL (\S+) was not an allowed global", text):
-            raise UserError(f"{path} holds a {_brief(refused[1])} object, which "
+            raise UserError(f"{path} holds a {brief(refused[1])} object, which "
                             "torch.load(weights_only=True) refuses to unpickle; convert it to "
                             "model.safetensors") from None
         detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
@@ -518,7 +510,7 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
     """config.json against the weight files' shapes, before any model is built: sizes no weight backs
     (num_hidden_layers: 1000000) are refused here rather than allocated."""
     def shape(name: str) -> str:
-        return f"{name} of shape {_brief(list(shapes[name][0]), 80)} in {shapes[name][1].name}"
+        return f"{name} of shape {brief(list(shapes[name][0]), 80)} in {shapes[name][1].name}"
 
     embed = "gpt_neox.embed_in.weight"
     if embed in shapes and shapes[embed][0] != (c.vocab_size, c.d_model):
@@ -774,7 +766,7 @@ def export(ckpt: str, out: str) -> Path:
     meta = payload.get("data_meta") or {}
     tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None
     if not isinstance(tokenizer, str):
-        raise UserError(f"{ckpt}: data_meta's tokenizer is {_brief(tokenizer)}, not a tokenizer name; is it "
+        raise UserError(f"{ckpt}: data_meta's tokenizer is {brief(tokenizer)}, not a tokenizer name; is it "
                         "a train.py checkpoint?")
     c = model.config
     hf_config(c, 0)  # refuse an architecture without a transformers class before writing anything
