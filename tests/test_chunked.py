@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_config
 from hypothesis import HealthCheck, given, settings, strategies as st
 from test_loss import float64_by_default, naive_ce  # noqa: F401  (the fixture applies to this file too)
-from test_train import tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunked

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
-from test_faults import run_cli, snapshot, without_timing
-from test_train import read_log
+from helpers import read_log, run_cli, snapshot, without_timing
 
 import common
 import compare
@@ -151,7 +150,7 @@ def test_an_out_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
 def test_a_run_stopped_before_its_last_validation_is_not_finished(tiny_data_dir, tmp_path):
     """compare.py --resume took a run at its last step for finished even when the stop came before that
     step's validation, and tabled the previous validation's numbers."""
-    from test_train import tiny_config
+    from helpers import tiny_config
 
     run_cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2)
     train.train(run_cfg)

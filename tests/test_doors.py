@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli, snapshot
 from hypothesis import HealthCheck, given, settings, strategies as st
-from test_faults import run_cli, snapshot
 
 import bpe
 import common

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
+from helpers import read_log, tiny_config
 from hypothesis import given, settings, strategies as st
-from test_train import read_log, tiny_config
 
 import eval as evaluation
 import train

@@ -14,12 +14,11 @@ import os
 import pathlib
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_train import read_log
+from helpers import read_log, run_cli, snapshot, without_timing
 
 import bench
 import common
@@ -43,25 +42,6 @@ def train_flags(data_dir: Path, out_dir: Path, *extra: str) -> list[str]:
     return [f"--dataset={data_dir}", "--preset=tiny", "--block_size=32", "--batch_size=4", "--max_iters=4",
             "--warmup_iters=1", "--eval_interval=2", "--eval_batches=2", "--log_interval=1", f"--out_dir={out_dir}",
             "--device=cpu", "--seed=0", *extra]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` (hidden ones too), by relative path: equal snapshots, nothing changed."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def run_cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """What `python SCRIPT.py ARGV` does when it fails: (exit code, stdout, the last line of stderr)."""
-    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        common.run_main(main)
-    out, err = capsys.readouterr()
-    return e.value.code, out, (err.splitlines() or [""])[-1]
-
-
-def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
 
 
 @pytest.fixture

@@ -109,7 +109,7 @@ def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
     resumed gives the same losses as a straight one."""
     import json
 
-    from test_train import tiny_config
+    from helpers import tiny_config
 
     import train
 
@@ -128,7 +128,7 @@ def test_sampled_negatives_resume_exactly(tiny_data_dir, tmp_path, monkeypatch):
 @pytest.mark.usefixtures("small_tiny_preset")
 def test_unique_negatives_are_charged_the_distinct_targets(tiny_data_dir, tmp_path, monkeypatch):
     """FLOPs of --negatives=unique count the U distinct targets of each micro-batch, not its N positions."""
-    from test_train import tiny_config
+    from helpers import tiny_config
 
     import data
     import train

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import read_log, run_cli, tiny_config
 from hypothesis import example, given, settings, strategies as st
-from test_faults import run_cli
-from test_train import read_log, tiny_config
 
 import data
 import finetune

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
-from test_train import read_log, tiny_config as train_tiny_config
+from helpers import read_log, tiny_config as train_tiny_config
 
 import common
 import data

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from test_train import tiny_config
+from helpers import tiny_config
 
 import data
 import finetune

@@ -1,4 +1,3 @@
-import json
 import signal
 import subprocess
 import sys
@@ -6,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_log, tiny_config
 
 import common
 import train
@@ -15,17 +15,6 @@ from train import TrainConfig, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
-
-
-def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    settings = dict(dataset=str(data_dir), preset="tiny", block_size=32, batch_size=8, max_iters=30,
-                    warmup_iters=5, eval_interval=10, eval_batches=2, log_interval=1, out_dir=str(out_dir),
-                    device="cpu", seed=0)
-    return TrainConfig(**{**settings, **overrides})
-
-
-def read_log(out_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("loss", ["ce", "cwt"])
