@@ -81,11 +81,11 @@ from common import (
     run_main,
     world_size,
 )
-from loss import scored_columns, training_loss
-from masking import MASK_RATE, NOT_MASKED, MaskSpec, mask_tokens, masked_rows
+from loss import LossConfig, scored_columns, training_loss
+from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
 from results import check_output_path, import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, optimizer_step
+from train import Objective, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -151,6 +151,13 @@ def parse_variant(name: str) -> dict:
                 chunk_size=int(m.group(4)) if m.group(4) else None)
 
 
+def loss_config(variant: str) -> LossConfig:
+    """The objective's settings of a variant name (parse_variant)."""
+    kw = parse_variant(variant)
+    return LossConfig(loss=kw["loss"], negatives=kw["negatives"], num_negatives=kw["num_negatives"],
+                      loss_chunk_size=kw["chunk_size"] or 0)
+
+
 def columns(variant: str, vocab: int, targets: torch.Tensor) -> int:
     """Output vectors each position is scored against: V for CE, N (U distinct with -unique) for CWT,
     at most k + 1 with -kN. The head FLOPs of a step are 6 * tokens * d * columns."""
@@ -199,12 +206,12 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
         targets = zipf_tokens(tokens, vocab, gen).to(device)
 
         def make(variant):
-            kw = parse_variant(variant.removesuffix(REF))
+            config = loss_config(variant.removesuffix(REF))
             module = reference_chunked(spec["chunked_ref"]) if variant.endswith(REF) else None
 
             def step():
                 with autocast_context(device, dtype), chunked_as(module):
-                    loss = training_loss(h, targets, emb, emb, generator=loss_rng, **kw)
+                    loss = training_loss(h, targets, emb, emb, config, loss_rng)
                 loss.backward()
                 h.grad = emb.grad = None
             return step
@@ -220,13 +227,12 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
         x, y = mask_tokens(x, spec["seed"], 0, MaskSpec(vocab - 1, vocab - 1, ()))
 
     def make(variant):
-        kw = parse_variant(variant)
+        config = loss_config(variant)
 
         def step():
             with autocast_context(device, dtype):
                 h, targets = masked_rows(model.hidden(x), y) if mlm else (model.hidden(x), y)
-                loss = training_loss(h, targets, model.wte.weight, model.output_weight,
-                                     generator=loss_rng, **kw)
+                loss = training_loss(h, targets, model.wte.weight, model.output_weight, config, loss_rng)
             loss.backward()
             optimizer_step(optimizer, model.parameters())
         return step
@@ -275,7 +281,7 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
     bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
     of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
-    from train import contrastive_table, evaluate
+    from train import evaluate
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -286,12 +292,11 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     byte_counts = np.ones(len(val), dtype=np.uint32)  # every token one byte: the bits-per-byte sums still run
 
     def make(variant):
-        kw = parse_variant(variant)
-        table = contrastive_table(model, kw["loss"])
+        objective = Objective(model, loss_config(variant))
 
         def step():
-            evaluate(model, val, tokens // block, block, device, dtype, 1, table, 1.0, kw["chunk_size"],
-                     byte_counts=byte_counts, special=[vocab - 1])
+            evaluate(objective, val, tokens // block, block, device, dtype, 1, byte_counts=byte_counts,
+                     special=[vocab - 1])
         return step
     # forward only (a third of a training step); cwt also scores the tokens against each other, twice
     flops = {v: tokens * model.flops_per_token(block, vocab + (2 * tokens if v.startswith("cwt") else 0)) // 3
@@ -447,7 +452,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                  for n in cfg.step_tokens]
     rows, skipped = [], []
     for kind, vocab, tokens, variants in grid:
-        scored = tokens * MASK_RATE if kind == "mlm" else tokens  # an encoder's CE scores its masked rows only
+        block = min(cfg.block_size, tokens)  # an encoder's CE scores its masked rows only, as masking counts them
+        scored = scored_rows(max(1, tokens // block), block) if kind == "mlm" else tokens
         if scored * vocab > cfg.max_logits and kind != "val":
             skipped.append(f"{kind} V={vocab} N={tokens}")
             continue
@@ -784,9 +790,8 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
     gen = torch.Generator().manual_seed(cfg.seed + rank())
     model, optimizer, seq = step_setup(cfg.preset, cfg.vocab[0], cfg.step_tokens[0], cfg.block_size, cfg.seed,
                                        gen, device)
-    kw, loss_rng = parse_variant(variant), torch.Generator()
-    objective = Objective(model, TrainConfig(loss=kw["loss"], negatives=kw["negatives"],
-                                             num_negatives=kw["num_negatives"], loss_chunk_size=kw["chunk_size"] or 0))
+    loss_rng = torch.Generator()
+    objective = Objective(model, loss_config(variant))
     if parallel and torch.distributed.is_initialized():
         objective = torch.nn.parallel.DistributedDataParallel(objective)
 
@@ -907,7 +912,7 @@ def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, 
             sync(device)
             start = time.perf_counter()
         with autocast_context(device, dtype):
-            value = training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, loss)
+            value = training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, LossConfig(loss=loss))
         scaler.scale(value).backward()
         optimizer_step(optimizer, model.parameters(), 1.0, scaler)
         losses.append(value.item())
@@ -924,7 +929,7 @@ def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, 
 def check_fused_adamw(device: torch.device, shape: CheckShape) -> str:
     """One fused AdamW step equals one for-each step on the same weights and gradients."""
     model, x, y = _check_model(shape, device)
-    training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, "ce").backward()
+    training_loss(model.hidden(x), y, model.wte.weight, model.output_weight, LossConfig(loss="ce")).backward()
     before = [p.detach().clone() for p in model.parameters()]
     after = {}
     for fused in (True, False):
@@ -963,7 +968,7 @@ def measure_step(device: torch.device, shape: CheckShape, dtype: torch.dtype, lo
     from torch._dynamo.utils import counters
     model, x, y = _check_model(shape, device)
     optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
-    objective = Objective(model, TrainConfig(loss=loss))
+    objective = Objective(model, LossConfig(loss=loss))
     generator = torch.Generator()
     torch._dynamo.reset()  # each row compiles afresh
     counters.clear()

@@ -4,6 +4,7 @@ their doors (doors.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import importlib.util
@@ -17,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -91,6 +93,13 @@ def need_extra(module: str, flag: str) -> None:
         raise UserError(f"{flag} needs {module}.py, which is not in this checkout; restore it or drop {flag}")
 
 
+def need_package(module: str, flag: str, pip_name: str | None = None) -> None:
+    """An optional package a flag needs (tensorboard, wandb, matplotlib, isoscore): one line naming its pip install,
+    before any work; found without importing it, so that a run without the flag never imports it."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{flag} needs the optional package {pip_name or module}: pip install {pip_name or module}")
+
+
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door
 
 
@@ -98,6 +107,16 @@ def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None)
     """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
     import doors
     return through_door(doors.settings, cls, argv, quick)
+
+
+def unset_fields(cls: type, leave_out: tuple[str, ...], doc: str) -> type:
+    """A dataclass of `cls`'s fields but `leave_out`, each of the same type or None, None by default (unset): flags
+    whose values come from elsewhere when not given (train.py's model settings: the preset's, or a checkpoint's).
+    A field added to `cls` is one more flag, with no other code."""
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, hints[f.name] | None, dataclasses.field(default=None)) for f in dataclasses.fields(cls)
+              if f.name not in leave_out]
+    return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields, namespace={"__doc__": doc})
 
 
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:

@@ -76,11 +76,12 @@ from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
 from results import check_output_path, format_metric, import_pyplot, save_figure, save_results, write_json
-from train import TrainConfig, evaluate, note, train
+from train import MODEL_FIELDS, ModelSettings, TrainConfig, evaluate, note, objective_of, train
 
 
 @dataclass
-class CompareConfig:
+class CompareConfig(ModelSettings):
+    """compare.py's settings; the model's (train.py's ModelSettings) are inherited, and given to every run."""
     preset: PresetName = "tiny"
     dataset: str = "shakespeare"
     data_root: str = "data"
@@ -111,8 +112,8 @@ class CompareConfig:
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
 QUICK = dict(block_size=32, batch_size=2, ce_iters=2, evals=1, eval_batches=1, finetune_fraction=0.1)
 # What makes a run in out_dir the one this compare.py plans (data_root, device and dtype may change).
-SAME_RUN = ("dataset", "preset", "block_size", "batch_size", "loss", "lr", "min_lr", "warmup_iters", "seed",
-            "max_iters")
+SAME_RUN = ("dataset", "preset", "batch_size", "loss", "lr", "min_lr", "warmup_iters", "seed", "max_iters",
+            *MODEL_FIELDS)
 
 
 def check_config(cfg: CompareConfig) -> None:
@@ -214,9 +215,14 @@ def finetune_config(cfg: CompareConfig, ckpt: Path, iters: int, out_dir: Path) -
 
 
 def shared_settings(cfg: CompareConfig) -> dict:
-    return dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
+    return dict(model_settings(cfg), dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset,
                 batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
                 seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+
+
+def model_settings(cfg: CompareConfig) -> dict:
+    """The model flags given to compare.py (block_size always), for each run's TrainConfig."""
+    return {name: getattr(cfg, name) for name in MODEL_FIELDS}
 
 
 def run_plan(plan: dict, cfg: CompareConfig) -> dict:
@@ -258,7 +264,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, **QUICK)
     vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
-    shape = build_model(cfg.preset, vocab, block_size=cfg.block_size)
+    shape = build_model(cfg.preset, vocab, **{k: v for k, v in model_settings(cfg).items() if v is not None})
     tokens_per_iter = cfg.batch_size * cfg.block_size
     per_token = {loss: shape.flops_per_token(cfg.block_size, scored_columns(loss, vocab, tokens_per_iter))
                  for loss in ("ce", "cwt")}
@@ -413,8 +419,9 @@ def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
     block = run_cfg["block_size"]
     tokens = open_split(data_dir, "val", model.config.vocab_size)
     byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
-    val = evaluate(model, tokens, max(1, 4096 // block), block, device, pick_dtype(run_cfg["dtype"], device),
-                   byte_counts=byte_counts, special=special_ids(load_meta(data_dir)))
+    special = special_ids(load_meta(data_dir))
+    val = evaluate(objective_of(ckpt, model, ckpt_path), tokens, max(1, 4096 // block), block, device,
+                   pick_dtype(run_cfg["dtype"], device), byte_counts=byte_counts, special=special)
     scored = (len(tokens) - 1) // block * block  # the targets of every whole block
     return {**val, "tokens": scored, "bytes": int(byte_counts[1:scored + 1].sum(dtype=np.int64)),
             "step": ckpt["step"]}

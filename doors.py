@@ -136,11 +136,7 @@ def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) ->
     settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
     hints = typing.get_type_hints(cls)
     if "--help" in argv or "-h" in argv:
-        print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nsettings (--key=value):")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = getattr(hints[f.name], "__name__", None) if isinstance(hints[f.name], type) else None
-            print(f"  --{f.name:<18} {kind or str(hints[f.name]).replace('typing.', ''):<44} default: {default!r}")
+        print_help(cls, hints)
         sys.exit(0)
     repeat = {f.name for f in dataclasses.fields(cls) if f.metadata.get("repeatable")}
     values: dict[str, Any] = {}
@@ -161,6 +157,34 @@ def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) ->
         values = {**quick, **values}
     return cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
                   for k, v in values.items()})
+
+
+def print_help(cls: type, hints: dict[str, Any]) -> None:
+    """The script's docstring, then its settings, grouped by the dataclass that declares them (train.py's model
+    settings and objective settings each under their own heading)."""
+    print((sys.modules["__main__"].__doc__ or "").strip())
+    groups: dict[type, list[dataclasses.Field]] = {}
+    for f in dataclasses.fields(cls):
+        owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+        groups.setdefault(owner, []).append(f)
+    for owner, fields in sorted(groups.items(), key=lambda group: group[0] is not cls):
+        title = "settings (--key=value)" if owner is cls else (owner.__doc__ or owner.__name__).split("\n")[0]
+        print(f"\n{title.rstrip('.')}:")
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}")
+
+
+def shown_type(hint: Any) -> str:
+    """A field's type as --help shows it: int, cosine|constant, int | None, str,str,..."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return "|".join(map(str, args))
+    if typing.get_origin(hint) is list:
+        return f"{shown_type(args[0])},..."
+    if args:
+        return " | ".join(shown_type(a) for a in args)
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 # ---------------------------------------------------------------------------------------------- fields
@@ -428,21 +452,47 @@ def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
         yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
 
 
-def model_config_problem(values: Any, config_class: type) -> str | None:
+def tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Tensor], what: str) -> str | None:
+    """Why tensors a checkpoint holds (`what`: "its objective") are not the ones a module declares (names, shapes,
+    dtypes): the message is completed by the caller ("... this run's objective declares")."""
+    def shown(tensors: dict) -> str:
+        return ", ".join(f"{k} {list(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in tensors.items())
+    if set(saved) != set(expected):
+        held = brief(shown(saved) or "nothing", 200)
+        return f"{what} holds {held}, not the {brief(shown(expected) or 'nothing', 200)}"
+    bad = {k: v for k, v in saved.items() if v.shape != expected[k].shape or v.dtype != expected[k].dtype}
+    if bad:
+        return f"{what} holds {brief(shown(bad), 200)}, not the {brief(shown({k: expected[k] for k in bad}), 200)}"
+    return None
+
+
+def model_config_problem(values: Any, config_class: type, name: str = "model_config") -> str | None:
     """model_config as config_class's fields (GPTConfig: of its types, a Literal's values, within MAXIMA; block_size,
-    which no weight checks, too), then together: heads that divide the width, rotary channels that fit a head."""
+    which no weight checks, too), then together: heads that divide the width, rotary channels that fit a head.
+    `name` names the table in the message ("": train.py's model flags, checked by the same rules)."""
+    if why := fields_problem(values, model_rules(config_class), name):
+        return why
+    c = config_class(**values)
+    head = c.d_model // c.n_head
+    table = f"{name}." if name else ""
+    if c.d_model % c.n_head:
+        return f"{table}d_model {c.d_model} is not a multiple of n_head {c.n_head}"
+    if c.rotary_dims + c.rotary_dims % 2 > head:
+        return f"{table}rotary_pct {c.rotary_pct} rotates more than a head's {head} channels"
+    return None
+
+
+def model_fields_problem(values: dict[str, Any], config_class: type) -> str | None:
+    """The first of some of config_class's fields (flags given) that breaks its rule alone, as `name is ...`."""
+    return fields_problem(values, model_rules(config_class))
+
+
+def model_rules(config_class: type) -> dict[str, tuple]:
+    """fields_problem's rules for each field of a model config: its type, a Literal's values, MODEL_RANGES."""
     rules = {}
     for name, hint in typing.get_type_hints(config_class).items():
         args = typing.get_args(hint)
         kinds = list(args) if typing.get_origin(hint) is Literal else tuple(a if a is not type(None) else None
                                                                             for a in args) or hint
         rules[name] = (kinds, *MODEL_RANGES.get(name, ()))
-    if why := fields_problem(values, rules, "model_config"):
-        return why
-    c = config_class(**values)
-    head = c.d_model // c.n_head
-    if c.d_model % c.n_head:
-        return f"model_config.d_model {c.d_model} is not a multiple of n_head {c.n_head}"
-    if c.rotary_dims + c.rotary_dims % 2 > head:
-        return f"model_config.rotary_pct {c.rotary_pct} rotates more than a head's {head} channels"
-    return None
+    return rules

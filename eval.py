@@ -52,7 +52,7 @@ from common import (
 )
 from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
 from results import check_finite, check_output_path, format_metric, parse_jsonl_line, write_json
-from train import contrastive_table, evaluate
+from train import evaluate, objective_of
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -238,17 +238,13 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
                         f"{meta['tokenizer']!r} (other ids); pass a --dataset prepared with the checkpoint's tokenizer")
     tokens = open_split(data_dir, cfg.split, model.config.vocab_size)
     block_size = train_cfg.get("block_size") or model.config.block_size
-    mask = None
-    if train_cfg.get("objective") == "mlm":
-        from masking import Masking, MaskSpec
-        mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
+    objective = objective_of(ckpt, model, cfg.ckpt)  # its loss settings and learned pieces, an encoder's masking
     start = time.time()
     byte_counts = None  # only val.bin comes with the bytes each token stands for
-    if cfg.split == "val" and not mask:
+    if cfg.split == "val" and not objective.mask:
         byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
-    metrics = evaluate(model, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches,
-                       contrastive_table(model, train_cfg.get("loss", "ce"), mask is not None),
-                       train_cfg.get("temperature", 1.0), None, mask, byte_counts, special_ids(meta))
+    metrics = evaluate(objective, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches, byte_counts,
+                       special_ids(meta))
     seconds = time.time() - start
     check_finite(metrics, f"{cfg.split} of {cfg.ckpt}")
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size

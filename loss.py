@@ -4,16 +4,50 @@ are made in the inputs' dtype (bf16 under autocast), then upcast for a softmax t
 stably for any score (the paper's code takes exp(scores) directly and overflows above ~88)."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
+Temperature = float | torch.Tensor  # a number, or a tensor (a learned temperature: it gets its gradient)
 
 
-def cwt_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
+@dataclass
+class LossConfig:
+    """objective settings: the loss and its negatives (loss.LossConfig)
+
+    One piece: train.py's flags of these names (TrainConfig inherits them), a checkpoint's train_config, and what
+    training_loss and validation_sums take. A field added here is a flag, travels to the losses and must match on
+    --resume, with no other edit (docs/hacking.md)."""
+    loss: LossName = "cwt"
+    temperature: float = 1.0  # scores / temperature: the paper's is 1
+    negatives: Literal["all", "unique"] = "all"  # unique: each distinct target token once (negatives.py)
+    num_negatives: int | None = None  # score a random subset of k candidates (negatives.py)
+    negatives_scope: Literal["local", "global"] = "local"  # global: every rank's micro-batch (negatives.py)
+    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns) (chunked.py)
+
+    @classmethod
+    def of(cls, settings: Any) -> LossConfig:
+        """The loss settings of a TrainConfig (or of a checkpoint's train_config dict: missing keys take their
+        defaults, as in checkpoints written before a field existed)."""
+        values = settings if isinstance(settings, dict) else vars(settings)
+        return cls(**{f.name: values.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.loss_chunk_size or None
+
+    @property
+    def paper_negatives(self) -> bool:
+        """Every other position of this rank's micro-batch, repeats included: the paper's negatives."""
+        return self.negatives == "all" and self.num_negatives is None and self.negatives_scope == "local"
+
+
+def cwt_loss(h: torch.Tensor, e: torch.Tensor, temperature: Temperature = 1.0,
              chunk_size: int | None = None) -> torch.Tensor:
     """Contrastive Weight Tying: row i of h must pick e[i], the input embedding of its own target, out of
     the target embeddings of every position of the micro-batch (in-batch negatives, repeats included).
@@ -26,8 +60,7 @@ def cwt_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
     if chunk_size:
         from chunked import chunked_cross_entropy  # the memory-flat extra
         return chunked_cross_entropy(h, e, positives, temperature, chunk_size)
-    scores = fp32(h @ e.T)
-    return F.cross_entropy(scores / temperature if temperature != 1.0 else scores, positives)
+    return F.cross_entropy(scaled(fp32(h @ e.T), temperature), positives)
 
 
 def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -43,12 +76,12 @@ def ce_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
 
 
 def ce_cwt_loss(h: torch.Tensor, e_table: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor,
-                temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+                temperature: Temperature = 1.0, chunk_size: int | None = None) -> torch.Tensor:
     """The paper's ablation: both objectives, summed."""
     return ce_loss(h, output_weight, targets, chunk_size) + cwt_loss(h, e_table[targets], temperature, chunk_size)
 
 
-def nce_loss(h: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+def nce_loss(h: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor, temperature: Temperature = 1.0,
              chunk_size: int | None = None) -> torch.Tensor:
     """The paper's ablation without weight tying: contrastive, against a separate output table."""
     return cwt_loss(h, output_weight[targets], temperature, chunk_size)
@@ -59,28 +92,36 @@ def fp32(scores: torch.Tensor) -> torch.Tensor:
     return scores.to(torch.promote_types(scores.dtype, torch.float32))
 
 
+def scaled(scores: torch.Tensor, temperature: Temperature) -> torch.Tensor:
+    """scores / temperature; the division of a pass over N x N scores is skipped only for the number 1, never for a
+    tensor (a learned temperature that starts at 1 needs its gradient)."""
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
+        return scores / temperature
+    return scores
+
+
 def training_loss(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch.Tensor,
-                  output_weight: torch.Tensor, loss: LossName, temperature: float = 1.0,
-                  negatives: Literal["all", "unique"] = "all", num_negatives: int | None = None,
-                  generator: torch.Generator | torch.Tensor | None = None, chunk_size: int | None = None,
-                  negatives_scope: Literal["local", "global"] = "local") -> torch.Tensor:
-    """The pre-training objective by name, from hidden states (..., d) and targets (...); `output_weight` is the
-    LM head (or E when tied), `chunk_size` scores in blocks (chunked.py), other negatives come from negatives.py."""
+                  output_weight: torch.Tensor, config: LossConfig,
+                  generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+    """The pre-training objective `config.loss`, from hidden states (..., d) and targets (...); `output_weight` is the
+    LM head (or E when tied); a chunk size scores in blocks (chunked.py); other negatives come from negatives.py,
+    sampled ones drawn with `generator` (or drawn ahead: a permutation)."""
     h = h.reshape(-1, h.size(-1))
     targets = targets.reshape(-1)
-    if negatives != "all" or num_negatives is not None or negatives_scope != "local":
+    if not config.paper_negatives:
         from negatives import training_loss_with_negatives  # the extra, not in the paper
-        return training_loss_with_negatives(h, targets, input_embedding, output_weight, loss, temperature,
-                                            negatives, num_negatives, generator, chunk_size, negatives_scope)
-    if loss == "ce":
-        return ce_loss(h, output_weight, targets, chunk_size)
-    if loss == "cwt":
-        return cwt_loss(h, input_embedding[targets], temperature, chunk_size)
-    if loss == "ce+cwt":
-        return ce_cwt_loss(h, input_embedding, output_weight, targets, temperature, chunk_size)
-    if loss == "nce":
-        return nce_loss(h, output_weight, targets, temperature, chunk_size)
-    raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
+        return training_loss_with_negatives(h, targets, input_embedding, output_weight, config, generator)
+    t = config.temperature
+    chunk = config.chunk_size
+    if config.loss == "ce":
+        return ce_loss(h, output_weight, targets, chunk)
+    if config.loss == "cwt":
+        return cwt_loss(h, input_embedding[targets], t, chunk)
+    if config.loss == "ce+cwt":
+        return ce_cwt_loss(h, input_embedding, output_weight, targets, t, chunk)
+    if config.loss == "nce":
+        return nce_loss(h, output_weight, targets, t, chunk)
+    raise ValueError(f"unknown loss {config.loss!r}; choose one of: ce, cwt, ce+cwt, nce")
 
 
 def scored_columns(loss: LossName, vocab_size: int, candidates: int, num_negatives: int | None = None) -> int:
@@ -108,18 +149,19 @@ VAL_SUMS = ("ce", "tokens", "cwt", "correct", "text_ce", "bytes")
 
 
 @torch.no_grad()
-def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch.Tensor,
-                    contrastive: torch.Tensor | None = None, temperature: float = 1.0,
-                    chunk_size: int | None = None, target_bytes: torch.Tensor | None = None,
+def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch.Tensor, config: LossConfig,
+                    contrastive: torch.Tensor | None = None, target_bytes: torch.Tensor | None = None,
                     special_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One validation batch's float64 sums, keyed as VAL_SUMS: `ce` over its `tokens` (through the model's logits);
-    against `contrastive`, the CWT loss and top-1 hits over rows; given each target's UTF-8 bytes, `text_ce` over
-    the targets that are text (not `special_ids`) and their `bytes`: bits per byte = text_ce / ln 2 / bytes."""
+    against `contrastive`, the CWT loss (at config's temperature) and top-1 hits over rows; given each target's UTF-8
+    bytes, `text_ce` over the targets that are text (not `special_ids`) and their `bytes`: bits per byte = text_ce /
+    ln 2 / bytes. Memory-flat with config's chunk size, as the run's training loss."""
+    chunk_size = config.chunk_size
     h = h.reshape(-1, h.size(-1))
     y = targets.reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=h.device)
     sums = dict.fromkeys(VAL_SUMS, zero)
-    if chunk_size:  # memory-flat, as the run's training loss (chunked.py)
+    if chunk_size:
         from chunked import chunked_row_losses
         row_ce = chunked_row_losses(h, output_weight, y, 1.0, chunk_size).double()
     else:
@@ -127,7 +169,7 @@ def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch
     sums["ce"] = row_ce.sum()
     sums["tokens"] = zero + y.numel()
     if contrastive is not None:
-        sums["cwt"] = cwt_loss(h, contrastive[y], temperature, chunk_size).double() * y.numel()
+        sums["cwt"] = cwt_loss(h, contrastive[y], config.temperature, chunk_size).double() * y.numel()
         sums["correct"] = contrastive_accuracy(h, contrastive[y], y, chunk_size).double() * y.numel()
     if target_bytes is not None:
         sums["text_ce"] = (row_ce * ~torch.isin(y, special_ids)).sum()

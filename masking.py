@@ -65,14 +65,37 @@ def mask_tokens(tokens: torch.Tensor, seed: int, index: int, spec: MaskSpec,
     return inputs, torch.where(chosen, tokens, NOT_MASKED)
 
 
+def scored_rows(batch: int, length: int) -> int:
+    """The positions a micro-batch of `batch` windows of `length` tokens scores: masked_count of each window. The
+    one count the masked rows, train.py's FLOPs and its every-candidate warning all use."""
+    return batch * masked_count(length)
+
+
+def masked_order(targets: torch.Tensor) -> torch.Tensor:
+    """The flat indices of a batch's masked positions (B, T), in order: scored_rows of them, a static number."""
+    keep = targets.flatten() != NOT_MASKED
+    return torch.argsort(keep.int(), descending=True, stable=True)[:scored_rows(*targets.shape)]  # masked first
+
+
+def scored_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The targets (M,) a masked batch's loss scores, without hidden states: those of masked_rows."""
+    return only_masked(targets.flatten()[masked_order(targets)])
+
+
+def only_masked(picked: torch.Tensor) -> torch.Tensor:
+    # Targets not made by mask_tokens may mask fewer positions than scored_rows: a kept NOT_MASKED row would be
+    # scored against a wrong embedding. A device-side check: no host sync, and it compiles into the graph.
+    torch._assert_async((picked != NOT_MASKED).all(), "masked_rows: a window masks fewer positions than "
+                        "masked_count(T); mask its batch with mask_tokens")
+    return picked
+
+
 def masked_rows(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A masked LM's scored rows: the hidden states (M, d) and targets (M,) of its masked positions, in order, so
     each objective runs over those alone (for CWT, the negatives are the other masked positions' tokens). M is
     fixed by masked_count: no shape depends on the data, so the objective compiles as one graph."""
-    rows = targets.size(0) * masked_count(targets.size(1))
-    keep = targets.flatten() != NOT_MASKED
-    order = torch.argsort(keep.int(), descending=True, stable=True)[:rows]  # the masked ones first
-    return h.flatten(0, -2)[order], targets.flatten()[order]
+    order = masked_order(targets)
+    return h.flatten(0, -2)[order], only_masked(targets.flatten()[order])
 
 
 class Masking:
@@ -80,7 +103,8 @@ class Masking:
     resumed run sees the same masks; validation on fixed masks, the same for every run."""
 
     def __init__(self, meta: dict | None = None, seed: int = 0, spec: MaskSpec | None = None):
-        self.spec, self.seed, self.rate = spec or mask_spec(meta), seed, MASK_RATE
+        self.spec = spec or mask_spec(meta)
+        self.seed = seed
 
     def training_batch(self, x: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return mask_tokens(x, self.seed, index, self.spec)
@@ -90,3 +114,9 @@ class Masking:
 
     def scored(self, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return masked_rows(h, targets)
+
+    def scored_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        return scored_targets(targets)
+
+    def scored_rows(self, batch: int, length: int) -> int:
+        return scored_rows(batch, length)

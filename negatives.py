@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loss import LossName, ce_loss, fp32
+from loss import LossConfig, Temperature, ce_loss, fp32, scaled
 
 
-def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0, *,
+def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: Temperature = 1.0, *,
                      targets: torch.Tensor | None = None, negatives: Literal["all", "unique"] = "all",
                      num_negatives: int | None = None, generator: torch.Generator | torch.Tensor | None = None,
                      chunk_size: int | None = None, scope: Literal["local", "global"] = "local") -> torch.Tensor:
@@ -47,25 +47,26 @@ def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: float = 1.0,
     if chunk_size:
         from chunked import chunked_cross_entropy
         return chunked_cross_entropy(h, e, labels, temperature, chunk_size)
-    return F.cross_entropy(fp32(h @ e.T) / temperature, labels)
+    return F.cross_entropy(scaled(fp32(h @ e.T), temperature), labels)
 
 
-def training_loss_with_negatives(h, targets, input_embedding, output_weight, loss: LossName, temperature,
-                                 negatives, num_negatives, generator, chunk_size, scope) -> torch.Tensor:
-    """loss.training_loss's objectives, their contrastive part scored against these negatives."""
+def training_loss_with_negatives(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch.Tensor,
+                                 output_weight: torch.Tensor, config: LossConfig,
+                                 generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+    """loss.training_loss's objectives, their contrastive part scored against config's negatives."""
     def contrastive(table):
-        return contrastive_loss(h, table[targets], temperature, targets=targets, negatives=negatives,
-                                num_negatives=num_negatives, generator=generator, chunk_size=chunk_size,
-                                scope=scope)
-    if loss == "ce":
-        return ce_loss(h, output_weight, targets, chunk_size)
-    if loss == "cwt":
+        return contrastive_loss(h, table[targets], config.temperature, targets=targets, negatives=config.negatives,
+                                num_negatives=config.num_negatives, generator=generator,
+                                chunk_size=config.chunk_size, scope=config.negatives_scope)
+    if config.loss == "ce":
+        return ce_loss(h, output_weight, targets, config.chunk_size)
+    if config.loss == "cwt":
         return contrastive(input_embedding)
-    if loss == "ce+cwt":
-        return ce_loss(h, output_weight, targets, chunk_size) + contrastive(input_embedding)
-    if loss == "nce":
+    if config.loss == "ce+cwt":
+        return ce_loss(h, output_weight, targets, config.chunk_size) + contrastive(input_embedding)
+    if config.loss == "nce":
         return contrastive(output_weight)
-    raise ValueError(f"unknown loss {loss!r}; choose one of: ce, cwt, ce+cwt, nce")
+    raise ValueError(f"unknown loss {config.loss!r}; choose one of: ce, cwt, ce+cwt, nce")
 
 
 def unique_candidates(e: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +97,9 @@ def draw(n: int, k: int, generator: torch.Generator | torch.Tensor | None) -> to
     generator, or of one drawn with it ahead (`generator` is then that permutation, of at least n entries,
     as a compiled function takes it: train.py draws it outside), skipping the entries n and above."""
     if isinstance(generator, torch.Tensor):
+        if generator.numel() < n:  # a shape, known when traced: this check costs a compiled graph nothing
+            raise ValueError(f"a drawn-ahead permutation has {generator.numel()} entries but draws from {n} "
+                             f"candidates; draw it over at least {n} (train.py: torch.randperm(rows x world_size))")
         return generator[torch.argsort((generator >= n).int(), stable=True)[:k]]
     return torch.randperm(n, generator=generator, device="cpu")[:k]
 

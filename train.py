@@ -26,28 +26,30 @@ import common
 import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import BatchSampler, ensure_dataset, open_split, open_val_split, same_tokenizer, sequential_batches
-from loss import VAL_SUMS, LossName, contrastive_table, scored_columns, training_loss, val_metrics, validation_sums
-from model import GPT, PRESETS, PresetName, adamw, build_model, optimizer_step, padded_vocab_size
+from loss import VAL_SUMS, LossConfig, contrastive_table, scored_columns, training_loss, val_metrics, validation_sums
+from model import GPT, PRESETS, GPTConfig, PresetName, adamw, optimizer_step, padded_vocab_size
+
+# The model's settings: every GPTConfig field is a flag of the same name (a field a fork adds too), unset (None) by
+# default: a fresh run takes the preset's value, a run from a checkpoint the checkpoint's (with_model). Three follow
+# from other settings instead: vocab_size (the tokenizer's, padded), causal (--objective), lm_head (--loss,
+# --untied_head, --add_lm_head).
+DERIVED = ("vocab_size", "causal", "lm_head")
+ModelSettings = common.unset_fields(GPTConfig, DERIVED, "model settings: GPTConfig's fields (unset: the preset's "
+                                    "value, or the checkpoint's)")
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSettings))
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ModelSettings, LossConfig):
+    """train.py's settings; the model's (ModelSettings) and the objective's (loss.LossConfig) are inherited."""
     # data and model
     dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py); A,B,C: a mix (mixing.py)
     data_root: str = "data"
     mix_alpha: float = 0.3  # a mix draws each micro-batch's source with p ~ tokens^alpha (XLM-R's 0.3)
     preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
-    block_size: int | None = None  # context length; default: the preset's
-    dropout: float = 0.0
-    # objective
+    # objective (the loss and its negatives: loss.LossConfig)
     objective: Literal["causal", "mlm"] = "causal"  # mlm: BERT masking, bidirectional attention (masking.py)
-    loss: LossName = "cwt"
-    temperature: float = 1.0
     untied_head: bool = False  # ce: a separate output matrix, as Pythia's config (the paper's CE ties it)
-    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns) (chunked.py)
-    negatives: Literal["all", "unique"] = "all"  # unique: each distinct target token once (negatives.py)
-    num_negatives: int | None = None  # score a random subset of k candidates (negatives.py)
-    negatives_scope: Literal["local", "global"] = "local"  # global: every rank's micro-batch (negatives.py)
     # optimisation
     batch_size: int = 8  # sequences per micro-batch (per rank): CWT's negatives are the other tokens in it
     grad_accum: int = 1  # micro-batches per rank per step
@@ -86,13 +88,13 @@ DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Refuse settings that cannot work, before any time is spent."""
+    """Refuse settings that cannot work, or that would change nothing, before any time is spent."""
     for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval",
                  "num_negatives"):
         common.in_range(cfg, name, 1)
     for name in ("warmup_iters", "weight_decay", "grad_clip", "loss_chunk_size"):
         common.in_range(cfg, name, 0)
-    for name in ("dropout", "beta1", "beta2"):
+    for name in ("beta1", "beta2"):
         common.in_range(cfg, name, 0, 1, "[)")
     common.in_range(cfg, "block_size", 2, doors.MAXIMA["block_size"])
     common.in_range(cfg, "lr", 0, ends="(]")
@@ -101,22 +103,37 @@ def check_config(cfg: TrainConfig) -> None:
     common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
     common.in_range(cfg, "mix_alpha", 0, ends="(]")
     common.in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
+    given = {name: getattr(cfg, name) for name in MODEL_FIELDS if getattr(cfg, name) is not None}
+    if why := doors.model_fields_problem(given, GPTConfig):  # each model flag as a checkpoint's model_config
+        raise UserError(f"--{why}")
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
+    check_objective(cfg)
     if "," in cfg.dataset:
         common.need_extra("mixing", "--dataset=A,B,...")
-    if cfg.loss_chunk_size:
-        common.need_extra("chunked", "--loss_chunk_size")
-    if cfg.negatives != "all" or cfg.num_negatives is not None or cfg.negatives_scope != "local":
-        common.need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
-    if cfg.objective == "mlm":
-        common.need_extra("masking", "--objective=mlm")
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
         raise UserError("--freeze_body trains only the LM head; it needs --add_lm_head (or use finetune.py)")
+
+
+def check_objective(cfg: TrainConfig) -> None:
+    """The objective's settings: each extra they need is there, and none is given where it changes nothing."""
+    if cfg.loss == "ce":
+        unused = [f"--{name}={getattr(cfg, name)}" for name in ("temperature", "negatives", "num_negatives",
+                                                                 "negatives_scope")
+                  if getattr(cfg, name) != getattr(LossConfig, name)]
+        if unused:
+            raise UserError(f"{', '.join(unused)}: cross-entropy scores every token of the vocabulary, with no "
+                            "temperature nor negatives; drop it for --loss=ce, or pick a contrastive --loss")
+    if cfg.loss_chunk_size:
+        common.need_extra("chunked", "--loss_chunk_size")
+    if not cfg.paper_negatives:
+        common.need_extra("negatives", "--negatives, --num_negatives or --negatives_scope")
+    if cfg.objective == "mlm":
+        common.need_extra("masking", "--objective=mlm")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -148,15 +165,17 @@ class State:
     val_step: int | None = None  # the step `val` was measured at: a run stopped before it is owed one
 
 
-# What makes a resumed run the same experiment; anything else may change (--max_iters extends it).
-RESUME_SAME = ("objective", "loss", "dataset", "batch_size", "block_size", "negatives", "negatives_scope",
-               "init_from", "untied_head")
+# What makes a resumed run the same experiment: the data, the batch, the model's kind, and every setting of the
+# objective that changes its loss (the chunk size changes only memory). Anything else may change (--max_iters extends
+# it); the model's settings follow with_model's rule.
+RESUME_SAME = ("objective", "dataset", "batch_size", "block_size", "init_from", "untied_head",
+               *(f.name for f in dataclasses.fields(LossConfig) if f.name != "loss_chunk_size"))
 
 
 def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
-                   device: torch.device) -> tuple[TrainConfig, GPT, State, dict | None]:
+                   device: torch.device) -> tuple[TrainConfig, GPT, State, dict | None, bool]:
     """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from): the settings
-    (unset ones filled in), the model, the counts, and the checkpoint resumed (if any)."""
+    (unset ones filled in), the model, the counts, the checkpoint started from (if any) and whether it resumes."""
     found = ckpt_path.is_file()
     if common.all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, common.world_size()):
         raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
@@ -166,22 +185,29 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
     resuming = found if cfg.resume == "auto" else cfg.resume
     source = ckpt_path if resuming else cfg.init_from
     if not source:
-        cfg = with_schedule(cfg, {})
-        return cfg, fresh_model(cfg, meta), State(), None
+        cfg = with_model(with_schedule(cfg, {}), meta)
+        return cfg, fresh_model(cfg, meta), State(), None, False
     start = common.load_checkpoint(source)
+    before = start.get("train_config", {})
     check_continuation(cfg, meta, start, source, resuming)
-    cfg = with_schedule(cfg, start.get("train_config", {}), start["step"] if resuming else None)
+    if resuming:  # the same experiment: what it does not say is the checkpoint's
+        cfg = dataclasses.replace(cfg, **{k: before[k] for k in RESUME_SAME if getattr(cfg, k) is None and k in before})
+    cfg = with_schedule(cfg, before, start["step"] if resuming else None)
+    cfg = with_model(cfg, meta, start["model_config"], source)
     model = common.checkpoint_model(start, source, dropout=cfg.dropout)
     if resuming:
         if "state" not in start:
             raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
                             f"exactly; start a new run from its weights with --init_from={source}")
         state = State(**{"val_step": start["step"], **start["state"]})  # older ones validated at their step
-        return cfg, model, state, start
+        return cfg, model, state, start, True
     fit_output_layer(model, cfg, source)
-    earlier = State(earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
+    # A run from a checkpoint (a fine-tune) reads on in the data stream where its source stopped, so that the two
+    # together read each micro-batch of the stream once, as one run as long would (compare.py's CE reference does)
+    earlier = State(micro_batches=start.get("state", {}).get("micro_batches", 0),
+                    earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
                     earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
-    return cfg, model, earlier, None
+    return cfg, model, earlier, start, False
 
 
 def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = None) -> TrainConfig:
@@ -211,13 +237,41 @@ def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = Non
     return new
 
 
-def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
-    """A model of the preset's shape; an encoder gets room for the [MASK] id past the tokenizer's ids."""
+def with_model(cfg: TrainConfig, meta: dict, before: dict | None = None, source: str | Path = "") -> TrainConfig:
+    """The model's settings filled in, by one rule: a fresh run takes each flag given, else the preset's value, else
+    GPTConfig's default; a run from a checkpoint (`before`: its model_config) takes the checkpoint's value, and a flag
+    that contradicts it is refused, but for what may change on purpose: dropout, and a shorter block_size (windows
+    shorter than the model's context). The whole model is then checked as the checkpoint door checks one."""
+    given = {name: getattr(cfg, name) for name in MODEL_FIELDS if getattr(cfg, name) is not None}
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    if before is None:
+        values = {**defaults, **PRESETS[cfg.preset], **given}
+        derived = derived_fields(cfg, meta)
+    else:
+        values = {name: before.get(name, defaults[name]) for name in MODEL_FIELDS}
+        for name, value in given.items():
+            may_change = name == "dropout" or (name == "block_size" and value <= values[name])
+            if value != values[name] and not may_change:
+                raise UserError(f"--{name}={value} but {source} holds a model with {name}={values[name]}; drop "
+                                f"--{name} (a run from a checkpoint keeps its model), or train a fresh model")
+        values.update(given)
+        derived = {name: before[name] for name in DERIVED}
+    if why := doors.model_config_problem({**values, **derived}, GPTConfig, name=""):
+        raise UserError(f"the model's settings do not fit together: {why}; change them (--help lists them)")
+    return dataclasses.replace(cfg, **{name: values[name] for name in MODEL_FIELDS})
+
+
+def derived_fields(cfg: TrainConfig, meta: dict) -> dict[str, Any]:
+    """The model fields that other settings decide, for a fresh model: an encoder gets room for the [MASK] id past
+    the tokenizer's ids; a separate output matrix for nce and --untied_head."""
     mlm = cfg.objective == "mlm"
-    vocab = padded_vocab_size(meta["vocab_size"] + mlm)
-    block = cfg.block_size or PRESETS[cfg.preset]["block_size"]
-    return build_model(cfg.preset, vocab, dropout=cfg.dropout, block_size=block, causal=not mlm,
-                       lm_head=cfg.loss == "nce" or cfg.untied_head)
+    return {"vocab_size": padded_vocab_size(meta["vocab_size"] + mlm), "causal": not mlm,
+            "lm_head": cfg.loss == "nce" or cfg.untied_head}
+
+
+def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
+    """The model of the settings, as with_model filled them in."""
+    return GPT(GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS}, **derived_fields(cfg, meta)))
 
 
 def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
@@ -239,8 +293,8 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
     one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
     before = start.get("train_config", {})
     encoder = not start["model_config"].get("causal", True)
-    for key in RESUME_SAME if resuming else ():
-        if key in before and before[key] != getattr(cfg, key):
+    for key in RESUME_SAME if resuming else ():  # unset (None): the checkpoint's, filled in by starting_point
+        if key in before and getattr(cfg, key) not in (None, before[key]):
             raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
                             f"resume with the same --{key}, or use another --out_dir for another experiment")
     if resuming and cfg.max_iters < start["step"]:
@@ -258,9 +312,6 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
     if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
         raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
                         f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
-    if (cfg.block_size or 0) > start["model_config"]["block_size"]:
-        raise UserError(f"--block_size={cfg.block_size} exceeds the {start['model_config']['block_size']} "
-                        f"tokens of context of {source}")
 
 
 # The objective, and validation
@@ -269,66 +320,114 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
 class Objective(torch.nn.Module):
     """The model and its loss as one module: DDP averages the gradients of what runs through its forward
     (hidden states, then the loss against the embeddings), torch.compile fuses both, and the optimizer takes
-    every parameter it holds (a trainable piece of a loss belongs here: docs/hacking.md)."""
+    every parameter it holds. A piece of the loss that learns or keeps state (a temperature) is a parameter or
+    buffer declared here: it trains, is saved with the checkpoint and restored on --resume, and eval.py and
+    compare.py score with it, with no other code (docs/hacking.md)."""
 
-    def __init__(self, model: GPT, cfg: TrainConfig, mask: Any = None):
+    def __init__(self, model: GPT, config: LossConfig, mask: Any = None):
         super().__init__()
         self.model = model
-        self.cfg = cfg
+        self.config = config
         self.mask = mask  # an encoder's masking.Masking: the masked positions only, no MLM transform head
+
+    def settings(self) -> LossConfig:
+        """The loss settings the losses run with: the run's flags; a learned piece (a temperature) goes in here."""
+        return self.config
+
+    def scored(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states and targets of the positions the loss scores: every one, or an encoder's masked ones."""
+        h = self.model.hidden(x)
+        return self.mask.scored(h, y) if self.mask else (h, y)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
-        cfg = self.cfg
-        h = self.model.hidden(x)
-        if self.mask:
-            h, y = self.mask.scored(h, y)
-        return training_loss(h, y, self.model.wte.weight, self.model.output_weight, cfg.loss, cfg.temperature,
-                             cfg.negatives, cfg.num_negatives, generator, cfg.loss_chunk_size or None,
-                             cfg.negatives_scope)
+        h, y = self.scored(x, y)
+        return training_loss(h, y, self.model.wte.weight, self.model.output_weight, self.settings(), generator)
+
+    def validation_sums(self, x: torch.Tensor, y: torch.Tensor, y_bytes: torch.Tensor | None,
+                        special: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One validation batch's loss.validation_sums."""
+        h, y = self.scored(x, y)
+        return validation_sums(h, y, self.model.output_weight, self.settings(), self.contrastive_table(), y_bytes,
+                               special)
+
+    def contrastive_table(self) -> torch.Tensor | None:
+        return contrastive_table(self.model, self.config.loss, encoder=self.mask is not None)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """Its state beyond the model's: what checkpoints save under "objective"."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
+
+    def load_own_state(self, saved: dict[str, torch.Tensor], source: str | Path, exactly: bool = True) -> None:
+        """Restore own_state from a checkpoint's "objective", checked first against what this objective declares
+        (names, shapes, dtypes): exactly so on --resume, where a missing piece is refused; from another run
+        (--init_from), the matching pieces."""
+        mine = self.own_state()
+        if not exactly:  # another run's: the pieces of the same name and shape; the others start fresh
+            saved = {k: v for k, v in saved.items() if k in mine and v.shape == mine[k].shape}
+            mine = {k: mine[k] for k in saved}
+        if why := doors.tensors_problem(saved, mine, "its objective"):
+            raise UserError(f"{source}: {why} this run's objective declares; resume with the code that wrote it, or "
+                            f"start a new run from its weights with --init_from={source}")
+        with torch.no_grad():
+            for name, value in saved.items():
+                mine[name].copy_(value)
 
 
-def evaluate(model: GPT, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
+def objective_of(ckpt: dict, model: GPT, source: str | Path = "the checkpoint") -> Objective:
+    """The objective a checkpoint was trained with, around its model: its loss settings and learned state, and an
+    encoder's masking. What eval.py and compare.py validate with, so that a fork's new piece needs no edit there."""
+    mask = None
+    if not model.config.causal:
+        from masking import Masking, MaskSpec
+        mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
+    objective = Objective(model, LossConfig.of(ckpt.get("train_config") or {}), mask)
+    objective.load_own_state(ckpt.get("objective") or {}, source)
+    return objective
+
+
+def evaluate(objective: Objective, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
              dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             contrastive: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int | None = None,
-             mask: Any = None, byte_counts: np.ndarray | None = None, special: list[int] | None = None,
+             byte_counts: np.ndarray | None = None, special: list[int] | None = None,
              compile: bool = False) -> dict[str, float]:
-    """Validation on the split's first batches, each rank every world_size-th: val_ce; against a contrastive
-    table, val_cwt and val_acc; given the bytes each token stands for and the special ids (data.ValSplit),
-    val_bpb. An encoder (`mask`: a masking.Masking) is scored on fixed masks. `compile`: full batches through
-    a compiled graph of their own (a short last one eagerly, rather than compile another)."""
-    was_training = model.training
-    model.eval()
+    """Validation of an objective on the split's first batches, each rank every world_size-th: val_ce; where it
+    has a contrastive table, val_cwt and val_acc; given the bytes each token stands for and the special ids
+    (data.ValSplit), val_bpb. An encoder is scored on fixed masks. `compile`: full batches through a compiled
+    graph of their own (a short last one eagerly, rather than compile another)."""
+    was_training = objective.training
+    objective.eval()
     totals = torch.zeros(len(VAL_SUMS), dtype=torch.float64, device=device)
     special_tensor = torch.tensor(special or [], dtype=torch.long, device=device)
     batches = sequential_batches(tokens, batch_size, block_size, device, max_batches, common.rank(),
                                  common.world_size(), byte_counts)
-    compiled = torch.compile(batch_sums, fullgraph=True, dynamic=False) if compile else batch_sums
+    sums_of = objective.validation_sums
+    compiled = torch.compile(sums_of, fullgraph=True, dynamic=False) if compile else sums_of
     with torch.no_grad():
         for i, x, y, y_bytes in batches:
-            if mask:
-                x, y = mask.validation_batch(x, i)
+            if objective.mask:
+                x, y = objective.mask.validation_batch(x, i)
             with common.autocast_context(device, dtype):
-                sums = (compiled if x.size(0) == batch_size else batch_sums)(
-                    model, x, y, mask, contrastive, temperature, chunk_size, y_bytes, special_tensor)
+                sums = (compiled if x.size(0) == batch_size else sums_of)(x, y, y_bytes, special_tensor)
             totals += torch.stack([sums[name] for name in VAL_SUMS])
-    model.train(was_training)
+    objective.train(was_training)
     sums = dict(zip(VAL_SUMS, common.all_reduce_sum(totals).tolist()))
     if sums["tokens"] == 0:
         raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
                         "--block_size")
-    return val_metrics(sums, contrastive is not None, byte_counts is not None)
-
-
-def batch_sums(model: GPT, x: torch.Tensor, y: torch.Tensor, mask: Any, *sums_args) -> dict[str, torch.Tensor]:
-    """One validation batch's loss.validation_sums (its arguments after the output weight: `sums_args`)."""
-    h = model.hidden(x)
-    if mask:
-        h, y = mask.scored(h, y)
-    return validation_sums(h, y, model.output_weight, *sums_args)
+    return val_metrics(sums, objective.contrastive_table() is not None, byte_counts is not None)
 
 
 # The run: everything the loop needs, built once; one step; logs; checkpoints
+
+NEGATIVES_STREAM = 1  # the random streams of a micro-batch besides its data (data.py) and masks (masking.py)
+DROPOUT_STREAM = 2
+
+
+def stream_seed(seed: int, index: int, stream: int) -> int:
+    """The seed of micro-batch `index`'s draws in a random stream: (seed, index, stream) hashed (numpy's
+    SeedSequence), so that no two runs' micro-batches share draws (seed * 1_000_003 + index would: seed 1337 at
+    index 1,000,003 is seed 1338 at index 0)."""
+    return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0])
 
 
 class Run:
@@ -346,9 +445,9 @@ class Run:
         first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
         meta = first.meta
         self.out_dir = Path(cfg.out_dir)
-        cfg, model, self.state, resumed = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
+        cfg, model, self.state, start, resuming = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
         self.cfg = cfg
-        self.resumed_step = resumed["step"] if resumed else None
+        self.resumed_step = start["step"] if resuming else None
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -356,12 +455,15 @@ class Run:
         if cfg.objective == "mlm":
             from masking import Masking  # BERT masking of every batch, validation on fixed masks
             self.mask = Masking(meta, cfg.seed)
-        self.objective = Objective(model, cfg, self.mask)
+        self.objective = Objective(model, LossConfig.of(cfg), self.mask).to(self.device)
+        if start is not None:  # its learned pieces: exactly on --resume; those that fit from another run
+            source = self.out_dir / "ckpt.pt" if resuming else cfg.init_from
+            self.objective.load_own_state(start.get("objective") or {}, source, exactly=resuming)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        if resumed:
-            self.restore(resumed)
-        self.block = cfg.block_size or model.config.block_size
+        if resuming:
+            self.restore(start)
+        self.block = cfg.block_size
         vocab = model.config.vocab_size
         if len(data_dirs) == 1:
             self.sampler = BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, self.block, cfg.seed,
@@ -370,7 +472,8 @@ class Run:
             from mixing import MixedSampler
             self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
         self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
-        self.scored = self.mask.rate if self.mask else 1.0  # the share of positions the loss scores
+        positions = cfg.batch_size * self.block  # of a micro-batch; an encoder's loss scores its masked ones only
+        self.scored_rows = self.mask.scored_rows(cfg.batch_size, self.block) if self.mask else positions
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
@@ -401,7 +504,7 @@ class Run:
         cfg = self.cfg
         if cfg.num_negatives is not None and cfg.loss != "ce" and common.is_main_process():
             from negatives import warn_if_every_negative
-            warn_if_every_negative(cfg.num_negatives, round(self.scored * cfg.batch_size * self.block))
+            warn_if_every_negative(cfg.num_negatives, self.candidates())
         trainable = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
         ranks = f" x {common.world_size()} ranks" if common.world_size() > 1 else ""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -423,10 +526,8 @@ class Run:
     def validate(self) -> None:
         """Validation metrics, printed and logged; a non-finite one stops the run before any save."""
         cfg = self.cfg
-        table = contrastive_table(self.model, cfg.loss, encoder=self.mask is not None)
-        per_source = {name: evaluate(self.model, v.tokens, cfg.batch_size, self.block, self.device, self.dtype,
-                                     cfg.eval_batches, table, cfg.temperature, cfg.loss_chunk_size or None,
-                                     self.mask, v.byte_counts, v.special, cfg.compile)
+        per_source = {name: evaluate(self.objective, v.tokens, cfg.batch_size, self.block, self.device, self.dtype,
+                                     cfg.eval_batches, v.byte_counts, v.special, cfg.compile)
                       for name, v in self.val_splits.items()}
         val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
         if not math.isfinite(val["val_ce"]):
@@ -453,9 +554,9 @@ class Run:
                 x, y = self.mask.training_batch(x, index)
             order = None  # sampled negatives: drawn here from (seed, i), so that no generator runs in a compiled graph
             if cfg.num_negatives:
-                rng = negatives_rng.manual_seed(cfg.seed * 1_000_003 + index)
+                rng = negatives_rng.manual_seed(stream_seed(cfg.seed, index, NEGATIVES_STREAM))
                 order = torch.randperm(y.numel() * common.world_size(), generator=rng).to(self.device)
-            torch.manual_seed(cfg.seed * 1_000_033 + index)  # dropout masks too
+            torch.manual_seed(stream_seed(cfg.seed, index, DROPOUT_STREAM))  # dropout masks too
             last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
             with self.wrapped.no_sync() if common.world_size() > 1 and not last else contextlib.nullcontext():
                 with common.autocast_context(self.device, self.dtype):
@@ -469,18 +570,22 @@ class Run:
         self.state.tokens += self.tokens_per_step
         return loss_sum
 
+    def candidates(self) -> int:
+        """The candidates a contrastive loss scores each row against: the scored rows of this rank's micro-batch,
+        or of every rank's under --negatives_scope=global."""
+        return self.scored_rows * (common.world_size() if self.cfg.negatives_scope == "global" else 1)
+
     def flops_of(self, y: torch.Tensor) -> float:
         """Training FLOPs of every rank's micro-batch like this one (targets y): unique negatives score the
         distinct targets, counted on the batch; any other loss a fixed number of columns."""
         cfg = self.cfg
-        candidates = round(self.scored * cfg.batch_size * self.block)
-        if cfg.negatives_scope == "global":
-            candidates *= common.world_size()
+        candidates = self.candidates()
         if cfg.negatives == "unique" and cfg.loss != "ce":
             from negatives import distinct_targets
             candidates = distinct_targets(y, cfg.negatives_scope)
         columns = scored_columns(cfg.loss, self.model.config.vocab_size, candidates, cfg.num_negatives)
-        per_token = self.model.flops_per_token(self.block, self.scored * columns, body_backward=not cfg.freeze_body)
+        share = self.scored_rows / (cfg.batch_size * self.block)  # of the positions, those the loss scores
+        per_token = self.model.flops_per_token(self.block, share * columns, body_backward=not cfg.freeze_body)
         return per_token * cfg.batch_size * self.block * common.world_size()
 
     def log_progress(self, loss_sum: torch.Tensor, stop: common.StopFlag, since: tuple[float, int]) -> bool:
@@ -512,6 +617,7 @@ class Run:
         state = self.state
         payload = {
             "model": self.model.state_dict(), "model_config": dataclasses.asdict(self.model.config),
+            "objective": self.objective.own_state(),
             "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
             "train_config": dataclasses.asdict(self.cfg),
             "state": dataclasses.asdict(state), "step": state.step, "loss": state.loss, "val": state.val,

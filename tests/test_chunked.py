@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import chunked
 import train
 from common import UserError
-from loss import training_loss
+from loss import LossConfig, training_loss
 
 
 def rounding_tolerance(h, candidates, temperature):
@@ -46,8 +46,8 @@ def test_chunked_training_loss_equals_plain(objective, negatives, k, chunk_size,
     t = torch.randint(0, 9, (13,), generator=g)
 
     def run(chunk):
-        return lambda h, E, W: training_loss(h, t, E, W, objective, temperature, negatives, k,
-                                             torch.Generator().manual_seed(3), chunk_size=chunk)
+        config = LossConfig(objective, temperature, negatives, k, loss_chunk_size=chunk or 0)
+        return lambda h, E, W: training_loss(h, t, E, W, config, torch.Generator().manual_seed(3))
     want, want_grads = loss_and_grads(run(None), h, E, W)
     got, got_grads = loss_and_grads(run(chunk_size), h, E, W)
     tol = rounding_tolerance(h, torch.cat([E, W]), temperature)
@@ -215,8 +215,8 @@ def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective, k)
     def run(chunk):
         def fn(h, E):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return training_loss(h, t, E, E, objective, num_negatives=k, chunk_size=chunk,
-                                     generator=torch.Generator().manual_seed(3))
+                return training_loss(h, t, E, E, LossConfig(objective, num_negatives=k, loss_chunk_size=chunk or 0),
+                                     torch.Generator().manual_seed(3))
         return fn
     want, want_grads = loss_and_grads(run(None), h, E)
     got, got_grads = loss_and_grads(run(16), h, E)
@@ -241,7 +241,7 @@ def test_chunked_compiles_whole(case):
 
     def fn(h, E):
         if case == "cwt":
-            return training_loss(h, t, E, E, "cwt", chunk_size=8)
+            return training_loss(h, t, E, E, LossConfig("cwt", loss_chunk_size=8))
         return chunked.chunked_softmax_loss(h, E[drawn], 0.7, 8, positives=E[t], exclude=slot[t])
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     want, want_grads = loss_and_grads(fn, h, E)
@@ -281,8 +281,9 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
     torch.manual_seed(0)
     model = build_model("tiny", 50304, block_size=32)
     val = data.open_val_split(tiny_data_dir, 50304)
-    runs = [train.evaluate(model, val.tokens, 4, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight,
-                           chunk_size=chunk, byte_counts=val.byte_counts, special=val.special) for chunk in (None, 7)]
+    runs = [train.evaluate(train.Objective(model, LossConfig("cwt", loss_chunk_size=chunk)), val.tokens, 4, 32,
+                           torch.device("cpu"), max_batches=2, byte_counts=val.byte_counts, special=val.special)
+            for chunk in (0, 7)]
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
     for key in runs[0]:
         assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5), key
@@ -304,3 +305,58 @@ def test_bench_times_another_chunked_py_beside_this_one(tmp_path):
     assert sys.modules["chunked"] is chunked  # and the usual module is back
     with pytest.raises(UserError, match="--chunked_ref=.* is not a file"):
         bench.check_config(bench.BenchConfig(chunked_ref=str(tmp_path / "missing.py")))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9), m=st.integers(1, 7), chunk_size=st.integers(1, 10), own_positive=st.booleans(),
+       t0=st.sampled_from([1.0, 0.3, 2.0]), seed=st.integers(0, 2**16))
+def test_a_tensor_temperature_gets_the_plain_losses_gradient(n, m, chunk_size, own_positive, t0, seed):
+    """A learnable temperature through the chunked loss: the value and every gradient, the temperature's among
+    them (made in the sweep, from h's: dL/dt = -(h . dL/dh) / t), are the plain loss's, in float64."""
+    g = torch.Generator().manual_seed(seed)
+    h, cand = torch.randn(n, 3, generator=g), torch.randn(m, 3, generator=g)
+    t = torch.tensor(t0)
+    if own_positive:
+        inputs, kw = (h, cand, t, torch.randn(n, 3, generator=g)), {}
+    else:
+        inputs, kw = (h, cand, t), {"labels": torch.randint(0, m, (n,), generator=g)}
+
+    def run(fn):
+        def loss(h, cand, t, positives=None):
+            return fn(h, cand, t, positives=positives, **kw)
+        return loss
+    want, want_grads = loss_and_grads(run(plain_softmax_loss), *inputs)
+    got, got_grads = loss_and_grads(run(lambda *a, **k: chunked.chunked_softmax_loss(*a, chunk_size, **k)), *inputs)
+    tol = rounding_tolerance(h, cand, t0)
+    assert got.item() == pytest.approx(want.item(), rel=tol, abs=tol)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
+    weights = torch.arange(1.0, n + 1)  # any weighting of the rows: the recomputed backward of the per-row losses
+    t_rows = torch.tensor(t0, requires_grad=True)
+    (chunked.chunked_row_losses(h, cand, kw.get("labels"), t_rows, chunk_size) * weights).sum().backward()
+    t_plain = torch.tensor(t0, requires_grad=True)
+    s = h @ cand.T / t_plain
+    plain = torch.logsumexp(s, 1) - (s.gather(1, kw["labels"][:, None])[:, 0] if "labels" in kw else 0)
+    (plain * weights).sum().backward()
+    assert t_rows.grad.item() == pytest.approx(t_plain.grad.item(), rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 9), m=st.integers(2, 7), chunk_size=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_ignored_rows_are_left_out_as_the_plain_loss_leaves_them(n, m, chunk_size, seed):
+    """Rows labelled -100 (F.cross_entropy's ignore_index): the chunked mean, its gradients and the per-row losses
+    are the plain ones', ignored rows scoring 0 with no gradient; all rows ignored: NaN, as plain."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(n, 3, generator=g), torch.randn(m, 3, generator=g)
+    labels = torch.randint(0, m, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.4] = chunked.IGNORE_INDEX
+    want, want_grads = loss_and_grads(lambda h, w: F.cross_entropy(h @ w.T, labels), h, w)
+    got, got_grads = loss_and_grads(lambda h, w: chunked.chunked_cross_entropy(h, w, labels, 1.0, chunk_size), h, w)
+    if (labels == chunked.IGNORE_INDEX).all():
+        assert math.isnan(want.item()) and math.isnan(got.item())
+        return
+    assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    rows = chunked.chunked_row_losses(h, w, labels, 1.0, chunk_size)
+    torch.testing.assert_close(rows, F.cross_entropy(h @ w.T, labels, reduction="none"), rtol=1e-12, atol=1e-12)

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import data
 import train
+from loss import LossConfig
 from masking import NOT_MASKED, Masking, MaskSpec, mask_tokens, masked_count, masked_rows
 from model import GPT, GPTConfig
 from train import Objective, TrainConfig
@@ -111,10 +112,9 @@ def test_encoder_validation_compiled_gives_eager_figures(monkeypatch):
     cfg = TrainConfig(objective="mlm")
     model = tiny_model(cfg)
     tokens = np.random.default_rng(0).integers(0, 59, 5 * T + 1).astype(np.uint16)  # batches of 2, 2 and 1
-    args = (model, tokens, 2, T, torch.device("cpu"), torch.float32, None, model.wte.weight)
-    mask = Masking(seed=0, spec=SPEC)
-    want = train.evaluate(*args, mask=mask)
-    got = train.evaluate(*args, mask=mask, compile=True)
+    args = (Objective(model, LossConfig("cwt"), Masking(seed=0, spec=SPEC)), tokens, 2, T, torch.device("cpu"))
+    want = train.evaluate(*args)
+    got = train.evaluate(*args, compile=True)
     assert got == pytest.approx(want, rel=1e-5) and graphs() == 1
 
 

@@ -17,8 +17,9 @@ import eval as evaluation
 import train
 from common import UserError
 from data import load_tokenizer, open_split
+from loss import LossConfig, contrastive_table
 from model import GPT, GPTConfig
-from train import contrastive_table, evaluate
+from train import Objective, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,7 +214,7 @@ def test_cli_val(tiny_data_dir, tmp_path):
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
     tokens = open_split(tiny_data_dir, "val", 50304)
-    expected = evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
+    expected = evaluate(Objective(model, LossConfig("ce")), tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
     assert (result["ppl"] == pytest.approx(expected["val_ppl"])
             and result["ce"] == pytest.approx(expected["val_ce"]))
@@ -272,7 +273,7 @@ def test_validation_builds_no_autograd_graph(tiny_data_dir):
     hidden = model.hidden
     model.hidden = lambda x: seen.append(torch.is_grad_enabled()) or hidden(x)
     tokens = open_split(tiny_data_dir, "val", 50304)
-    evaluate(model, tokens, 2, 32, torch.device("cpu"), max_batches=2, contrastive=model.wte.weight)
+    evaluate(Objective(model, LossConfig("cwt")), tokens, 2, 32, torch.device("cpu"), max_batches=2)
     assert seen == [False, False]
 
 

@@ -8,8 +8,9 @@ import torch
 import train
 from common import UserError
 from finetune import finetune, finetune_budget, resolve_config
+from loss import LossConfig
 from model import load_model
-from train import evaluate
+from train import Objective, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
     assert summary["step"] == 20  # 50% of 40 steps x 256 tokens, at 256 tokens a step
     before, after = summary["first_val"]["val_ce"], summary["val"]["val_ce"]
     # step 0 is the raw model: the head is a copy of E, so its CE is the raw model's tied-scoring CE
-    expected_raw = evaluate(raw, *_val_args(cwt_checkpoint))["val_ce"]
+    expected_raw = evaluate(Objective(raw, LossConfig("ce")), *_val_args(cwt_checkpoint))["val_ce"]
     assert before == pytest.approx(expected_raw, rel=1e-5)
     assert after < before - 0.5, (before, after)
     tuned = load_model(str(tmp_path / "ckpt.pt"))

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from loss import ce_cwt_loss, ce_loss, contrastive_accuracy, cwt_loss, nce_loss, training_loss
+from loss import LossConfig, ce_cwt_loss, ce_loss, contrastive_accuracy, cwt_loss, nce_loss, training_loss
 
 
 @pytest.fixture(autouse=True)
@@ -109,13 +109,29 @@ def test_training_loss_selects_objectives():
     t = torch.randint(0, 12, (2, 3), generator=g)
     hf, tf = h.reshape(6, 4), t.reshape(6)
     ce, cwt = naive_ce(hf, E, tf), naive_cwt(hf, E[tf])
-    assert training_loss(h, t, E, E, "ce").item() == pytest.approx(ce, abs=1e-12)
-    assert training_loss(h, t, E, E, "cwt").item() == pytest.approx(cwt, abs=1e-12)
-    assert training_loss(h, t, E, E, "ce+cwt").item() == pytest.approx(ce + cwt, abs=1e-12)
+    assert training_loss(h, t, E, E, LossConfig(loss="ce")).item() == pytest.approx(ce, abs=1e-12)
+    assert training_loss(h, t, E, E, LossConfig(loss="cwt")).item() == pytest.approx(cwt, abs=1e-12)
+    assert training_loss(h, t, E, E, LossConfig(loss="ce+cwt")).item() == pytest.approx(ce + cwt, abs=1e-12)
     # nce: contrastive against the separate output table, not the input embeddings
-    assert training_loss(h, t, E, W, "nce").item() == pytest.approx(naive_cwt(hf, W[tf]), abs=1e-12)
+    assert training_loss(h, t, E, W, LossConfig(loss="nce")).item() == pytest.approx(naive_cwt(hf, W[tf]), abs=1e-12)
     # the ablations are plain functions too
     assert ce_cwt_loss(hf, E, E, tf).item() == pytest.approx(ce + cwt, abs=1e-12)
     assert nce_loss(hf, W, tf).item() == pytest.approx(naive_cwt(hf, W[tf]), abs=1e-12)
     with pytest.raises(ValueError):
-        training_loss(h, t, E, E, "mse")
+        training_loss(h, t, E, E, LossConfig(loss="mse"))
+
+
+@pytest.mark.parametrize("t0", [1.0, 0.4])
+def test_a_tensor_temperature_gets_the_gradient_of_the_definition_also_at_one(t0):
+    """A learnable temperature that starts at exactly 1 trains: its gradient is the naive loss's, by finite
+    differences of naive_cwt (the division is skipped only for the number 1)."""
+    g = torch.Generator().manual_seed(8)
+    h, e = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    t = torch.tensor(t0, requires_grad=True)
+    loss = cwt_loss(h, e, t)
+    loss.backward()
+    step = 1e-6
+    numeric = (naive_cwt(h, e, t0 + step) - naive_cwt(h, e, t0 - step)) / (2 * step)
+    assert loss.item() == pytest.approx(naive_cwt(h, e, t0), abs=1e-12)
+    assert t.grad.item() == pytest.approx(numeric, rel=1e-6) and t.grad.item() != 0.0
+    assert torch.autograd.gradcheck(lambda a, b, c: cwt_loss(a, b, c), (h.requires_grad_(), e, t))

@@ -7,6 +7,7 @@ import torch
 import model as model_module
 import train
 from common import UserError
+from loss import LossConfig
 from masking import NOT_MASKED, Masking, MaskSpec, mask_tokens
 from model import GPT, GPTConfig, KVCache
 from train import TrainConfig
@@ -86,7 +87,7 @@ def test_mlm_loss_matches_float64_reference_over_masked_positions(loss):
     spec = MaskSpec(mask_token=60, vocab_size=60, special_tokens=(59,))
     inputs, targets = mask_tokens(x, 0, 0, spec)
     cfg = TrainConfig(objective="mlm", loss=loss)
-    got = train.Objective(model, cfg, Masking(spec=spec))(inputs, targets, torch.Generator())
+    got = train.Objective(model, LossConfig.of(cfg), Masking(spec=spec))(inputs, targets, torch.Generator())
     with torch.no_grad():
         h, e = model.hidden(inputs).reshape(-1, 32), model.wte.weight
     rows = [i for i, t in enumerate(targets.flatten().tolist()) if t != NOT_MASKED]
@@ -129,3 +130,19 @@ def test_mlm_training_resumes_exactly_and_records_the_mask(tiny_data_dir, tmp_pa
     with pytest.raises(UserError, match="encoder"):  # a decoder objective on an encoder: one line
         train.train(mlm_config(tiny_data_dir, tmp_path / "c", objective="causal",
                                init_from=str(tmp_path / "a" / "ckpt.pt")))
+
+
+def test_scored_targets_come_without_hidden_states_and_a_short_window_is_never_scored_silently():
+    from masking import masked_rows, scored_targets
+
+    spec = MaskSpec(mask_token=50, vocab_size=50, special_tokens=(0,))
+    tokens = torch.randint(1, 50, (3, 20), generator=torch.Generator().manual_seed(4))
+    _, targets = mask_tokens(tokens, 0, 0, spec)
+    h, rows = masked_rows(torch.randn(3, 20, 8), targets)
+    assert torch.equal(scored_targets(targets), rows) and torch.equal(Masking(spec=spec).scored_targets(targets), rows)
+    short = targets.clone()
+    short[0, short[0] != NOT_MASKED] = NOT_MASKED  # a window that masks nothing: masked_rows would keep -100s
+    with pytest.raises(RuntimeError, match="a window masks fewer positions than masked_count"):
+        masked_rows(torch.randn(3, 20, 8), short)
+    with pytest.raises(RuntimeError, match="a window masks fewer positions than masked_count"):
+        scored_targets(short)

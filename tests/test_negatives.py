@@ -145,3 +145,11 @@ def test_unique_negatives_are_charged_the_distinct_targets(tiny_data_dir, tmp_pa
     model = __import__("model").build_model("tiny", 50304, block_size=32)
     expected = sum(8 * 32 * model.flops_per_token(32, u) for u in seen)
     assert len(seen) == 3 and max(seen) < 8 * 32 and summary["flops"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_drawn_ahead_permutation_shorter_than_the_candidates_is_refused():
+    from negatives import draw
+
+    assert draw(5, 3, torch.tensor([7, 4, 0, 2, 9, 1, 3])).tolist() == [4, 0, 2]  # entries past n are skipped
+    with pytest.raises(ValueError, match="a drawn-ahead permutation has 4 entries but draws from 5 candidates"):
+        draw(5, 3, torch.tensor([3, 0, 2, 1]))

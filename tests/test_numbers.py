@@ -122,7 +122,8 @@ def test_a_stopped_training_exits_with_the_signals_code_after_its_save(name, tin
 
 def test_a_stopped_finetune_exits_143(tiny_data_dir, straight, tmp_path, monkeypatch, capsys):
     real_get = data.BatchSampler.get
-    monkeypatch.setattr(data.BatchSampler, "get", lambda self, i: (signal.raise_signal(signal.SIGTERM) if i == 1
+    second = torch.load(straight[0] / "ckpt.pt", weights_only=True)["state"]["micro_batches"] + 1  # reads on there
+    monkeypatch.setattr(data.BatchSampler, "get", lambda self, i: (signal.raise_signal(signal.SIGTERM) if i == second
                                                                    else None) or real_get(self, i))
     flags = [f"--ckpt={straight[0] / 'ckpt.pt'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1"]
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
@@ -147,7 +148,7 @@ def test_contrastive_metrics_weigh_every_row_alike():
     torch.manual_seed(0)
     model = build_model("tiny", 64, block_size=8, n_layer=1, d_model=16, n_head=2).double()
     tokens = torch.randint(0, 60, (8 * 5 + 1,)).numpy()  # 5 windows of 8: batches of 2, 2 and 1
-    got = train.evaluate(model, tokens, 2, 8, torch.device("cpu"), contrastive=model.wte.weight)
+    got = train.evaluate(train.Objective(model, train.LossConfig("cwt")), tokens, 2, 8, torch.device("cpu"))
     losses, hits = [], []
     with torch.no_grad():
         for first, count in ((0, 2), (2, 2), (4, 1)):

@@ -1,0 +1,307 @@
+"""What a fork relies on: every GPTConfig field is a flag (one a fork adds too), by one rule from the preset or the
+checkpoint; the objective's settings travel as one loss.LossConfig, and a piece of the objective that learns is
+trained, saved, restored and scored with no code beyond declaring it; a fine-tune reads on in its pre-training's
+data stream; the scored count of an encoder is one function's; the random streams of micro-batches never meet."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import read_log, tiny_config
+from hypothesis import given, settings, strategies as st
+
+import common
+import data
+import finetune
+import train
+from common import UserError
+from loss import LossConfig
+from model import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+
+
+def saved(out_dir: Path) -> dict:
+    return torch.load(Path(out_dir) / "ckpt.pt", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------ the model's settings
+
+
+def test_every_gptconfig_field_but_the_derived_ones_is_a_flag_of_train_finetune_and_compare():
+    import compare
+
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(train.DERIVED)
+    for config in (train.TrainConfig, finetune.FinetuneConfig, compare.CompareConfig):
+        assert fields <= {f.name for f in dataclasses.fields(config)}, config
+    assert set(train.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
+    cfg = common.parse_flags(train.TrainConfig, ["--n_layer=3", "--norm=rmsnorm", "--mlp_hidden=344", "--bias=false"])
+    assert (cfg.n_layer, cfg.norm, cfg.mlp_hidden, cfg.bias) == (3, "rmsnorm", 344, False)
+
+
+def test_a_fresh_run_takes_each_model_flag_else_the_presets_value(tiny_data_dir, tmp_path):
+    train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=1, eval_interval=1, n_layer=3, norm="rmsnorm",
+                            mlp_hidden=40, parallel_residual=False, dropout=0.1))
+    ckpt = saved(tmp_path)
+    model_config = ckpt["model_config"]
+    assert (model_config["n_layer"], model_config["norm"], model_config["mlp_hidden"]) == (3, "rmsnorm", 40)
+    assert model_config["parallel_residual"] is False and model_config["dropout"] == 0.1
+    assert (model_config["d_model"], model_config["n_head"]) == (64, 2)  # the (shrunk) preset's
+    assert model_config["block_size"] == 32 == ckpt["train_config"]["block_size"]  # the flag: one setting
+    assert ckpt["model"]["blocks.0.mlp.up.weight"].shape == (40, 64)
+    assert ckpt["train_config"]["n_layer"] == 3 and ckpt["train_config"]["d_model"] == 64  # recorded as it ran
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_data_dir, tmp_path_factory):
+    """A 2-step CWT run with dropout 0.1 and block 32."""
+    out = tmp_path_factory.mktemp("base")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(__import__("model").PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=64))
+        train.train(tiny_config(tiny_data_dir, out, max_iters=2, eval_interval=2, dropout=0.1))
+    return out
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("n_layer", 3, "--n_layer=3 but {ckpt} holds a model with n_layer=2"),
+    ("norm", "rmsnorm", "--norm=rmsnorm but {ckpt} holds a model with norm=layernorm"),
+    ("block_size", 33, "--block_size=33 but {ckpt} holds a model with block_size=32"),
+])
+def test_a_run_from_a_checkpoint_refuses_a_model_flag_that_contradicts_it(base_run, tiny_data_dir, tmp_path, flag,
+                                                                           value, message):
+    ckpt = base_run / "ckpt.pt"
+    runs = [(train.train, tiny_config(tiny_data_dir, tmp_path / "a", init_from=str(ckpt), **{flag: value}))]
+    if flag != "block_size":  # finetune.py refuses a longer block before it looks at any data, in its own words
+        runs.append((finetune.finetune, finetune.FinetuneConfig(ckpt=str(ckpt), out_dir=str(tmp_path / "b"),
+                                                                device="cpu", max_iters=1, **{flag: value})))
+    for runner, cfg in runs:
+        with pytest.raises(UserError) as e:
+            runner(cfg)
+        assert message.format(ckpt=ckpt) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_run_from_a_checkpoint_keeps_its_model_and_may_change_dropout_and_shorten_the_block(base_run, tiny_data_dir,
+                                                                                              tmp_path):
+    ckpt = base_run / "ckpt.pt"
+    train.train(tiny_config(tiny_data_dir, tmp_path / "same", init_from=str(ckpt), max_iters=1, eval_interval=1,
+                            n_layer=2, block_size=None))
+    same = saved(tmp_path / "same")
+    assert same["model_config"]["dropout"] == 0.1 and same["train_config"]["block_size"] == 32  # the checkpoint's
+    train.train(tiny_config(tiny_data_dir, tmp_path / "changed", init_from=str(ckpt), max_iters=1, eval_interval=1,
+                            dropout=0.0, block_size=16))
+    changed = saved(tmp_path / "changed")
+    assert changed["model_config"]["dropout"] == 0.0 and changed["train_config"]["block_size"] == 16
+    assert changed["model_config"]["block_size"] == 32  # the model's context stays; the windows are shorter
+
+
+def test_resume_takes_the_checkpoints_model_and_window(base_run, tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    summary = train.train(tiny_config(tiny_data_dir, out, max_iters=3, resume=True, block_size=None, dropout=None))
+    ckpt = saved(out)
+    assert summary["step"] == 3 and ckpt["train_config"]["block_size"] == 32 and ckpt["model_config"]["dropout"] == 0.1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n_head=3"], "d_model 64 is not a multiple of n_head 3"),
+    (["--rotary_pct=2"], "--rotary_pct is 2.0, outside [0, 1]"),
+    (["--n_layer=0"], "--n_layer is 0, outside [1, 1024]"),
+    (["--norm=batchnorm"], "--norm='batchnorm' is not valid; choose one of: layernorm, rmsnorm"),
+    (["--d_model=96", "--n_head=4", "--rotary_pct=0.25"], None),  # fits: 24-channel heads, 6 rotated
+])
+def test_model_flags_are_checked_by_the_checkpoint_doors_rules_before_any_work(tiny_data_dir, tmp_path, flags,
+                                                                               message):
+    argv = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=16", "--batch_size=2", "--max_iters=1",
+            "--eval_interval=1", "--eval_batches=1", "--device=cpu", f"--out_dir={tmp_path / 'o'}", *flags]
+    if message is None:
+        train.main(argv)
+        assert saved(tmp_path / "o")["model_config"]["d_model"] == 96
+        return
+    with pytest.raises(UserError) as e:
+        train.main(argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_lists_the_models_fields_as_their_own_group():
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0
+    groups = re.split(r"\n\n(?=\S)", result.stdout)
+    model = next(g for g in groups if g.startswith("model settings"))
+    objective = next(g for g in groups if g.startswith("objective settings"))
+    flags = {group: re.findall(r"^  --(\w+)", text, re.M) for group, text in (("model", model),
+                                                                                ("objective", objective))}
+    assert flags["model"] == list(train.MODEL_FIELDS)
+    assert flags["objective"] == [f.name for f in dataclasses.fields(LossConfig)]
+
+
+def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no_edit_elsewhere(tiny_data_dir,
+                                                                                                 tmp_path):
+    """The fork's change: one line in model.py. Then --mlp=swiglu is a flag, recorded in model_config, checked
+    by its Literal, and a run from the checkpoint refuses another value."""
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", "data", "out*", "__pycache__", ".*cache"))
+    model_py = fork / "model.py"
+    source = model_py.read_text()
+    line = '    causal: bool = True'
+    assert line in source
+    model_py.write_text(source.replace(line, line + '\n    mlp: Literal["gelu", "swiglu"] = "gelu"', 1))
+    flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--max_iters=1", "--eval_interval=1",
+             "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
+                              env=env, timeout=300)
+    assert run("--mlp=swiglu", "--out_dir=a").returncode == 0
+    assert torch.load(fork / "a" / "ckpt.pt", weights_only=True)["model_config"]["mlp"] == "swiglu"
+    bad = run("--mlp=relu", "--out_dir=b")
+    assert bad.returncode == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad.stderr
+    other = run("--mlp=gelu", "--init_from=a/ckpt.pt", "--out_dir=c")
+    assert other.returncode == 2 and "--mlp=gelu but a/ckpt.pt holds a model with mlp=swiglu" in other.stderr
+
+
+# ------------------------------------------------------------------------------------------ the objective
+
+
+def test_loss_settings_travel_as_one_dataclass_and_older_checkpoints_get_its_defaults():
+    cfg = train.TrainConfig(loss="nce", temperature=0.5, num_negatives=7, loss_chunk_size=16)
+    config = LossConfig.of(cfg)
+    assert type(config) is LossConfig and config == LossConfig("nce", 0.5, "all", 7, "local", 16)
+    assert LossConfig.of({"loss": "ce", "some_old_key": 1}) == LossConfig("ce")  # what earlier checkpoints recorded
+    assert train.Objective(None, config).settings() is config
+    assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(train.RESUME_SAME)
+    assert "loss_chunk_size" not in train.RESUME_SAME  # the same loss, other memory: may change on resume
+
+
+@pytest.mark.parametrize("flags", [dict(num_negatives=4), dict(negatives="unique"), dict(temperature=0.5),
+                                   dict(negatives_scope="global")])
+def test_loss_flags_that_change_nothing_under_ce_are_refused(tiny_data_dir, tmp_path, flags):
+    with pytest.raises(UserError, match="cross-entropy scores every token of the vocabulary") as e:
+        train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", **flags))
+    assert "\n" not in str(e.value) and not tmp_path.joinpath("log.jsonl").exists()
+
+
+def test_a_resume_that_would_change_the_loss_is_refused(base_run, tiny_data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)
+    for flags, name in ((dict(num_negatives=4), "num_negatives"), (dict(temperature=0.5), "temperature")):
+        with pytest.raises(UserError, match=f"--{name}=.* but .* was trained with --{name}="):
+            train.train(tiny_config(tiny_data_dir, out, max_iters=3, resume=True, **flags))
+    train.train(tiny_config(tiny_data_dir, out, max_iters=3, resume=True, loss_chunk_size=8))  # memory only
+
+
+class LearnedTemperature(train.Objective):
+    """A fork's learnable temperature: declared, and given to the losses. Nothing else."""
+
+    def __init__(self, model, config, mask=None):
+        super().__init__(model, config, mask)
+        self.log_temperature = torch.nn.Parameter(torch.zeros(()))
+
+    def settings(self):
+        return dataclasses.replace(self.config, temperature=self.log_temperature.exp())
+
+
+def test_a_learned_piece_of_the_objective_trains_saves_resumes_and_is_scored_with_no_other_code(
+        tiny_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "Objective", LearnedTemperature)
+    cfg = tiny_config(tiny_data_dir, tmp_path / "straight", max_iters=4, eval_interval=2, lr=1e-2)
+    train.train(cfg)
+    learned = saved(tmp_path / "straight")["objective"]["log_temperature"]
+    assert learned.item() != 0.0  # it trained (from exactly 1.0: the division is never skipped for a tensor)
+    stopped = dataclasses.replace(cfg, out_dir=str(tmp_path / "resumed"), max_iters=2)
+    train.train(stopped)
+    train.train(dataclasses.replace(stopped, max_iters=4, resume=True))
+    assert saved(tmp_path / "resumed")["objective"]["log_temperature"].item() == learned.item()
+    assert read_log(tmp_path / "resumed")[-1]["val_cwt"] == read_log(tmp_path / "straight")[-1]["val_cwt"]
+    # eval.py and compare.py score through objective_of: the checkpoint's learned temperature, no edit there
+    import eval as evaluation
+    result = evaluation.main([f"--ckpt={tmp_path / 'straight' / 'ckpt.pt'}", "--task=val", "--max_batches=2",
+                              "--batch_size=8", f"--data_root={tiny_data_dir.parent}"])
+    assert result["val_cwt"] == pytest.approx(read_log(tmp_path / "straight")[-1]["val_cwt"], rel=1e-6)
+
+
+def test_a_resume_from_a_checkpoint_without_the_declared_piece_is_refused_in_one_line(base_run, tiny_data_dir,
+                                                                                      tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(base_run, out)  # trained by the objective of before: no log_temperature
+    monkeypatch.setattr(train, "Objective", LearnedTemperature)
+    with pytest.raises(UserError) as e:
+        train.train(tiny_config(tiny_data_dir, out, max_iters=3, resume=True))
+    message = str(e.value)
+    assert "its objective holds 'nothing', not the 'log_temperature [] float32' this run's objective declares" in \
+        message and "\n" not in message and "--init_from=" in message
+    # from another run's weights, a piece the source lacks starts fresh
+    train.train(tiny_config(tiny_data_dir, tmp_path / "new", init_from=str(out / "ckpt.pt"), max_iters=1,
+                            eval_interval=1))
+    assert "log_temperature" in saved(tmp_path / "new")["objective"]
+
+
+# ------------------------------------------------------------------------------------------ the data stream
+
+
+def test_a_finetune_reads_on_in_its_pretrainings_stream(tiny_data_dir, tmp_path, monkeypatch):
+    """Pre-training reads micro-batches 0..7 (4 steps of 2); its fine-tune reads 8.. on; a CE run as long as both
+    together reads exactly the micro-batches they read."""
+    read = []
+    real_get = data.BatchSampler.get
+    monkeypatch.setattr(data.BatchSampler, "get", lambda self, index: read.append(index) or real_get(self, index))
+    small = dict(batch_size=2, block_size=16, eval_batches=1)
+    train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=4, grad_accum=2, eval_interval=4, **small))
+    assert read == list(range(8))
+    read.clear()
+    finetune.finetune(finetune.FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.pt"), out_dir=str(tmp_path / "ft"),
+                                              device="cpu", max_iters=3, eval_interval=3))
+    assert read == list(range(8, 14))
+    assert saved(tmp_path / "ft")["state"]["micro_batches"] == 14
+    read.clear()
+    train.train(tiny_config(tiny_data_dir, tmp_path / "ce", loss="ce", max_iters=7, grad_accum=2, eval_interval=7,
+                            **small))
+    assert read == list(range(14))
+
+
+# ------------------------------------------------------------------------------------------ counts and seeds
+
+
+def test_an_encoders_scored_rows_are_masking_counts_everywhere(tiny_data_dir, tmp_path):
+    from masking import Masking, masked_count, masked_rows, scored_rows
+
+    run = train.Run(tiny_config(tiny_data_dir, tmp_path, objective="mlm", batch_size=8, block_size=32,
+                                num_negatives=38, max_iters=1))
+    x, y = run.sampler.get(0)
+    x, y = run.mask.training_batch(x, 0)
+    h, targets = masked_rows(torch.zeros(*y.shape, 4), y)
+    assert run.scored_rows == len(targets) == scored_rows(8, 32) == 8 * masked_count(32) == 40
+    assert run.candidates() == 40 and Masking(spec=run.mask.spec).scored_targets(y).tolist() == targets.tolist()
+    per_token = run.model.flops_per_token(32, 40 / 256 * min(38 + 1, 40))
+    assert run.flops_of(y) == pytest.approx(per_token * 256, rel=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**40), st.integers(0, 2**32 - 1), st.integers(0, 2**40))
+def test_micro_batch_seeds_of_two_runs_never_meet(seed, index, other_seed, other_index):
+    if (seed, index) == (other_seed, other_index):
+        return
+    for stream in (train.NEGATIVES_STREAM, train.DROPOUT_STREAM):
+        assert train.stream_seed(seed, index, stream) != train.stream_seed(other_seed, other_index, stream)
+    assert train.stream_seed(seed, index, train.NEGATIVES_STREAM) != train.stream_seed(seed, index,
+                                                                                       train.DROPOUT_STREAM)
+
+
+def test_the_old_seed_collision_is_gone():
+    assert 1337 * 1_000_003 + 1_000_003 == 1338 * 1_000_003 + 0  # what seed * 1_000_003 + index gave
+    assert train.stream_seed(1337, 1_000_003, 1) != train.stream_seed(1338, 0, 1)
+    assert 0 <= train.stream_seed(2**32 - 1, 2**40, 2) < 2**64 and isinstance(train.stream_seed(0, 0, 1), int)
+    torch.Generator().manual_seed(train.stream_seed(2**32 - 1, 2**40, 2))  # a seed torch takes
+    assert math.isfinite(float(np.float64(train.stream_seed(1, 2, 1))))
