@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -89,6 +90,20 @@ def need_extra(module: str, flag: str) -> None:
     """A flag whose extra file a fork deleted is one line, before any work."""
     if importlib.util.find_spec(module) is None:
         raise UserError(f"{flag} needs {module}.py, which is not in this checkout; restore it or drop {flag}")
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a server answers at all: one TCP connection to the URL's host, within `timeout` seconds. A quiet
+    check before calling a library that would print a minute of retries offline (the Hugging Face hub, W&B).
+    Behind a proxy (HTTPS_PROXY and the like) the library knows the way: assumed reachable."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout):
+            return True
+    except (OSError, ValueError):  # no route, no DNS, refused, timed out; a URL without a host
+        return False
 
 
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door

@@ -106,6 +106,10 @@ class CompareConfig:
     negatives_sweep: list[str] = dataclasses.field(default_factory=list)  # k values, unique, all: at --batch_size
     negatives_batch_sizes: list[int] = dataclasses.field(default_factory=list)  # CE and CWT (all) at each size
     seeds: list[int] = dataclasses.field(default_factory=list)  # each point of a negatives sweep once per seed
+    tensorboard: bool = False  # each run's records to its out_dir/tb (tracking.py)
+    wandb: bool = False  # ... and to Weights & Biases, a W&B run per run
+    wandb_project: str = "headless-lm"
+    wandb_run_name: str = ""  # NAME: the runs are NAME/ce, NAME/cwt, ...; default: their folders
 
 
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
@@ -203,20 +207,22 @@ def pretrain_config(cfg: CompareConfig, loss: str, iters: int, out_dir: Path, **
     """A pre-training run of compare.py: cosine from cfg.lr to lr / 10 after a warmup of warmup_fraction."""
     return TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
                        warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
-                       eval_interval=max(1, iters // cfg.evals), out_dir=str(out_dir), **shared_settings(cfg),
-                       **negatives)
+                       eval_interval=max(1, iters // cfg.evals), out_dir=str(out_dir),
+                       **shared_settings(cfg, out_dir), **negatives)
 
 
 def finetune_config(cfg: CompareConfig, ckpt: Path, iters: int, out_dir: Path) -> FinetuneConfig:
     """The LM-head fine-tune of the checkpoint `ckpt` (finetune.py's recipe for the rest)."""
     return FinetuneConfig(ckpt=str(ckpt), max_iters=iters, warmup_iters=max(1, min(10, iters // 5)),
-                          eval_interval=max(1, iters // 2), out_dir=str(out_dir), **shared_settings(cfg))
+                          eval_interval=max(1, iters // 2), out_dir=str(out_dir), **shared_settings(cfg, out_dir))
 
 
-def shared_settings(cfg: CompareConfig) -> dict:
+def shared_settings(cfg: CompareConfig, out_dir: Path) -> dict:
+    name = f"{cfg.wandb_run_name}/{out_dir.relative_to(cfg.out_dir)}" if cfg.wandb_run_name else ""
     return dict(dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset, block_size=cfg.block_size,
                 batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
-                seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+                seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10), tensorboard=cfg.tensorboard,
+                wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=name)
 
 
 def run_plan(plan: dict, cfg: CompareConfig) -> dict:
@@ -333,7 +339,7 @@ def plot_compare(result: dict, path: str) -> None:
 
 # settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
 SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite", "negatives_sweep",
-                   "negatives_batch_sizes", "seeds")
+                   "negatives_batch_sizes", "seeds", "tensorboard", "wandb", "wandb_project", "wandb_run_name")
 
 
 def run_vocab_sweep(cfg: CompareConfig) -> dict:
@@ -358,7 +364,8 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
         start = time.time()
         data_dir = vocab_dataset(cfg, n)
         result = run_compare(dataclasses.replace(cfg, dataset=str(data_dir), out_dir=str(done.parent), json="",
-                                                 plot="", vocab_sizes=[]))
+                                                 plot="", vocab_sizes=[],
+                                                 wandb_run_name=cfg.wandb_run_name and f"{cfg.wandb_run_name}/bpe{n}"))
         result["full_val"] = {name: full_val_scores(done.parent / name / "ckpt.pt", data_dir, result["config"])
                               for name in result["runs"]}
         if stopped := [f"{name} at step {s['step']} of {result['iters'][name]}"
