@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+import doors
 from common import (
     DeviceName,
     DtypeName,
@@ -58,6 +59,7 @@ from common import (
     pick_device,
     pick_dtype,
     run_main,
+    through_door,
 )
 from data import (
     BatchSampler,
@@ -75,7 +77,16 @@ from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from results import check_output_path, format_metric, import_pyplot, save_figure, save_results, write_json
+from results import (
+    check_output_path,
+    format_metric,
+    import_pyplot,
+    log_curves,
+    plot_curves,
+    save_figure,
+    save_results,
+    write_json,
+)
 from train import TrainConfig, evaluate, note, train
 
 
@@ -243,8 +254,8 @@ def run_plan(plan: dict, cfg: CompareConfig) -> dict:
 
 
 def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
-    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    return [(offset + r["tokens"] * flops_per_token, r["val_ce"]) for r in recs if "val_ce" in r]
+    records = through_door(doors.training_log, log_path)
+    return log_curves(records, lambda r: offset + r["tokens"] * flops_per_token).get("val_ce", [])
 
 
 def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict:
@@ -319,19 +330,11 @@ def seconds(value: float | None) -> str:
 
 
 def plot_compare(result: dict, path: str) -> None:
-    plt = import_pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     names = {"ce": "CE", "cwt": "CWT (raw, tied E)", "cwt-ft": "CWT + LM-head fine-tune"}
-    for name, pts in result["curves"].items():
-        ax.plot(*zip(*pts), marker="o", ms=3, label=names[name])
-    ax.axvline(result["budget_flops"], color="grey", ls="--", lw=1, label="FLOP budget")
     c = result["config"]
-    ax.set(xlabel="training FLOPs (estimate)", ylabel="validation cross-entropy (nats/token)",
-           title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    save_figure(fig, path)
+    plot_curves({names[name]: {"val_ce": points} for name, points in result["curves"].items()}, path,
+                "training FLOPs (estimate)", f"{c['preset']} on {Path(c['dataset']).name}: equal compute",
+                {"FLOP budget": result["budget_flops"]})
 
 
 # ----------------------------------------------------------------------------------------------
