@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from common import (
     parse_flags,
     pick_device,
     pick_dtype,
+    reachable,
     run_main,
 )
 from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
@@ -197,6 +199,13 @@ def load_lambada(data: str | None) -> list[str]:
     if data:
         return read_jsonl(data)
     name, config, split = LAMBADA_HUB
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
+                                                                                    "HF_DATASETS_OFFLINE"))
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not reachable(hub):  # the datasets library would retry for most of a minute
+        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {name}: pass --data=FILE.jsonl (one "
+                        "{\"text\": ...} per line, e.g. the harness's lambada_test.jsonl), or set HF_HUB_OFFLINE=1 "
+                        "to read it from your Hugging Face cache")
     try:
         import datasets  # slow to import; only needed here
         return list(datasets.load_dataset(name, config, split=split)["text"])
