@@ -153,3 +153,33 @@ def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
     assert "tok/s" in result.stderr and "ETA" in result.stderr
     result = run_train(f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}")
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def documented_defaults(doc: str) -> dict[str, str]:
+    """docs/training.md's train.py table: each flag's default cell (a row naming several flags gives each its
+    comma-separated part, or all of them its one value)."""
+    import re
+
+    table = doc.split("## train.py", 1)[1].split("\n\n| flag | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    defaults = {}
+    for row in table.strip().splitlines()[1:]:  # after the |---| line
+        flags_cell, default_cell, _ = row.strip("|").split(" | ", 2)
+        flags = re.findall(r"`--(\w+)`", flags_cell)
+        values = [v.strip() for v in default_cell.split(",")]
+        defaults.update(zip(flags, values if len(values) == len(flags) else values * len(flags), strict=True))
+    return defaults
+
+
+def test_docs_training_table_gives_every_flag_and_the_default_help_prints():
+    """A newcomer reads the defaults in docs/training.md and in --help (TrainConfig's): the same, for every flag."""
+    import dataclasses
+
+    words = {"none": None, "false": False, "true": True, "empty": ""}
+    documented = documented_defaults((ROOT / "docs" / "training.md").read_text())
+    assert sorted(documented) == sorted(f.name for f in dataclasses.fields(TrainConfig))
+    for field in dataclasses.fields(TrainConfig):
+        cell = documented[field.name].split(" (")[0].strip("`")
+        want = words.get(cell, cell)
+        if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
+            want = float(cell)
+        assert want == field.default and type(want) in (type(field.default), float), (field.name, cell)
