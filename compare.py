@@ -13,7 +13,8 @@ with train.py's, finetune.py's and eval.py's own functions.
 
 The runs live in out_dir/ce, out_dir/cwt and out_dir/cwt-ft. A second compare.py into an out_dir that holds
 them is refused: --resume skips the runs that finished and continues an interrupted one (Ctrl-C stops
-compare.py, with the run's checkpoint saved), --overwrite starts every run over.
+compare.py, with the run's checkpoint saved), --overwrite starts every run over. --tensorboard and --wandb log each
+run's records (tracking.py; `tensorboard --logdir=out-compare` shows them side by side).
 
 --vocab_sizes=N1,N2,...: the same experiment once per vocabulary size, each with a byte-level BPE of N tokens
 learned from the source's training split (the dataset prepared once, as data.py --tokenizer=bpe:N does it), in
@@ -145,6 +146,10 @@ def check_config(cfg: CompareConfig) -> None:
     if cfg.seeds and not negatives:
         raise UserError("--seeds runs each point of --negatives_sweep or --negatives_batch_sizes once per seed; "
                         "without a sweep pass --seed")
+    if cfg.tensorboard or cfg.wandb:  # before any work, as train.py's check would be only at the first run
+        need_extra("tracking", "--tensorboard and --wandb")
+        from tracking import check_packages
+        check_packages(cfg)
     in_range(cfg, "negatives_batch_sizes", 1)
     in_range(cfg, "seeds", 0)
     for name in ("negatives_batch_sizes", "seeds"):
