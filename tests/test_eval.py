@@ -360,7 +360,9 @@ def test_lambada_from_an_unreachable_hub_is_one_line_at_once(monkeypatch):
                                         r"EleutherAI/lambada_openai: pass --data=FILE.jsonl .*HF_HUB_OFFLINE=1") as e:
         evaluation.load_lambada(None)
     assert tried == [("huggingface.co", 443)] and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="^cannot reach the Hugging Face hub"):  # before reading the checkpoint
+        evaluation.main(["--ckpt=no-such/ckpt.pt"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="could not load EleutherAI/lambada_openai"):  # the cache: here, none
         evaluation.load_lambada(None)
-    assert len(tried) == 1
+    assert len(tried) == 2
