@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import typing
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -97,7 +98,21 @@ def need_package(module: str, flag: str, pip_name: str | None = None) -> None:
     """An optional package a flag needs (tensorboard, wandb, matplotlib, isoscore): one line naming its pip install,
     before any work; found without importing it, so that a run without the flag never imports it."""
     if importlib.util.find_spec(module) is None:
-        raise UserError(f"{flag} needs the optional package {pip_name or module}: pip install {pip_name or module}")
+        raise UserError(f"{flag} needs {pip_name or module}, an optional extra: pip install {pip_name or module}")
+
+
+def reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a server answers at all: one TCP connection to the URL's host, within `timeout` seconds. A quiet
+    check before calling a library that would print a minute of retries offline (the Hugging Face hub, W&B).
+    Behind a proxy (HTTPS_PROXY and the like) the library knows the way: assumed reachable."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout):
+            return True
+    except (OSError, ValueError):  # no route, no DNS, refused, timed out; a URL without a host
+        return False
 
 
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door

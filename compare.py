@@ -13,7 +13,8 @@ with train.py's, finetune.py's and eval.py's own functions.
 
 The runs live in out_dir/ce, out_dir/cwt and out_dir/cwt-ft. A second compare.py into an out_dir that holds
 them is refused: --resume skips the runs that finished and continues an interrupted one (Ctrl-C stops
-compare.py, with the run's checkpoint saved), --overwrite starts every run over.
+compare.py, with the run's checkpoint saved), --overwrite starts every run over. --tensorboard and --wandb log each
+run's records (tracking.py; `tensorboard --logdir=out-compare` shows them side by side).
 
 --vocab_sizes=N1,N2,...: the same experiment once per vocabulary size, each with a byte-level BPE of N tokens
 learned from the source's training split (the dataset prepared once, as data.py --tokenizer=bpe:N does it), in
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+import doors
 from common import (
     DeviceName,
     DtypeName,
@@ -58,6 +60,7 @@ from common import (
     pick_device,
     pick_dtype,
     run_main,
+    through_door,
 )
 from data import (
     BatchSampler,
@@ -75,7 +78,16 @@ from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from results import check_output_path, format_metric, import_pyplot, save_figure, save_results, write_json
+from results import (
+    check_output_path,
+    format_metric,
+    import_pyplot,
+    log_curves,
+    plot_curves,
+    save_figure,
+    save_results,
+    write_json,
+)
 from train import MODEL_FIELDS, ModelSettings, TrainConfig, evaluate, note, objective_of, train
 
 
@@ -107,6 +119,10 @@ class CompareConfig(ModelSettings):
     negatives_sweep: list[str] = dataclasses.field(default_factory=list)  # k values, unique, all: at --batch_size
     negatives_batch_sizes: list[int] = dataclasses.field(default_factory=list)  # CE and CWT (all) at each size
     seeds: list[int] = dataclasses.field(default_factory=list)  # each point of a negatives sweep once per seed
+    tensorboard: bool = False  # each run's records to its out_dir/tb (tracking.py)
+    wandb: bool = False  # ... and to Weights & Biases, a W&B run per run
+    wandb_project: str = "headless-lm"
+    wandb_run_name: str = ""  # NAME: the runs are NAME/ce, NAME/cwt, ...; default: their folders
 
 
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
@@ -131,6 +147,10 @@ def check_config(cfg: CompareConfig) -> None:
     if cfg.seeds and not negatives:
         raise UserError("--seeds runs each point of --negatives_sweep or --negatives_batch_sizes once per seed; "
                         "without a sweep pass --seed")
+    if cfg.tensorboard or cfg.wandb:  # before any work, as train.py's check would be only at the first run
+        need_extra("tracking", "--tensorboard and --wandb")
+        from tracking import check_packages
+        check_packages(cfg)
     in_range(cfg, "negatives_batch_sizes", 1)
     in_range(cfg, "seeds", 0)
     for name in ("negatives_batch_sizes", "seeds"):
@@ -204,20 +224,22 @@ def pretrain_config(cfg: CompareConfig, loss: str, iters: int, out_dir: Path, **
     """A pre-training run of compare.py: cosine from cfg.lr to lr / 10 after a warmup of warmup_fraction."""
     return TrainConfig(loss=loss, max_iters=iters, lr=cfg.lr, min_lr=cfg.lr / 10,
                        warmup_iters=max(1, round(cfg.warmup_fraction * iters)),
-                       eval_interval=max(1, iters // cfg.evals), out_dir=str(out_dir), **shared_settings(cfg),
-                       **negatives)
+                       eval_interval=max(1, iters // cfg.evals), out_dir=str(out_dir),
+                       **shared_settings(cfg, out_dir), **negatives)
 
 
 def finetune_config(cfg: CompareConfig, ckpt: Path, iters: int, out_dir: Path) -> FinetuneConfig:
     """The LM-head fine-tune of the checkpoint `ckpt` (finetune.py's recipe for the rest)."""
     return FinetuneConfig(ckpt=str(ckpt), max_iters=iters, warmup_iters=max(1, min(10, iters // 5)),
-                          eval_interval=max(1, iters // 2), out_dir=str(out_dir), **shared_settings(cfg))
+                          eval_interval=max(1, iters // 2), out_dir=str(out_dir), **shared_settings(cfg, out_dir))
 
 
-def shared_settings(cfg: CompareConfig) -> dict:
+def shared_settings(cfg: CompareConfig, out_dir: Path) -> dict:
+    name = f"{cfg.wandb_run_name}/{out_dir.relative_to(cfg.out_dir)}" if cfg.wandb_run_name else ""
     return dict(model_settings(cfg), dataset=cfg.dataset, data_root=cfg.data_root, preset=cfg.preset,
                 batch_size=cfg.batch_size, eval_batches=cfg.eval_batches, device=cfg.device, dtype=cfg.dtype,
-                seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10))
+                seed=cfg.seed, log_interval=max(1, cfg.ce_iters // 10), tensorboard=cfg.tensorboard,
+                wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=name)
 
 
 def model_settings(cfg: CompareConfig) -> dict:
@@ -243,8 +265,8 @@ def run_plan(plan: dict, cfg: CompareConfig) -> dict:
 
 
 def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
-    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    return [(offset + r["tokens"] * flops_per_token, r["val_ce"]) for r in recs if "val_ce" in r]
+    records = through_door(doors.training_log, log_path)
+    return log_curves(records, lambda r: offset + r["tokens"] * flops_per_token).get("val_ce", [])
 
 
 def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict:
@@ -319,19 +341,11 @@ def seconds(value: float | None) -> str:
 
 
 def plot_compare(result: dict, path: str) -> None:
-    plt = import_pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     names = {"ce": "CE", "cwt": "CWT (raw, tied E)", "cwt-ft": "CWT + LM-head fine-tune"}
-    for name, pts in result["curves"].items():
-        ax.plot(*zip(*pts), marker="o", ms=3, label=names[name])
-    ax.axvline(result["budget_flops"], color="grey", ls="--", lw=1, label="FLOP budget")
     c = result["config"]
-    ax.set(xlabel="training FLOPs (estimate)", ylabel="validation cross-entropy (nats/token)",
-           title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    save_figure(fig, path)
+    plot_curves({names[name]: {"val_ce": points} for name, points in result["curves"].items()}, path,
+                "training FLOPs (estimate)", f"{c['preset']} on {Path(c['dataset']).name}: equal compute",
+                {"FLOP budget": result["budget_flops"]})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,7 +353,7 @@ def plot_compare(result: dict, path: str) -> None:
 
 # settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
 SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite", "negatives_sweep",
-                   "negatives_batch_sizes", "seeds")
+                   "negatives_batch_sizes", "seeds", "tensorboard", "wandb", "wandb_project", "wandb_run_name")
 
 
 def run_vocab_sweep(cfg: CompareConfig) -> dict:
@@ -364,7 +378,8 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
         start = time.time()
         data_dir = vocab_dataset(cfg, n)
         result = run_compare(dataclasses.replace(cfg, dataset=str(data_dir), out_dir=str(done.parent), json="",
-                                                 plot="", vocab_sizes=[]))
+                                                 plot="", vocab_sizes=[],
+                                                 wandb_run_name=cfg.wandb_run_name and f"{cfg.wandb_run_name}/bpe{n}"))
         result["full_val"] = {name: full_val_scores(done.parent / name / "ckpt.pt", data_dir, result["config"])
                               for name in result["runs"]}
         if stopped := [f"{name} at step {s['step']} of {result['iters'][name]}"

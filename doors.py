@@ -367,6 +367,33 @@ def special_ids(meta: dict) -> list[int]:
     return list(meta.get("special_tokens") or [meta["eot_token"]])
 
 
+# ---------------------------------------------------------------------------------------------- training logs
+
+MAX_LOG_BYTES = 1 << 30  # a run's log.jsonl: a line each --log_interval steps, each validation
+LOG_RULES = {"step": (int, 0, BIG), "tokens": (int, 0, BIG)}
+
+
+def training_log(path: str | Path) -> list[dict]:
+    """A run's log.jsonl (train.py's Run.log writes it): one table a line, with its step and tokens and plain values
+    (numbers; null for one that was not finite). A last line cut short by a crash is left out, as --resume does."""
+    fix = "pass the log.jsonl of a train.py or finetune.py run"
+    data = read_small(path, MAX_LOG_BYTES, "training log", fix)
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise Refused(f"training log {path} is not UTF-8 text; {fix}") from None
+    if lines and not lines[-1].rstrip().endswith("}"):
+        lines.pop()  # the write a crash interrupted
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            record = parse(line.encode(), f"training log {path} line {number}", fix)
+            if why := fields_problem(record, LOG_RULES, "", ("step", "tokens"), others=True):
+                raise Refused(f"training log {path} line {number}: {why}; {fix}")
+            records.append(record)
+    return records
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 COUNT = (int, 0, BIG)
@@ -395,7 +422,8 @@ def checkpoint(path: str | Path, config_class: type) -> dict:
     writes (every entry stored, within the file; one data.pkl of at most MAX_PICKLE_BYTES), checked before anything
     is unpickled; then torch.load (weights_only: never code; mmap: the tensors stay on disk); then every field."""
     fix = "pass a checkpoint that train.py or finetune.py wrote"
-    f, info = opened(path, "checkpoint", "train one with `python train.py` or pass --ckpt=PATH")
+    f, info = opened(path, "checkpoint", "train.py writes out/ckpt.pt and `finetune.py --ckpt=out/ckpt.pt` writes "
+                     "out-ft/ckpt.pt: run the step that makes it, or pass --ckpt=PATH")
     with f:
         why = zip_problem(f, info.st_size)
     if why:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from common import (
     parse_flags,
     pick_device,
     pick_dtype,
+    reachable,
     run_main,
 )
 from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
@@ -192,11 +194,24 @@ def read_jsonl(path: str) -> list[str]:
     return texts
 
 
+def check_hub() -> None:
+    """Offline, one line at once: a quiet connection to the hub first, where the datasets library would retry for
+    most of a minute (none with HF_HUB_OFFLINE=1: it then reads its cache)."""
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
+                                                                                    "HF_DATASETS_OFFLINE"))
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not reachable(hub):
+        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {LAMBADA_HUB[0]}: pass --data=FILE.jsonl "
+                        "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl), or set "
+                        "HF_HUB_OFFLINE=1 to read it from your Hugging Face cache")
+
+
 def load_lambada(data: str | None) -> list[str]:
     """The texts of a local .jsonl file, else of the harness's dataset on the Hugging Face hub."""
     if data:
         return read_jsonl(data)
     name, config, split = LAMBADA_HUB
+    check_hub()
     try:
         import datasets  # slow to import; only needed here
         return list(datasets.load_dataset(name, config, split=split)["text"])
@@ -269,6 +284,8 @@ def main(argv: list[str]) -> dict:
         in_range(cfg, name, 1)
     if cfg.json:
         check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
+    if cfg.task == "lambada" and not cfg.data:
+        check_hub()  # before the checkpoint is read: offline, the answer comes at once
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)

@@ -1,17 +1,25 @@
 """Results files and plots, and the JSON rows evaluation reads: shared by the scripts that measure (eval.py,
-bench.py, compare.py, glue.py, xnli.py)."""
+bench.py, compare.py, glue.py, xnli.py). As a script, it draws the curves of training runs:
+
+    python results.py --log=out/log.jsonl,out-ce/log.jsonl --plot=curves.png
+
+the training loss and each validation metric against the tokens seen, a panel a metric, a line a run (the log.jsonl
+of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import doors
-from common import UserError, atomic_file
+from common import UserError, atomic_file, parse_flags, run_main, through_door
 
 # What an existing output file must be for a command to replace it: this project's output of that kind
 OUTPUT_KINDS = {"json": "results (a JSON table or list)", "plot": "a plot (an image)", "out": "a tokenizer.json"}
@@ -124,3 +132,94 @@ def format_metric(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "-"
     return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.{digits}g}"
+
+
+# Training curves: a panel a metric, a line a run (results.py --log, compare.py)
+
+CURVE_TITLES = {"loss": "training loss (each run's own objective)", "val_ce": "validation CE (nats/token)",
+                "val_bpb": "validation bits per byte", "val_ppl": "validation perplexity (log scale)",
+                "val_cwt": "validation contrastive loss", "val_acc": "validation in-batch top-1 accuracy"}
+Curves = dict[str, list[tuple[float, float]]]  # metric: its (x, value) points
+
+
+def log_curves(records: list[dict], x: Callable[[dict], float] = lambda r: r["tokens"]) -> Curves:
+    """A run's log records (doors.training_log) as curves: its training loss and each validation metric against
+    x (by default the tokens seen); a null (a value that was not finite) is left out."""
+    curves: Curves = {}
+    for r in records:
+        for key, value in r.items():
+            if (key == "loss" or key.startswith("val_")) and isinstance(value, (int, float)):
+                curves.setdefault(key, []).append((x(r), value))
+    return curves
+
+
+def plot_curves(runs: dict[str, Curves], path: str | Path, xlabel: str, title: str,
+                marks: dict[str, float] | None = None) -> None:
+    """One panel per metric (CURVE_TITLES' order, then any other), one line per run (its label: runs' key), and a
+    dashed vertical line at each of `marks` (label: x)."""
+    plt = import_pyplot()
+    known = list(CURVE_TITLES)
+    metrics = sorted({m for curves in runs.values() for m in curves},
+                     key=lambda m: (known.index(m) if m in known else len(known), m))
+    if not metrics:
+        raise UserError("nothing to plot: the runs logged no training loss and no validation metric")
+    cols = min(3, len(metrics))
+    rows = math.ceil(len(metrics) / cols)
+    size = (6.5, 4.2) if len(metrics) == 1 else (4.6 * cols, 3.4 * rows + 0.6)
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for i, (label, curves) in enumerate(runs.items()):
+            if points := curves.get(metric):
+                ax.plot(*zip(*points), marker="o" if len(points) <= 40 else None, ms=3, lw=1.2, color=f"C{i}",
+                        label=label)
+        for j, (label, x) in enumerate((marks or {}).items()):
+            ax.axvline(x, color="grey", ls=("--", ":", "-.")[j % 3], lw=1, label=label)
+        ax.set_title(CURVE_TITLES.get(metric, metric), fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(short_number))
+        if metric == "val_ppl":
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def short_number(value: float, position: Any = None) -> str:
+    """An axis tick as 200k, 1.5M or 3T, never 200000 run into its neighbour."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
+
+
+@dataclass
+class PlotConfig:
+    log: list[str] = dataclasses.field(default_factory=list)  # log.jsonl files of train.py / finetune.py runs
+    plot: str = ""  # the image to write: .png, .pdf or .svg
+
+
+def run_labels(paths: list[str]) -> list[str]:
+    """A run's label: its folder (out, out-ce), or the path given when two folders share a name."""
+    names = [Path(p).parent.name or str(Path(p).parent) for p in paths]
+    return names if len(set(names)) == len(names) else [str(Path(p).parent) for p in paths]
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_flags(PlotConfig, argv)
+    if not cfg.log or not cfg.plot:
+        raise UserError("pass --log=out/log.jsonl[,out-ce/log.jsonl,...] and --plot=FILE.png")
+    check_output_path(cfg.plot, "plot", tuple(cfg.log))
+    import_pyplot()  # fail before reading anything
+    runs = {label: log_curves(through_door(doors.training_log, path))
+            for label, path in zip(run_labels(cfg.log), cfg.log)}
+    if empty := [label for label, curves in runs.items() if not curves]:
+        raise UserError(f"{', '.join(empty)}: the log holds no training loss or validation yet; nothing to draw")
+    plot_curves(runs, cfg.plot, "tokens seen", "training curves: " + ", ".join(runs))
+
+
+if __name__ == "__main__":
+    run_main(main)

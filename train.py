@@ -70,6 +70,10 @@ class TrainConfig(ModelSettings, LossConfig):
     out_dir: str = "out"
     resume: bool | Literal["auto"] = False  # continue out_dir/ckpt.pt; auto: if there is one, else start
     overwrite: bool = False  # start over in an out_dir that holds another run
+    tensorboard: bool = False  # also log every log.jsonl record to out_dir/tb (tracking.py)
+    wandb: bool = False  # ... and to Weights & Biases, files under out_dir (tracking.py)
+    wandb_project: str = "headless-lm"
+    wandb_run_name: str = ""  # default: the out_dir
     # system
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
@@ -113,6 +117,10 @@ def check_config(cfg: TrainConfig) -> None:
     check_objective(cfg)
     if "," in cfg.dataset:
         common.need_extra("mixing", "--dataset=A,B,...")
+    if cfg.tensorboard or cfg.wandb:
+        common.need_extra("tracking", "--tensorboard and --wandb")
+        from tracking import check_packages
+        check_packages(cfg)
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
@@ -434,6 +442,8 @@ class Run:
     """One training run. Built (the start: data, weights, objective, optimizer, all restored on --resume),
     then driven by train(): validate, step, log_progress, save."""
 
+    tracker = None  # while train() runs with --tensorboard or --wandb: tracking.Tracker, which Run.log feeds
+
     def __init__(self, cfg: TrainConfig):
         check_config(cfg)
         self.device = common.init_distributed(common.pick_device(cfg.device))  # under torchrun, this rank's GPU
@@ -515,7 +525,10 @@ class Run:
     def log(self, record: dict) -> None:
         """The one writer of log.jsonl: every record carries the step and the tokens seen."""
         if common.is_main_process():
-            append_log(self.out_dir, {"step": self.state.step, "tokens": self.state.tokens, **record})
+            record = {"step": self.state.step, "tokens": self.state.tokens, **record}
+            append_log(self.out_dir, record)
+            if self.tracker:
+                self.tracker.log(record)
 
     def validation_due(self) -> bool:
         """At every eval_interval-th step and the last, unless done: a run stopped at one owes it to --resume."""
@@ -601,10 +614,11 @@ class Run:
         tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
         eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
         peak = common.peak_flops(self.device)
-        mfu = f" | MFU {100 * tok_s / common.world_size() * state.flops / state.tokens / peak:.1f}%" if peak else ""
+        mfu = {"mfu": tok_s / common.world_size() * state.flops / state.tokens / peak} if peak else {}  # a share
+        shown = f" | MFU {100 * mfu['mfu']:.1f}%" if peak else ""
         note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-             f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{mfu}")
-        self.log({"loss": state.loss, "lr": lr, "tokens_per_s": tok_s})
+             f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{shown}")
+        self.log({"loss": state.loss, "lr": lr, "tokens_per_s": tok_s, **mfu})
         return totals[1].item() > 0
 
     def save(self, stop: common.StopFlag) -> None:
@@ -644,7 +658,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     stopping = False
     run.model.train()
     claim = common.claim_out_dir(run.out_dir, run.resumed_step, cfg.overwrite, cfg.resume == "auto")
-    with claim, common.StopFlag() as stop:
+    with claim, common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():
                 run.validate()
@@ -670,6 +684,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "ckpt": str(ckpt), "tokens": state.earlier_tokens + state.tokens,
             "flops": state.earlier_flops + state.flops, "interrupted": stopping,
             "signal": stop.signal if stopping else None, "seconds": elapsed}
+
+
+def tracked(run: Run) -> contextlib.AbstractContextManager:
+    """--tensorboard and --wandb (tracking.py): while the loop runs, every record Run.log writes goes there too."""
+    if not (run.cfg.tensorboard or run.cfg.wandb):
+        return contextlib.nullcontext()
+    from tracking import Tracker
+    return Tracker(run)
 
 
 def main(argv: list[str]) -> None:

@@ -134,9 +134,13 @@ def test_train_compile_validates_in_its_own_graph_and_matches_eager(tiny_data_di
                                 device="cpu", seed=0, num_negatives=50, compile=compile))
         runs[compile] = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert graphs() == 2  # training and validation, one graph each
+    figures = {"loss", "val_ce", "val_cwt", "val_acc", "val_bpb"}  # a progress record's loss, a validation's rest
     for eager, compiled in zip(runs[False], runs[True], strict=True):
-        for key in ("loss", "val_ce", "val_cwt", "val_acc", "val_bpb"):
-            assert compiled.get(key) == pytest.approx(eager.get(key), rel=1e-5), key
+        assert compiled.keys() == eager.keys()
+        assert (compiled["step"], compiled["tokens"]) == (eager["step"], eager["tokens"])
+        for key in sorted(figures & eager.keys()):
+            assert compiled[key] == pytest.approx(eager[key], rel=1e-5), key
+    assert {key for record in runs[False] for key in record} >= figures  # every figure was compared
 
 
 def short_val_split(tokens: int, *args, **kwargs) -> data.ValSplit:

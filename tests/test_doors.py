@@ -682,3 +682,10 @@ def test_a_refused_input_costs_little_memory_and_time(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(case != "accepted" and case[0] < 30 for case in report["cases"].values()), report
     assert len(report["cases"]) == 7 and report["peak_mib"] < 1536, report
+
+
+def test_a_missing_checkpoint_names_the_step_that_writes_it(tmp_path):
+    """`generate.py --ckpt=out-ft/ckpt.pt` before the fine-tune: the answer names finetune.py, not only train.py."""
+    with pytest.raises(doors.Refused, match=r"out-ft/ckpt.pt not found; train.py writes out/ckpt.pt and `finetune.py "
+                                            r"--ckpt=out/ckpt.pt` writes out-ft/ckpt.pt: run the step that makes it"):
+        doors.checkpoint(tmp_path / "out-ft" / "ckpt.pt", model.GPTConfig)

@@ -338,3 +338,32 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
         return
     assert all(math.isfinite(v) for v in result.values() if isinstance(v, float))
     assert json.loads((out / "result.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == result
+
+
+def test_lambada_from_an_unreachable_hub_is_one_line_at_once(monkeypatch):
+    """Offline, the default task checks the hub with one quiet connection and stops with the way out (--data, or
+    HF_HUB_OFFLINE=1 for a cached copy) before the datasets library, which would retry for most of a minute;
+    with HF_HUB_OFFLINE=1 it tries no connection and reads the cache."""
+    import socket
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    tried = []
+
+    def unreachable(address, *args, **kwargs):
+        tried.append(address)
+        raise OSError("network unreachable (the test)")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # importing it would fail the test's match below
+    with pytest.raises(UserError, match=r"^cannot reach the Hugging Face hub \(https://huggingface.co\) to load "
+                                        r"EleutherAI/lambada_openai: pass --data=FILE.jsonl .*HF_HUB_OFFLINE=1") as e:
+        evaluation.load_lambada(None)
+    assert tried == [("huggingface.co", 443)] and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="^cannot reach the Hugging Face hub"):  # before reading the checkpoint
+        evaluation.main(["--ckpt=no-such/ckpt.pt"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="could not load EleutherAI/lambada_openai"):  # the cache: here, none
+        evaluation.load_lambada(None)
+    assert len(tried) == 2

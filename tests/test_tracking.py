@@ -1,0 +1,181 @@
+"""tracking.py: --tensorboard and --wandb get every record of log.jsonl, at its step; a resumed run continues the
+same curves with no repeated step, a new run starts them over. Read back as a user's tools read them: TensorBoard's
+EventAccumulator, and the offline W&B run's own file under out_dir. Never the network: W&B runs offline."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import read_log, tiny_config
+
+import common
+import compare
+import finetune
+import train
+from common import UserError
+
+pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+SMALL = dict(block_size=16, batch_size=2, max_iters=4, warmup_iters=1, eval_interval=2, eval_batches=1)
+
+
+def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """log.jsonl's records as curves: every key but the step, under val/ in a validation record, else train/."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        group = "val" if "val_ce" in r else "train"
+        for key, value in r.items():
+            if key != "step":
+                curves.setdefault(f"{group}/{key}", []).append((r["step"], value))
+    return curves
+
+
+def tensorboard_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_same_curves(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for tag, points in want.items():
+        assert [step for step, _ in got[tag]] == [step for step, _ in points], tag  # each step once, in order
+        assert [value for _, value in got[tag]] == pytest.approx([v for _, v in points], rel=1e-6), tag  # fp32
+
+
+def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(tiny_data_dir, tmp_path,
+                                                                                monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setattr(common, "peak_flops", lambda device: 1e12)  # as on a GPU of known peak: MFU is logged
+    out = tmp_path / "out"
+    cfg = tiny_config(tiny_data_dir, out, tensorboard=True, **SMALL)
+    train.train(cfg)
+    records = read_log(out)
+    assert {"loss", "lr", "tokens_per_s", "mfu"} <= records[1].keys() and "val_bpb" in records[0]
+    assert_same_curves(tensorboard_curves(out / "tb"), expected_curves(records))
+    # A run stopped at step 2 whose curves went on to step 4 (killed after its log, before its checkpoint):
+    # resumed, the steps after its checkpoint are purged, and the curves are the finished run's, each step once.
+    early = tmp_path / "early"
+    train.train(tiny_config(tiny_data_dir, early, **{**SMALL, "max_iters": 2}))
+    shutil.copy(early / "ckpt.pt", out / "ckpt.pt")
+    train.train(tiny_config(tiny_data_dir, out, tensorboard=True, resume=True, **SMALL))
+    resumed = read_log(out)
+    assert [r["step"] for r in resumed] == [r["step"] for r in records]
+    assert_same_curves(tensorboard_curves(out / "tb"), expected_curves(resumed))
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 2  # the purge is on read, as TensorBoard's
+    # --overwrite starts them over: tracking's files go, nothing else does
+    (out / "tb" / "notes.txt").write_text("mine")
+    train.train(tiny_config(tiny_data_dir, out, tensorboard=True, overwrite=True, **{**SMALL, "max_iters": 2}))
+    assert_same_curves(tensorboard_curves(out / "tb"), expected_curves(read_log(out)))
+    assert max(step for points in tensorboard_curves(out / "tb").values() for step, _ in points) == 2
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1 and (out / "tb" / "notes.txt").exists()
+    # finetune.py takes the flag as train.py does (its runs are train.py's loop)
+    finetune.finetune(finetune.FinetuneConfig(ckpt=str(out / "ckpt.pt"), max_iters=1, eval_interval=1,
+                                              log_interval=1, out_dir=str(tmp_path / "ft"), tensorboard=True))
+    assert_same_curves(tensorboard_curves(tmp_path / "ft" / "tb"), expected_curves(read_log(tmp_path / "ft")))
+
+
+def wandb_history(out_dir: Path) -> list[dict]:
+    """Every history row of the offline W&B runs under out_dir, oldest run first, read from the runs' own
+    .wandb files: W&B's record log (LevelDB's log format: 32 KiB blocks of chunks, each with a 7-byte header
+    (CRC, length, type: 1 whole, 2 first, 3 middle, 4 last), after a 7-byte file header ':W&B', magic, version)
+    of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, parts = 7, []
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            parts.append(data[pos + 7:pos + 7 + length])
+            pos += 7 + length
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record.FromString(b"".join(parts))
+                parts = []
+                if record.WhichOneof("record_type") == "history":
+                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                 for item in record.history.item})  # "train/loss" comes as nested keys
+    return rows
+
+
+def wandb_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith("_"):  # W&B's own: _step, _runtime, _timestamp
+                curves.setdefault(key, []).append((row["_step"], value))
+    return curves
+
+
+def test_wandb_offline_without_network_holds_log_jsonl_under_out_dir(tiny_data_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_BASE_URL", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+
+    connect = socket.create_connection
+
+    def loopback_only(address, *args, **kwargs):  # W&B's own service process is reached on the loopback
+        if address[0] not in ("localhost", "127.0.0.1", "::1"):
+            raise OSError(f"network unreachable (the test): {address[0]}")
+        return connect(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", loopback_only)  # no network: offline by itself
+    out = tmp_path / "out"
+    train.train(tiny_config(tiny_data_dir, out, wandb=True, wandb_run_name="tiny-cwt", **{**SMALL, "max_iters": 2}))
+    assert "W&B server cannot be reached: --wandb logs offline" in capsys.readouterr().err
+    assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
+    (first,) = (out / "wandb").glob("offline-run-*")
+    # resumed: the same run id goes on from the checkpoint
+    train.train(tiny_config(tiny_data_dir, out, wandb=True, resume=True, **SMALL))
+    assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {first.name.rsplit("-", 1)[1]}
+    # --overwrite: a new run, its files only
+    train.train(tiny_config(tiny_data_dir, out, wandb=True, overwrite=True, **{**SMALL, "max_iters": 2}))
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+    assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
+
+
+def test_without_the_flags_neither_package_nor_tracking_is_imported(tiny_data_dir, tmp_path, monkeypatch):
+    for name in ("tensorboard", "wandb", "tracking", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    train.train(tiny_config(tiny_data_dir, tmp_path / "out", **{**SMALL, "max_iters": 1}))
+    assert not (tmp_path / "out" / "tb").exists() and not (tmp_path / "out" / "wandb").exists()
+
+
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_a_missing_package_or_tracking_py_is_one_line_before_any_work(package, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed
+    one_line = rf"^--{package} needs {package}, an optional extra: pip install {package}$"
+    for check, config in ((train.check_config, train.TrainConfig), (compare.check_config, compare.CompareConfig)):
+        with pytest.raises(UserError, match=one_line):
+            check(config(**{package: True}))
+    monkeypatch.setitem(sys.modules, "tracking", None)  # a fork deleted tracking.py
+    with pytest.raises(UserError, match="needs tracking.py, which is not in this checkout"):
+        train.check_config(train.TrainConfig(**{package: True}))
+
+
+def test_compare_passes_the_flags_to_each_of_its_runs(tmp_path):
+    cfg = compare.CompareConfig(out_dir=str(tmp_path), tensorboard=True, wandb=True, wandb_project="p",
+                                wandb_run_name="study")
+    runs = [compare.pretrain_config(cfg, "ce", 4, tmp_path / "ce"),
+            compare.finetune_config(cfg, tmp_path / "cwt" / "ckpt.pt", 1, tmp_path / "b2-cwt-s7" / "cwt-ft")]
+    assert [(r.tensorboard, r.wandb, r.wandb_project, r.wandb_run_name) for r in runs] == [
+        (True, True, "p", "study/ce"), (True, True, "p", "study/b2-cwt-s7/cwt-ft")]
+    unnamed = compare.pretrain_config(compare.CompareConfig(out_dir=str(tmp_path)), "ce", 4, tmp_path / "ce")
+    assert (unnamed.tensorboard, unnamed.wandb, unnamed.wandb_run_name) == (False, False, "")  # named by out_dir

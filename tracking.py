@@ -1,0 +1,143 @@
+"""Experiment tracking: --tensorboard and --wandb send every record train.py writes to log.jsonl to TensorBoard
+(event files in out_dir/tb/) and to Weights & Biases (a run whose files are in out_dir/wandb/): the training loss,
+learning rate, tokens/s (and MFU on a GPU of known peak) every --log_interval steps, and every validation metric.
+The step is the x-axis; a scalar's tag is its log.jsonl key under train/ or val/ (train/loss, val/val_ce). Rank 0
+alone writes, as for log.jsonl. For train.py, finetune.py and each run of compare.py (their flags pass through).
+
+    python train.py --tensorboard && tensorboard --logdir=out    # --logdir=out-compare: all of compare.py's runs
+    python train.py --wandb --wandb_project=headless-lm --wandb_run_name=cwt-tiny
+    WANDB_MODE=offline python train.py --wandb                   # later: wandb sync out/wandb/offline-run-*
+
+A resumed run (--resume) continues the same curves: TensorBoard's are purged of the steps after the checkpoint
+(as log.jsonl is), and W&B goes on with the same run id. A new run in out_dir (--overwrite, say) starts them over:
+the files tracking wrote there are removed first, and nothing else. W&B logs offline when WANDB_MODE=offline or
+its server cannot be reached (a quick check); `wandb sync` uploads such a run later.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import common
+from common import UserError, note
+
+WANDB_SERVER = "https://api.wandb.ai"  # or WANDB_BASE_URL: a W&B server of your own
+TENSORBOARD_FILES = ("events.out.tfevents.*",)  # in out_dir/tb: what SummaryWriter writes
+WANDB_FILES = ("offline-run-*", "run-*", "latest-run", "debug.log", "debug-internal.log", "debug-cli.*.log")
+
+
+def check_packages(cfg: Any) -> None:
+    """Before any work: a tracking flag whose package is missing is one line naming its pip install."""
+    for package in ("tensorboard", "wandb"):
+        if getattr(cfg, package):
+            common.need_package(package, f"--{package}")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A log.jsonl record's numbers by tag: val/KEY in a validation record, train/KEY otherwise; not the step,
+    which is the x-axis, and not a null (a value that was not finite)."""
+    group = "val" if any(key.startswith("val_") for key in record) else "train"
+    return {f"{group}/{key}": float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
+
+
+class Tracker:
+    """While a training run's loop runs (train.train enters it): every record Run.log writes goes to TensorBoard
+    and/or W&B too. On rank 0 only; the others do nothing."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.writer = None  # a torch.utils.tensorboard SummaryWriter
+        self.wandb_run = None
+
+    def __enter__(self) -> Tracker:
+        if not common.is_main_process():
+            return self
+        cfg, out_dir, resumed = self.run.cfg, self.run.out_dir, self.run.resumed_step
+        if resumed is None:  # a new run in out_dir: earlier curves would mix with its own
+            remove_tracking_files(out_dir)
+        try:
+            if cfg.tensorboard:
+                self.writer = tensorboard_writer(out_dir, resumed)
+            if cfg.wandb:
+                self.wandb_run = start_wandb(cfg, out_dir, resumed)
+        except BaseException:
+            self.close(failed=True)
+            raise
+        self.run.tracker = self
+        return self
+
+    def log(self, record: dict) -> None:
+        values = scalars(record)
+        if self.writer:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, record["step"])
+            self.writer.flush()  # on disk now: a run killed later keeps its curves up to here
+        if self.wandb_run:
+            self.wandb_run.log(values, step=record["step"])
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.run.tracker = None
+        self.close(failed=kind is not None)
+
+    def close(self, failed: bool) -> None:
+        if self.writer:
+            self.writer.close()
+        if self.wandb_run:
+            self.wandb_run.finish(exit_code=1 if failed else 0)
+
+
+def tensorboard_writer(out_dir: Path, resumed: int | None):
+    """Event files in out_dir/tb. Resumed at step s, the steps after s are purged: TensorBoard (and its
+    EventAccumulator) drops the earlier files' events from step s + 1 on, so the curves go on with no repeat."""
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+    try:
+        return SummaryWriter(log_dir=str(out_dir / "tb"), purge_step=None if resumed is None else resumed + 1)
+    except OSError as e:
+        raise UserError(f"--tensorboard cannot write {out_dir / 'tb'} ({e.strerror}); fix the folder") from None
+
+
+def start_wandb(cfg: Any, out_dir: Path, resumed: int | None):
+    """A W&B run with its files under out_dir; a resumed run continues the one it logged to before."""
+    import wandb
+    mode = None  # WANDB_MODE's, when set (offline, disabled, online)
+    if not os.environ.get("WANDB_MODE") and not common.reachable(os.environ.get("WANDB_BASE_URL", WANDB_SERVER)):
+        mode = "offline"
+        note(f"note: the W&B server cannot be reached: --wandb logs offline into {out_dir / 'wandb'}; upload it "
+             "later with `wandb sync`")
+    run_id = earlier_wandb_id(out_dir) if resumed is not None else None
+    try:
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or cfg.out_dir, dir=str(out_dir),
+                          config=dataclasses.asdict(cfg), mode=mode, id=run_id, resume="allow" if run_id else None,
+                          reinit="create_new")
+    except Exception as e:  # not logged in, a refused key or project...: wandb's own words, in one line
+        raise UserError(f"--wandb could not start a W&B run ({common.first_line(e)}); log in with `wandb login`, "
+                        "or log offline with WANDB_MODE=offline") from None
+
+
+def earlier_wandb_id(out_dir: Path) -> str | None:
+    """The id of the last W&B run in out_dir/wandb (its folders are named {offline-,}run-DATE_TIME-ID)."""
+    folders = sorted((p for p in (out_dir / "wandb").glob("*run-*-*") if p.is_dir() and not p.is_symlink()),
+                     key=lambda p: p.name.removeprefix("offline-"))
+    return folders[-1].name.rsplit("-", 1)[1] if folders else None
+
+
+def remove_tracking_files(out_dir: Path) -> None:
+    """What tracking wrote in out_dir (TensorBoard's event files, W&B's run folders and logs), and the folders
+    they were in once empty; nothing else, and never through a link."""
+    for folder, patterns in ((out_dir / "tb", TENSORBOARD_FILES), (out_dir / "wandb", WANDB_FILES)):
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        for path in [p for pattern in patterns for p in folder.glob(pattern)]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        with contextlib.suppress(OSError):  # something else is in it: kept
+            folder.rmdir()
