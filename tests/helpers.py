@@ -3,6 +3,7 @@ its test files keeps every other test file collecting (tests/test_style.py check
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,3 +42,108 @@ def run_cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
         common.run_main(main)
     out, err = capsys.readouterr()
     return e.value.code, out, (err.splitlines() or [""])[-1]
+
+
+def refusal(main, argv: list[str], monkeypatch, capsys) -> str:
+    """`python SCRIPT.py ARGV` is refused as a user sees it: exit code 2, nothing on stdout, and stderr one line
+    (no traceback, no second `error:`); returns that line."""
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        common.run_main(main)
+    out, err = capsys.readouterr()
+    assert (e.value.code, out) == (2, ""), (e.value.code, out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+    return err.rstrip("\n")
+
+
+# (input, output) path pairs: every way an output can be, hold or lie inside an input (contract 1)
+
+RELATIONS = ("same", "inside", "holds", "link", "link_parent", "hardlink")
+
+
+def tree_state(root: Path) -> dict[str, object]:
+    """Every entry under root, links unfollowed: a folder, a link's target, a file's bytes (equal: unchanged)."""
+    state = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            rel = str(path.relative_to(root))
+            state[rel] = (f"-> {os.readlink(path)}" if path.is_symlink() else
+                          "folder" if path.is_dir() else path.read_bytes())
+    return state
+
+
+FILE_KINDS = {"file": "", "jsonl": ".jsonl", "config": ".json", "tokenizer": ".json"}  # kind: its name's suffix
+
+
+def make_input(path: Path, kind: str) -> None:
+    """An input of a kind a script reads: a file, a JSON config, a jsonl, a folder (a dataset's, a corpus, an HF
+    model's). Its content does not matter: the command must refuse before reading it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind in FILE_KINDS:
+        path.write_text({"file": "bytes", "jsonl": '{"text": "a b"}\n', "config": "{}\n", "tokenizer": "{}"}[kind])
+        return
+    path.mkdir()
+    inside = {"dataset": "meta.json", "corpus": "a.txt", "hf": "config.json", "folder": "notes.txt"}[kind]
+    (path / inside).write_text("{}\n")
+
+
+def written_path(relation: str, source: Path, root: Path, name: str, spelling: int) -> str:
+    """The path a command would write (named `name`), standing in `relation` to the input `source`, as a user
+    could spell it: absolute, relative to the current folder (root), or through `sub/..`."""
+    if relation == "same":
+        target = source
+    elif relation == "inside":
+        target = source / "sub" / name
+    elif relation == "holds":
+        target = source.parent
+    elif relation == "link":
+        target = root / "links" / name
+        target.parent.mkdir(exist_ok=True)
+        target.symlink_to(source)
+    elif relation == "link_parent":
+        link = root / "links" / "to-parent"
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(source.parent)
+        target = link / source.name
+    else:  # hardlink
+        target = root / "hard" / name
+        target.parent.mkdir(exist_ok=True)
+        os.link(source, target)
+    text = str(target)
+    if spelling == 1:
+        text = os.path.relpath(target, root)
+    elif spelling == 2:
+        text = str(target.parent / "sub" / ".." / target.name)
+    return text
+
+
+def io_pairs(specs: dict, max_examples: int = 12):
+    """A Hypothesis test over (input, output) pairs of every script in `specs` (name -> (main, the input's kind, the
+    relations that apply, the name of what it writes, argv(input, output path))): each is refused in one line,
+    exit code 2, and nothing under the working folder changes (a tree_state before and after)."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(script=st.sampled_from(sorted(specs)), relation=st.sampled_from(RELATIONS),
+           spelling=st.integers(0, 2), depth=st.integers(0, 2))
+    def check(tmp_path_factory, monkeypatch, capsys, script, relation, spelling, depth):
+        main, kind, relations, name, argv = specs[script]
+        if relation not in relations:
+            relation = relations[0]
+        root = tmp_path_factory.mktemp("io")
+        monkeypatch.chdir(root)
+        suffix = FILE_KINDS.get(kind, "")
+        source = root.joinpath(*["deep"] * depth, "input" + suffix if relation in ("inside", "link") else name)
+        if relation == "holds":
+            source = root / name / f"input{suffix}"
+        make_input(source, kind)
+        target = written_path(relation, source, root, name, spelling)
+        before = tree_state(root)
+        code, out, err = run_cli(main, argv(str(source), target), monkeypatch, capsys)
+        assert code == 2 and out == "" and err.startswith("error: "), (script, relation, code, out, err)
+        assert "Traceback" not in err and tree_state(root) == before, (script, relation, err)
+
+    return check
