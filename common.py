@@ -449,7 +449,7 @@ def check_overlap(reads: dict[str, list[str]], writes: dict[str, list[str]]) -> 
             for in_flag, ins in reads.items():
                 for source in ins:
                     found = os.path.realpath(os.path.expanduser(source))
-                    if target == found or same_file(out, source):
+                    if target == found or same_file(target, found):
                         raise UserError(f"{named(out_flag, out)} is also an input of this command "
                                         f"({named(in_flag, source)}); it would be replaced: pass another path")
                     if os.path.commonpath([target, found]) == found and not os.path.isfile(found):
@@ -519,7 +519,7 @@ def refuse_idle(cfg: Any, idle: dict[str, str], baseline: Any = None) -> None:
 
 def brief_value(value: Any) -> str:
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-    return text if len(text) <= 60 else text[:60] + "..."
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 # A training run's folder: its own while it runs, its log, and Ctrl-C or SIGTERM (rank 0 alone writes)

@@ -45,16 +45,23 @@ def run_cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
 
 
 def refusal(main, argv: list[str], monkeypatch, capsys) -> str:
-    """`python SCRIPT.py ARGV` is refused as a user sees it: exit code 2, nothing on stdout, and stderr one line
-    (no traceback, no second `error:`); returns that line."""
+    """`python SCRIPT.py ARGV` is refused as a user sees it: exit code 2, nothing on stdout, and its error one
+    line, the last on stderr (after any progress notes; no traceback, no second `error:` line); returns it."""
     monkeypatch.setattr(sys, "argv", ["script.py", *argv])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         common.run_main(main)
     out, err = capsys.readouterr()
     assert (e.value.code, out) == (2, ""), (e.value.code, out, err)
-    assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
-    return err.rstrip("\n")
+    return one_error_line(err)
+
+
+def one_error_line(err: str) -> str:
+    """The one error line that ends a refused command's stderr."""
+    lines = err.split("\n")
+    assert err.endswith("\n") and lines[-2].startswith("error: "), err[-2000:]
+    assert [line for line in lines if line.startswith(("error", "Traceback"))] == [lines[-2]], err[-2000:]
+    return lines[-2]
 
 
 # (input, output) path pairs: every way an output can be, hold or lie inside an input (contract 1)

@@ -170,7 +170,7 @@ def surrogate_test(root):
 
 
 XNLI_CASES = {  # case: (flags given tmp_path; what the one line says)
-    "--json= its own test.jsonl": (lambda t: make_language(t / "x", "en") or
+    "--json= its own test.jsonl": (lambda t: make_language(t / "x", "en") and
                                    [f"--data={t / 'x'}", f"--json={t / 'x' / 'en' / 'test.jsonl'}"],
                                    "--json={t}/x/en/test.jsonl lies inside --data={t}/x, an input of this command"),
     "a sparse 3 GB test.jsonl with no newline": (lambda t: [f"--data={sparse_test(t / 'x')}"],
