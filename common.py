@@ -413,7 +413,7 @@ def declare_io(reads: dict[str, Any], writes: dict[str, Any], kinds: dict[str, s
         check_output_file(path, flag, kinds[flag])
     for flag, paths in reads.items():
         for path in paths if kinds.get(flag) == "start" else ():
-            if holder := lock_holder(Path(path).parent):
+            if os.path.isfile(path) and (holder := lock_holder(Path(path).parent)):  # a file: not an hf: folder
                 raise UserError(f"{flag}={path} is the checkpoint of a run still training in {Path(path).parent} "
                                 f"({holder}): it is not finished; wait for that run to end (or stop it: it saves), "
                                 "then start from its checkpoint")
@@ -509,7 +509,7 @@ def is_output(path: Path, kind: str) -> bool:
 
 
 def refuse_idle(cfg: Any, idle: dict[str, str], baseline: Any = None) -> None:
-    """A setting that changes nothing is refused (contract 5): each name of `idle` (name: why it changes
+    """A setting that changes nothing is refused (contract 6): each name of `idle` (name: why it changes
     nothing) whose value differs from `baseline`'s (the defaults of cfg's class, or its --quick ones)."""
     baseline = baseline if baseline is not None else type(cfg)()
     for name, why in idle.items():

@@ -565,9 +565,11 @@ def compare_result(path: str | Path, what: str, expected: dict[str, Any]) -> dic
     as it says: a result.json copied from another point is refused."""
     fix = f"delete it to run that {what} again"
     data = read_small(path, MAX_TEXT_BYTES, f"{what}'s result file", fix)
-    result = parse(data, str(path), fix)
+    result = parse(data, f"{path}, not a finished {what}'s results: it", fix)
     rules = {"sweep_settings": (dict,), "seconds": (float, 0), **{k: (type(v),) for k, v in expected.items()}}
     why = known_fields_problem(result, rules, "", ("sweep_settings", "seconds", *expected))
+    why = why or next((f"{'.'.join(map(str, where))} is {brief(v)}, not a finite number"
+                       for where, v in numbers(result) if not -1e300 <= v <= 1e300), None)  # as write_json writes
     why = why or next((f"{k} is {brief(result[k])}, not {brief(v)}" for k, v in expected.items() if result[k] != v),
                       None)
     if not why and what == "point":
@@ -602,6 +604,15 @@ def size_problem(result: dict) -> str | None:
         why = why or known_fields_problem(result["full_val"][name], SIZE_SCORES, f"full_val.{name}",
                                           tuple(SIZE_SCORES))
     return why
+
+
+def numbers(value: Any, where: tuple = ()) -> Iterator[tuple[tuple, float]]:
+    """(path, number) of every number (not a bool) in a JSON value."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from numbers(item, (*where, key))
 
 
 def known_fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = ()) -> str | None:

@@ -154,3 +154,37 @@ def io_pairs(specs: dict, max_examples: int = 12):
         assert "Traceback" not in err and tree_state(root) == before, (script, relation, err)
 
     return check
+
+
+# Damage to a JSON file: a value of another type, a field deleted, the text cut short
+
+WRONG_JSON = ["text", [], {}, None, -1, 1e309, True, 2**70]  # 1e309: JSON's Infinity
+
+
+def json_paths(value, prefix: tuple = ()):
+    """Every path (of keys and indices) in a JSON value, the value's own (()) first."""
+    yield prefix
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from json_paths(item, (*prefix, key))
+
+
+def damaged_json(good, how: str, where: float, wrong) -> str:
+    """`good` as JSON text, damaged: "retype" sets the value at the `where`-th share of its paths to `wrong`,
+    "delete" deletes it, "cut" cuts the text at that share of its length."""
+    import copy
+
+    text = json.dumps(good)
+    if how == "cut":
+        return text[:int(where * len(text))]
+    paths = list(json_paths(good))[1:]
+    key_path = paths[int(where * len(paths))]
+    damaged = copy.deepcopy(good)
+    parent = damaged
+    for key in key_path[:-1]:
+        parent = parent[key]
+    if how == "retype":
+        parent[key_path[-1]] = wrong
+    else:
+        del parent[key_path[-1]]
+    return json.dumps(damaged)

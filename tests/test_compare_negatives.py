@@ -2,13 +2,13 @@
 negatives as the batch grows, each point beside CE at the same batch and tokens, scored on the whole val split."""
 from __future__ import annotations
 
-import copy
 import json
 import math
 from unittest import mock
 
 import pytest
 from conftest import refused_before_any_work
+from helpers import WRONG_JSON, damaged_json
 from hypothesis import given, settings, strategies as st
 
 import bench
@@ -189,19 +189,8 @@ def test_a_result_json_copied_from_another_point_is_refused(sweep, tmp_path):
                               {"batch_size": 2, "variant": "cwt-unique", "seed": 7})
 
 
-def json_paths(value, prefix=()):
-    """Every (path of keys and indices) in a JSON value, the value itself first."""
-    yield prefix
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        yield from json_paths(item, (*prefix, key))
-
-
-WRONG = ["text", [], {}, None, -1, 1e309, True, 2**70]  # 1e309: JSON's Infinity
-
-
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG))
+@given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG_JSON))
 def test_a_damaged_point_result_is_used_as_before_or_refused_in_one_line(sweep, tmp_path_factory, how, where, wrong):
     """The door of a point's result.json (doors.compare_result), under random damage (a field of any other type,
     a field deleted, the file cut short): either it is refused in one line, or what it lets in tables as a
@@ -209,23 +198,8 @@ def test_a_damaged_point_result_is_used_as_before_or_refused_in_one_line(sweep, 
     _, out, _, _ = sweep
     good = json.loads((out / "b2-cwt-k8-s7" / "result.json").read_text())
     ce = json.loads((out / "b2-ce-s7" / "result.json").read_text())
-    text = json.dumps(good)
-    paths = list(json_paths(good))[1:]
-    key_path = paths[int(where * len(paths))]
-    damaged = copy.deepcopy(good)
-    parent = damaged
-    for key in key_path[:-1]:
-        parent = parent[key]
-    if how == "retype":
-        parent[key_path[-1]] = wrong
-        text = json.dumps(damaged)
-    elif how == "delete":
-        del parent[key_path[-1]]
-        text = json.dumps(damaged)
-    else:
-        text = text[:int(where * len(text))]
     path = tmp_path_factory.mktemp("point") / "result.json"
-    path.write_text(text)
+    path.write_text(damaged_json(good, how, where, wrong))
     try:
         result = compare.finished_size(path, good["sweep_settings"], "point",
                                        {"batch_size": 2, "variant": "cwt-k8", "seed": 7})
