@@ -555,9 +555,26 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
     if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")
+    if not resuming:  # what a new run replaces must be a run's, whatever the flags
+        check_a_runs_files(ckpt, log)
     with hold_lock(out_dir, "training run"):
         remove_stale_temps(out_dir)
         yield
+
+
+def check_a_runs_files(ckpt: Path, log: Path) -> None:
+    """A ckpt.pt and log.jsonl that a new run would replace are a run's (contract 2): a file torch.save wrote (its
+    zip directory), a log whose lines are a run's records (a last one cut short by a crash allowed)."""
+    import doors
+    fix = "move it away or pick another --out_dir"
+    if ckpt.is_file():
+        f, info = through_door(doors.opened, ckpt, "checkpoint", fix)
+        with f:
+            why = doors.zip_problem(f, info.st_size)
+        if why:
+            raise UserError(f"{ckpt} {why}: it is not a run's checkpoint, and a new run replaces only a run's; {fix}")
+    if log.is_file():
+        through_door(doors.run_log, log, True)
 
 
 def start_log(out_dir: Path, resumed_step: int | None) -> None:

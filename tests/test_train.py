@@ -191,6 +191,13 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
     "--overwrite over a ckpt.pt that is a folder": (
         lambda t, d: (t / "o" / "ckpt.pt").mkdir(parents=True) or [f"--out_dir={t / 'o'}", "--overwrite"],
         "{t}/o/ckpt.pt is a folder or not a regular file, not a run's checkpoint"),
+    "--overwrite over a ckpt.pt that is not a run's": (
+        lambda t, d: (t / "o").mkdir() or (t / "o" / "ckpt.pt").write_text("a user's file") and
+        [f"--out_dir={t / 'o'}", "--overwrite"],
+        "{t}/o/ckpt.pt is not a torch.save file (it has no zip directory): it is not a run's checkpoint"),
+    "--overwrite over a log.jsonl that is not a run's": (
+        lambda t, d: (t / "o").mkdir() or (t / "o" / "log.jsonl").write_text("a user's notes\n") and
+        [f"--out_dir={t / 'o'}", "--overwrite"], "{t}/o/log.jsonl line 1 is not valid JSON"),
     "--mix_alpha=1e308 (NaN mix weights)": (
         lambda t, d: [f"--dataset={d},{d}", "--mix_alpha=1e308", f"--out_dir={t / 'o'}"],
         "--mix_alpha must be at most 100, got 1e+308"),
