@@ -594,7 +594,7 @@ def idle_settings(cfg: TrainConfig) -> dict[str, str]:
         idle["mix_alpha"] = "without a mix (--dataset=A,B,...)"
     if cfg.lr_schedule == "constant":
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
-    if not cfg.init_from or cfg.resume:
+    if not cfg.init_from or cfg.resume is True:
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
     return idle
 
