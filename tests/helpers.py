@@ -70,14 +70,16 @@ RELATIONS = ("same", "inside", "holds", "link", "link_parent", "hardlink")
 
 
 def tree_state(root: Path) -> dict[str, object]:
-    """Every entry under root, links unfollowed: a folder, a link's target, a file's bytes (equal: unchanged)."""
+    """Every entry under root, links unfollowed: a folder, a link's target, a file's bytes (a file of more than
+    1 MiB, a sparse one: its size, inode and modification time), so that equal states mean nothing changed."""
     state = {}
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             path = Path(folder) / name
-            rel = str(path.relative_to(root))
-            state[rel] = (f"-> {os.readlink(path)}" if path.is_symlink() else
-                          "folder" if path.is_dir() else path.read_bytes())
+            info = path.lstat()
+            state[str(path.relative_to(root))] = (
+                f"-> {os.readlink(path)}" if path.is_symlink() else "folder" if path.is_dir() else
+                (info.st_size, info.st_ino, info.st_mtime_ns) if info.st_size > 1 << 20 else path.read_bytes())
     return state
 
 
