@@ -69,6 +69,9 @@ from common import (
     all_reduce_sum,
     autocast_context,
     barrier,
+    bounded,
+    config_path,
+    declare_io,
     first_line,
     in_range,
     init_distributed,
@@ -78,13 +81,15 @@ from common import (
     pick_device,
     pick_dtype,
     rank,
+    refuse_idle,
     run_main,
     world_size,
 )
+from doors import MAXIMA
 from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
-from results import check_output_path, import_pyplot, save_figure, save_results
+from results import import_pyplot, save_figure, save_results
 from train import Objective, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
@@ -123,12 +128,28 @@ class BenchConfig:
     chunked_ref: str = ""  # loss rows: another chunked.py, timed beside this one as '<variant>@ref' (-chunkN ones)
 
 
+MAX_TOKENS = 1 << 22  # tokens of a measured step (a real one: ~500k, the paper's 256 x 2048)
+
+
 def check_config(cfg: BenchConfig) -> None:
-    for name in ("tokens", "step_tokens", "block_size", "max_logits", "repeats", "val_chunk"):
-        in_range(cfg, name, 1)
-    in_range(cfg, "vocab", 2)
-    in_range(cfg, "vocab_sweep", 2)
-    in_range(cfg, "warmup", 0)
+    """Every shape and count within bounds (a model's maxima, MAX_TOKENS), every variant valid and given once."""
+    for name in ("tokens", "step_tokens", "val_chunk"):
+        bounded(cfg, name, 1, MAX_TOKENS)
+    bounded(cfg, "block_size", 1, MAXIMA["block_size"])
+    bounded(cfg, "max_logits", 1, 2**62)
+    bounded(cfg, "repeats", 1, 10**6)
+    bounded(cfg, "warmup", 0, 10**6)
+    bounded(cfg, "vocab", 2, MAXIMA["vocab_size"])
+    bounded(cfg, "vocab_sweep", 2, MAXIMA["vocab_size"])
+    in_range(cfg, "seed", 0, 2**32 - 1)
+    for name in ("vocab", "tokens", "variants", "step_tokens", "step_variants", "vocab_sweep"):
+        values = getattr(cfg, name)
+        if not values and name != "vocab_sweep":
+            raise UserError(f"--{name} needs at least one value")
+        if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
+            raise UserError(f"--{name} lists {', '.join(repeated)} more than once; pass each value once")
+    for v in cfg.variants + cfg.step_variants:
+        parse_variant(v)
     if cfg.chunked_ref and not Path(cfg.chunked_ref).is_file():
         raise UserError(f"--chunked_ref={cfg.chunked_ref} is not a file; give the path of a chunked.py to compare "
                         "with, e.g. one written by `git show main:chunked.py > /tmp/ref/chunked.py`")
@@ -142,10 +163,10 @@ QUICK_SWEEP = dict(preset="tiny", step_tokens=[256], repeats=3)  # 256 x 262144 
 def parse_variant(name: str) -> dict:
     """'ce', 'cwt', 'cwt-unique', 'cwt-k256', 'cwt-unique-k256' -> training_loss keyword arguments;
     a '-chunkN' suffix (ce-chunk256, cwt-chunk1024) computes the loss N rows at a time."""
-    m = re.fullmatch(r"(ce|cwt)(-unique)?(?:-k(\d+))?(?:-chunk([1-9]\d*))?", name)
+    m = re.fullmatch(r"(ce|cwt)(-unique)?(?:-k([1-9]\d{0,11}))?(?:-chunk([1-9]\d{0,11}))?", name)
     if not m or (m.group(1) == "ce" and (m.group(2) or m.group(3))):
-        raise UserError(f"unknown variant {name!r}; use ce, cwt, cwt-unique, cwt-kN or cwt-unique-kN, "
-                        "each optionally followed by -chunkN")
+        raise UserError(f"unknown variant {name!r}; use ce, cwt, cwt-unique, cwt-kN or cwt-unique-kN (N from 1 "
+                        "to 12 digits), each optionally followed by -chunkN")
     return dict(loss=m.group(1), negatives="unique" if m.group(2) else "all",
                 num_negatives=int(m.group(3)) if m.group(3) else None,
                 chunk_size=int(m.group(4)) if m.group(4) else None)
@@ -471,12 +492,12 @@ def run_bench(cfg: BenchConfig) -> dict:
             add_unchunked_ratios(rows[-len(variants):])
         print(f"measured {kind} V={vocab} N={tokens}: " + ", ".join(
             f"{r['variant']} {1e3 * r['time_s']:.1f} ms" for r in rows[-len(variants):]), file=sys.stderr)
+    bases = ", ".join(f"{kind}: {variants[0]}" for kind, variants in {k: vs for k, _, _, vs in grid}.items())
     meta = dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"CPU, {torch.get_num_threads()} threads", dtype=str(dtype).removeprefix("torch."),
                 torch=torch.__version__, repeats=cfg.repeats, warmup=cfg.warmup,
                 memory=MEMORY_NOTE[device.type],
-                ratios=f"relative to the first variant ({(cfg.variants + cfg.step_variants)[0]}) "
-                       "of the same row",
+                ratios=f"relative to the first variant of the same kind of row ({bases})",
                 skipped=skipped, config=dataclasses.asdict(cfg))
     return {"meta": meta, "rows": rows}
 
@@ -1182,21 +1203,47 @@ def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
 # ----------------------------------------------------------------------------------------------
 
 
+def idle_settings(cfg: BenchConfig) -> dict[str, str]:
+    """The settings that would change nothing in this run (refused: common.refuse_idle), by what it measures."""
+    names = [f.name for f in dataclasses.fields(BenchConfig)]
+    if cfg.gpu_check:
+        used = ("gpu_check", "check_backend", "check_presets", "device", "dtype")
+        return {n: "with --gpu_check (it runs its own checks on its own shapes and prints its report)"
+                for n in ["quick", *names] if n not in used}
+    idle = dict.fromkeys(("check_backend", "check_presets"), "without --gpu_check")
+    if cfg.mode == "data":
+        return {**idle, **{n: "with --mode=data (it times the built-in tokeniser and batches)" for n in names
+                           if n not in ("mode", "gpu_check")}}
+    loss_rows = cfg.mode in ("both", "loss") and not (cfg.vocab_sweep or cfg.negatives_sweep)
+    without = {"val_chunk": cfg.mode != "val", "max_logits": cfg.mode in ("val", "ddp"),
+               "tokens": not loss_rows, "variants": not loss_rows or cfg.negatives_sweep,
+               "chunked_ref": not loss_rows, "step_variants": cfg.mode == "loss" and not cfg.vocab_sweep
+               or bool(cfg.negatives_sweep), "step_tokens": cfg.mode == "loss" and not cfg.vocab_sweep
+               and not cfg.negatives_sweep, "vocab": bool(cfg.vocab_sweep),
+               "json": cfg.mode == "ddp", "plot": cfg.mode == "ddp", "memory": cfg.mode == "ddp"}
+    idle.update({n: f"with --mode={cfg.mode}{' and a sweep' if cfg.vocab_sweep or cfg.negatives_sweep else ''} "
+                 "(it measures no row that uses it)" for n, unused in without.items() if unused})
+    return idle
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["_mem"]:  # internal: one memory measurement in this fresh process
         print(json.dumps(step_memory(json.loads(argv[1]))))
         return
     sweep = any(a.startswith(("--vocab_sweep=", "--vocab-sweep=")) for a in argv)
     negatives = any(a.startswith(("--negatives_sweep=", "--negatives-sweep=")) for a in argv)
-    cfg = parse_flags(BenchConfig, argv, quick=QUICK_NEGATIVES if negatives else QUICK_SWEEP if sweep else QUICK)
+    quick = QUICK_NEGATIVES if negatives else QUICK_SWEEP if sweep else QUICK
+    cfg = parse_flags(BenchConfig, argv, quick=quick)
+    baseline = BenchConfig(**quick, quick=True) if cfg.quick and not cfg.gpu_check else BenchConfig()
+    refuse_idle(cfg, idle_settings(cfg), baseline)
+    declare_io(reads={"--chunked_ref": cfg.chunked_ref, "--config": config_path(argv),
+                      "the built-in dataset": data.dataset_dir("shakespeare") if cfg.mode == "data" else None},
+               writes={"--json": cfg.json, "--plot": cfg.plot})
     if cfg.gpu_check:
         report, ok = gpu_check(cfg)
         print(report)
         sys.exit(0 if ok else 1)
     check_config(cfg)
-    for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
-        if path:
-            check_output_path(path, flag)
     if cfg.mode == "data":
         print(bench_data())
         return

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import UserError, atomic_file, first_line, parse_flags, run_main
+from common import UserError, atomic_file, config_path, declare_io, first_line, parse_flags, run_main
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges
@@ -184,13 +184,13 @@ def main(argv: list[str]) -> None:
     sources, then `python data.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
     from data import PrepareConfig, documents
     from doors import MAXIMA
-    from results import check_output_path
     cfg = parse_flags(MixConfig, argv)
+    declare_io(reads={"--sources": [s for s in cfg.sources.split(",") if os.path.exists(os.path.expanduser(s))],
+                      "--config": config_path(argv)}, writes={"--out": cfg.out}, kinds={"--out": "tokenizer"})
     if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
         raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")
     if not MIN_VOCAB <= cfg.vocab_size <= MAXIMA["vocab_size"]:
         raise UserError(f"--vocab_size must be from {MIN_VOCAB} to {MAXIMA['vocab_size']:,}, got {cfg.vocab_size}")
-    check_output_path(cfg.out, "out")  # before the training: never a checkpoint or a file not a tokenizer.json
     per_source = []
     for source in cfg.sources.split(","):
         items = documents(PrepareConfig(dataset=source, text_field=cfg.text_field))[1]

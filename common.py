@@ -44,24 +44,50 @@ class Interrupted(BaseException):
 
 
 def run_main(main: Callable[[list[str]], Any]) -> None:
-    """Run a script's main(argv): a user mistake is one line on stderr and exit code 2; a stop by Ctrl-C
-    or SIGTERM (saved first where there is something to save) exits 130 or 143, as a shell expects; SIGTERM
-    unwinds as Ctrl-C does, so that what was half-written is removed."""
+    """Run a script's main(argv): a user mistake is one line on stderr (one_line: escaped, bounded, after any
+    progress bar is closed) and exit code 2; a stop by Ctrl-C or SIGTERM (saved first where there is something
+    to save) exits 130 or 143, as a shell expects; SIGTERM unwinds as Ctrl-C does, so that what was
+    half-written is removed."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         main(sys.argv[1:])
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     except UserError as e:
-        print(f"error{f' (rank {rank()})' if world_size() > 1 else ''}: {e}", file=sys.stderr)
+        close_progress_bars()
+        print(one_line(f"error{f' (rank {rank()})' if world_size() > 1 else ''}: {e}"), file=sys.stderr)
         sys.exit(2)
     except Interrupted as e:
+        close_progress_bars()
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
+        close_progress_bars()
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+MAX_ERROR_CHARS = 2000  # an error line; a longer one keeps its start and its end (the fix)
+
+
+def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` as one line of at most `limit` characters: every character a terminal would not print as itself
+    (newlines, escapes, lone surrogates) written as its Python escape, so that text from a file can never forge
+    a second line ("error: ...", "Traceback"), and the middle cut out of a longer one."""
+    shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    if len(shown) <= limit:
+        return shown
+    keep = (limit - 5) // 2
+    return f"{shown[:keep]} ... {shown[-keep:]}"
+
+
+def close_progress_bars() -> None:
+    """Close any tqdm bar still open (one the error stopped), so that the error starts a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        with contextlib.suppress(Exception):
+            bar.close()
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -145,6 +171,16 @@ def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf
             shown = (f"in {ends[0]}{low:g}, {high:g}{ends[1]}" if high < math.inf else
                      "positive" if (low, ends[0]) == (0, "(") else f"at least {low:g}")
             raise UserError(f"--{name} must be {shown}, got {v}")
+
+
+def bounded(cfg: Any, name: str, low: float, most: float) -> None:
+    """in_range(cfg, name, low), and at most `most`: every count has an upper bound (no value a real run could
+    want lies beyond it; an absurd one would overflow, allocate or run for ever before failing)."""
+    in_range(cfg, name, low)
+    value = getattr(cfg, name)
+    for v in [x for x in (value if isinstance(value, list) else [value]) if x is not None]:
+        if v > most:
+            raise UserError(f"--{name} must be at most {most:,}, got {v}")
 
 
 # Device, precision, and processes (torchrun starts one per GPU; without it, this is rank 0 of 1)
@@ -318,11 +354,8 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = "another process"
-        with contextlib.suppress(OSError), open(info, "rb", opener=no_link) as f:  # a line; no link, no pipe
-            holder = f.read(200).decode(errors="replace").strip() or holder
-        raise UserError(f"{folder} is in use by another {what} ({holder}); wait for it to finish or use another "
-                        "folder") from None
+        raise UserError(f"{folder} is in use by another {what} ({lock_info(folder)}); wait for it to finish or "
+                        "use another folder") from None
     try:
         with atomic_file(info, "w") as f:  # anew: a link planted as .lock is replaced, never written through
             f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -336,35 +369,261 @@ def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
                 p.rmdir()
 
 
+def lock_info(folder: Path) -> str:
+    """What a lock's holder wrote in folder/.lock (pid, host, start), a line read without following a link."""
+    holder = "another process"
+    with contextlib.suppress(OSError), open(folder / ".lock", "rb", opener=no_link) as f:  # no link, no pipe
+        holder = f.read(200).decode(errors="replace").strip() or holder
+    return holder
+
+
+def lock_holder(folder: str | Path) -> str | None:
+    """Who holds hold_lock's lock on `folder` now (lock_info), or None: nobody, or no such folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released with the descriptor
+    except BlockingIOError:
+        return lock_info(Path(folder))
+    finally:
+        os.close(fd)
+    return None
+
+
+# Inputs and outputs, declared at a command's start (docs/failures.md, contract 1): an output is never an input,
+# never inside one, never holds one; an existing output is replaced only when it is this project's of its kind
+
+NAME_MAX = 255  # bytes of one name in a path (Linux file systems)
+PATH_MAX = 4095  # bytes of a whole path
+OUTPUT_KINDS = {"results": "results (a JSON table or list) as this project writes them",
+                "plot": "a plot (an image) matplotlib wrote", "tokenizer": "a tokenizer.json"}
+DEFAULT_KINDS = {"--json": "results", "--plot": "plot"}  # the kind of a flag's output unless told
+IMAGES = (b"\x89PNG", b"%PDF", b"<?xml", b"<svg", b"\xff\xd8\xff", b"GIF8", b"%!PS")
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The --config file of a command line (the last one given, as the settings door reads it)."""
+    return next((a.partition("=")[2] for a in reversed(argv) if a.startswith("--config=")), None)
+
+
+class Declared:
+    """A command's declared inputs and outputs (declare_io); an input known only once a file is read (the
+    dataset a checkpoint names) is checked against the same outputs with also_reads, before it is used."""
+
+    def __init__(self, reads: dict[str, list[str]], writes: dict[str, list[str]]):
+        self.reads, self.writes = reads, writes
+
+    def also_reads(self, flag: str, paths: Any) -> None:
+        found = {flag: named_paths(paths)}
+        check_path_names(found)
+        check_overlap(found, self.writes)
+        self.reads = {**self.reads, flag: [*self.reads.get(flag, []), *found[flag]]}
+
+
+def declare_io(reads: dict[str, Any], writes: dict[str, Any], kinds: dict[str, str] | None = None) -> Declared:
+    """Name what a command reads and writes, by flag (a path, a list of them, or None / "" for none; "hf:X" is
+    the folder X), before any work. Refused in one line: a path too long for a file system or holding a NUL;
+    an output that is an input (resolved, links followed, hard links too), lies inside an input folder or
+    holds an input; an output of a kind (by flag: --json results, --plot a plot; `kinds` says others:
+    "tokenizer") that is a link, a folder, below a file, in a folder it cannot write, or an existing file
+    that is not this project's output of that kind (an empty one may be replaced); an input of kind "start"
+    (a checkpoint to start from) of a run that is still training (its folder's lock is held)."""
+    reads = {flag: named_paths(value) for flag, value in reads.items()}
+    writes = {flag: named_paths(value) for flag, value in writes.items()}
+    kinds = {**DEFAULT_KINDS, **(kinds or {})}
+    check_path_names(reads)
+    check_path_names(writes)
+    files = [(flag, Path(path)) for flag, paths in writes.items() if kinds.get(flag) in OUTPUT_KINDS for path in paths]
+    for flag, path in files:  # what it is first: a link or a folder is never a file output, input or not
+        if path.is_symlink():
+            raise UserError(f"{flag}={path} is a symbolic link; pass the path of a file, which is written in its "
+                            "place")
+        if path.is_dir():
+            raise UserError(f"{flag}={path} is a directory; pass a file path such as {path / 'results.json'}")
+    check_overlap(reads, writes)
+    for flag, path in files:
+        check_output_file(path, flag, kinds[flag])
+    for flag, paths in reads.items():
+        for path in paths if kinds.get(flag) == "start" else ():
+            if os.path.isfile(path) and (holder := lock_holder(Path(path).parent)):  # a file: not an hf: folder
+                raise UserError(f"{flag}={path} is the checkpoint of a run still training in {Path(path).parent} "
+                                f"({holder}): it is not finished; wait for that run to end (or stop it: it saves), "
+                                "then start from its checkpoint")
+    return Declared(reads, writes)
+
+
+def named_paths(value: Any) -> list[str]:
+    """The paths a flag names: a path, or each of a list; none for None or ""; "hf:X" names the folder X."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [str(v).removeprefix("hf:") for v in values if v not in (None, "")]
+
+
+def check_path_names(paths: dict[str, list[str]]) -> None:
+    """A path no file system could hold is one line, before a call that would raise on it (Path.exists does)."""
+    for flag, values in paths.items():
+        for path in values:
+            data = os.fsencode(path)
+            if b"\0" in data:
+                raise UserError(f"{named(flag, repr(path))} holds a NUL character, which no path can; pass a real "
+                                "path")
+            longest = max((len(part) for part in data.split(b"/")), default=0)
+            if longest > NAME_MAX or len(data) > PATH_MAX:
+                what = (f"a name of {longest} bytes (at most {NAME_MAX})" if longest > NAME_MAX else
+                        f"{len(data)} bytes (at most {PATH_MAX})")
+                raise UserError(f"{named(flag, path[:80])}... is too long for a file system: {what}; pass a "
+                                "shorter path")
+
+
+def check_overlap(reads: dict[str, list[str]], writes: dict[str, list[str]]) -> None:
+    for out_flag, outs in writes.items():
+        for out in outs:
+            target = os.path.realpath(os.path.expanduser(out))
+            for in_flag, ins in reads.items():
+                for source in ins:
+                    found = os.path.realpath(os.path.expanduser(source))
+                    if target == found or same_file(target, found):
+                        raise UserError(f"{named(out_flag, out)} is also an input of this command "
+                                        f"({named(in_flag, source)}); it would be replaced: pass another path")
+                    if os.path.commonpath([target, found]) == found and not os.path.isfile(found):
+                        raise UserError(f"{named(out_flag, out)} lies inside {named(in_flag, source)}, an input of "
+                                        "this command; write it outside that folder")
+                    if os.path.commonpath([target, found]) == target and not os.path.isfile(target):
+                        raise UserError(f"{named(out_flag, out)} would hold {named(in_flag, source)}, an input of "
+                                        "this command, and replace it; pass an output outside the inputs")
+
+
+def named(flag: str, path: str) -> str:
+    """A path as a message names it: --flag=PATH, or "the dataset folder PATH" for one no flag names alone."""
+    return f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+
+
+def same_file(a: str, b: str) -> bool:
+    """Two names of one file (a hard link); False where either is missing."""
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except OSError:
+        return False
+
+
+def check_output_file(path: Path, flag: str, kind: str) -> None:
+    """An output file of a kind (OUTPUT_KINDS) that could never be written or must not be replaced (neither a
+    link nor a folder: declare_io checked that first)."""
+    if any(p.exists() and not p.is_dir() for p in path.parents):
+        raise UserError(f"{flag}={path}: a folder above it is a file")
+    parent = next(p for p in path.parents if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag}={path}: {parent} is not writable; pass a path you can write")
+    if os.path.lexists(path) and not is_output(path, kind):
+        raise UserError(f"{flag}={path} exists and is not {OUTPUT_KINDS[kind]}; it is left as it is: move it away "
+                        "or pass another path")
+
+
+def is_output(path: Path, kind: str) -> bool:
+    """Whether an existing file (read through a door: a regular file of a sane size) is one this project's output
+    of that kind may replace: empty; results: JSON exactly as results.write_json lays it out (a dataset's
+    meta.json, a tokenizer or a data file is laid out otherwise); a plot: an image naming matplotlib; a tokenizer:
+    a JSON table with a "model"."""
+    import doors
+    try:
+        data = doors.read_small(path, doors.MAX_TOKENIZER_BYTES if kind == "tokenizer" else doors.MAX_TEXT_BYTES,
+                                "output", "")
+        value = doors.parse(data, "", "") if data and kind != "plot" else None
+    except doors.Refused:
+        return False
+    if not data:
+        return True
+    if kind == "plot":
+        return data.startswith(IMAGES) and b"atplotlib" in data[:1 << 16]
+    if kind == "tokenizer":
+        return isinstance(value, dict) and "model" in value
+    laid_out = json.dumps(value, indent=1, default=str)
+    return isinstance(value, (dict, list)) and data.decode("utf-8", "replace").rstrip() == laid_out
+
+
+def refuse_idle(cfg: Any, idle: dict[str, str], baseline: Any = None) -> None:
+    """A setting that changes nothing is refused (contract 6): each name of `idle` (name: why it changes
+    nothing) whose value differs from `baseline`'s (the defaults of cfg's class, or its --quick ones)."""
+    baseline = baseline if baseline is not None else type(cfg)()
+    for name, why in idle.items():
+        if getattr(cfg, name) != getattr(baseline, name):
+            raise UserError(f"--{name}={brief_value(getattr(cfg, name))} changes nothing {why}; drop it")
+
+
+def brief_value(value: Any) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 # A training run's folder: its own while it runs, its log, and Ctrl-C or SIGTERM (rank 0 alone writes)
 
 
+def run_files(out_dir: str | Path) -> list[Path]:
+    """What a training run writes in its out_dir (besides its .lock and temp files)."""
+    return [Path(out_dir) / "ckpt.pt", Path(out_dir) / "log.jsonl"]
+
+
+def launched_as_rank_0() -> bool:
+    """Rank 0, also before the process group is joined (torchrun says which rank this is in RANK)."""
+    return is_main_process() if torch.distributed.is_initialized() else os.environ.get("RANK", "0") == "0"
+
+
 @contextlib.contextmanager
-def claim_out_dir(out_dir: Path, resumed_step: int | None, overwrite: bool, auto: bool) -> Iterator[None]:
-    """out_dir for this run alone. A new run never replaces another's checkpoint or log (but with --overwrite,
-    or a log without a checkpoint with --resume=auto); a resumed one keeps the log up to its checkpoint."""
-    if not is_main_process():
+def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterator[None]:
+    """out_dir for this run alone, claimed before anything is built (a second run is refused at once). A new
+    run never replaces another's checkpoint or log (but with --overwrite, or a log without a checkpoint with
+    --resume=auto); what it holds is only changed by start_log, once the run is built."""
+    if not launched_as_rank_0():
         yield
         return
-    log = out_dir / "log.jsonl"
-    ckpt = out_dir / "ckpt.pt"
+    log, ckpt = run_files(out_dir)[1], run_files(out_dir)[0]
     if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
         raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
     if log.is_symlink() or log.is_dir():
         raise UserError(f"{log} is a folder or a link, not a run's log; move it away or pick another --out_dir")
-    if resumed_step is None and not overwrite and (ckpt.exists() or (log.exists() and not auto)):
+    if ckpt.exists() and not ckpt.is_file():
+        raise UserError(f"{ckpt} is a folder or not a regular file, not a run's checkpoint: it would never be "
+                        "replaced; move it away or pick another --out_dir")
+    resuming = resume is True or (resume == "auto" and ckpt.is_file())
+    if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")
+    if not resuming:  # what a new run replaces must be a run's, whatever the flags
+        check_a_runs_files(ckpt, log)
     with hold_lock(out_dir, "training run"):
         remove_stale_temps(out_dir)
-        if resumed_step is not None and log.is_file():  # a line cut short by a crash does not end in "}"
-            kept = [line + "\n" for line in log.read_text().splitlines()
-                    if line.endswith("}") and json.loads(line).get("step", 0) <= resumed_step]
-            with atomic_file(log, "w") as f:
-                f.writelines(kept)
-        elif resumed_step is None:
-            log.unlink(missing_ok=True)
         yield
+
+
+def check_a_runs_files(ckpt: Path, log: Path) -> None:
+    """A ckpt.pt and log.jsonl that a new run would replace are a run's (contract 2): a file torch.save wrote (its
+    zip directory), a log whose lines are a run's records (a last one cut short by a crash allowed)."""
+    import doors
+    fix = "move it away or pick another --out_dir"
+    if ckpt.is_file():
+        f, info = through_door(doors.opened, ckpt, "checkpoint", fix)
+        with f:
+            why = doors.zip_problem(f, info.st_size)
+        if why:
+            raise UserError(f"{ckpt} {why}: it is not a run's checkpoint, and a new run replaces only a run's; {fix}")
+    if log.is_file():
+        through_door(doors.run_log, log, True)
+
+
+def start_log(out_dir: Path, resumed_step: int | None) -> None:
+    """The log of a claimed run, once it is built: a resumed one keeps its records up to its checkpoint's step
+    (a line cut short by a crash dropped; any other damage refused by its door), a new one starts empty."""
+    if not is_main_process():
+        return
+    log = run_files(out_dir)[1]
+    if resumed_step is None:
+        log.unlink(missing_ok=True)
+    elif log.is_file():
+        import doors
+        records = through_door(doors.run_log, log, True)
+        with atomic_file(log, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= resumed_step)
 
 
 def append_log(out_dir: Path, record: dict) -> None:

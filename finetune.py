@@ -102,6 +102,8 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures."""
+    common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
+                      kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
     base = base_checkpoint(cfg)
     cfg = inherit_settings(cfg, base)
     pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
@@ -125,15 +127,28 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
                    compute_fraction=spent / pretrain_flops if pretrain_flops else None)
-    if summary["first_val"] and summary["val"]:
+    if summary["first_val"] and summary["val"] and not summary["interrupted"]:  # a stopped one is not done
         compute = f" | compute: {100 * summary['compute_fraction']:.2f}% of pre-training" if pretrain_flops else ""
         note(f"validation CE: {summary['first_val']['val_ce']:.4f} before -> {summary['val']['val_ce']:.4f} after "
              f"fine-tuning{compute}")
     return summary
 
 
+def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
+    """The settings a command line gives that would change nothing (refused: common.refuse_idle)."""
+    idle = {"init_from": "in finetune.py (it starts from --ckpt)",
+            "add_lm_head": "in finetune.py (it always adds the LM head)"}
+    if cfg.max_iters is not None or cfg.tokens is not None:
+        idle["budget_fraction"] = "with --max_iters or --tokens (they set the budget)"
+    if cfg.max_iters is not None:
+        idle["tokens"] = "with --max_iters (it sets the number of steps)"
+    return idle
+
+
 def main(argv: list[str]) -> None:
-    summary = finetune(common.parse_flags(FinetuneConfig, argv))
+    cfg = common.parse_flags(FinetuneConfig, argv)
+    common.refuse_idle(cfg, idle_settings(cfg))
+    summary = finetune(cfg)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

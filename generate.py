@@ -112,6 +112,9 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
             raise UserError(f"prompt file {cfg.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     if not prompts:
         raise UserError("no prompt given; pass --prompt=TEXT (repeat for several) or --prompt_file=PATH")
+    for i, prompt in enumerate(cfg.prompt):  # a command line's bytes that were not UTF-8 (Python's surrogateescape)
+        if not doors.is_text(prompt):
+            raise UserError(f"--prompt {i + 1} is not UTF-8 text ({doors.clip(prompt, 40)}); pass it in UTF-8")
     return prompts
 
 
@@ -134,10 +137,17 @@ def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out
 
 def main(argv: list[str]) -> None:
     cfg = common.parse_flags(GenerateConfig, argv)
-    for name in ("top_k", "max_new_tokens", "num_samples"):
-        common.in_range(cfg, name, 0 if name == "top_k" else 1)
+    common.declare_io(reads={"--ckpt": cfg.ckpt, "--prompt_file": cfg.prompt_file,
+                             "--config": common.config_path(argv)}, writes={})
+    common.bounded(cfg, "top_k", 0, doors.MAXIMA["vocab_size"])
+    common.bounded(cfg, "max_new_tokens", 1, 1 << 24)
+    common.bounded(cfg, "num_samples", 1, 1 << 20)
     common.in_range(cfg, "top_p", 0, 1, "(]")
     common.in_range(cfg, "temperature", 0, 100)
+    common.in_range(cfg, "seed", 0, 2**64 - 1)  # torch's generators take any 64-bit seed
+    if cfg.temperature == 0:
+        common.refuse_idle(cfg, dict.fromkeys(("top_k", "top_p", "seed"), "with --temperature=0 (greedy: always the "
+                                                                         "most likely token, nothing is drawn)"))
     if 0 < cfg.temperature < 1e-3:
         raise UserError(f"--temperature={cfg.temperature} is too small to mean anything but greedy; use 0 "
                         "(greedy) or at least 1e-3")

@@ -40,7 +40,10 @@ from common import (
     DtypeName,
     UserError,
     autocast_context,
+    bounded,
     checkpoint_model,
+    config_path,
+    declare_io,
     in_range,
     load_checkpoint,
     parse_flags,
@@ -49,8 +52,9 @@ from common import (
     run_main,
 )
 from data import dataset_tokenizer
+from doors import MAXIMA
 from model import GPT, adamw
-from results import check_finite, check_output_path, parse_jsonl_line, write_json
+from results import check_finite, jsonl_rows, write_json
 from train import optimizer_step
 
 GLUE_HUB = "nyu-mll/glue"
@@ -155,19 +159,11 @@ def task_metrics(task: Task, split: str, pred: np.ndarray, gold: np.ndarray) -> 
 
 
 def read_rows(path: Path) -> list[dict]:
-    """One JSON object per line."""
+    """One JSON object per line, read line by line through its door (results.jsonl_rows)."""
     if not path.is_file():
         raise UserError(f"{path} not found; --data=DIR needs train.jsonl and the validation split(s) "
                         "in GLUE's columns (MNLI: validation_matched.jsonl, validation_mismatched.jsonl)")
-    rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(parse_jsonl_line(line, f"{path} line {number}"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; pass .jsonl files") from None
-    return rows
+    return [row for _, row in jsonl_rows(path, "GLUE file", "pass .jsonl files of GLUE's columns")]
 
 
 def load_split(cfg: GlueConfig, split: str) -> list[dict]:
@@ -296,15 +292,15 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
 
 
 def check_config(cfg: GlueConfig) -> None:
-    for name in ("epochs", "batch_size", "max_train_examples"):
-        in_range(cfg, name, 1)
-    in_range(cfg, "max_length", 2)
+    bounded(cfg, "epochs", 1, 1 << 20)
+    bounded(cfg, "batch_size", 1, 1 << 20)
+    bounded(cfg, "max_train_examples", 1, 1 << 40)
+    bounded(cfg, "max_length", 2, MAXIMA["block_size"])
     in_range(cfg, "lr", 0, ends="(]")
     in_range(cfg, "weight_decay", 0)
     for name in ("warmup_fraction", "dropout"):
         in_range(cfg, name, 0, 1, "[)")
-    if cfg.json:
-        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
+    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
 
 
 def load_encoder(cfg: GlueConfig, ckpt: dict, task: Task, device: torch.device) -> GPT:
@@ -415,6 +411,8 @@ def train_batch(model: GPT, optimizer: torch.optim.Optimizer, examples: list[lis
 
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(GlueConfig, argv)
+    declare_io(reads={"--ckpt": cfg.ckpt, "--data": cfg.data, "--config": config_path(argv)},
+               writes={"--json": cfg.json})
     result = fine_tune(cfg)
     shown = [k for k in result if k.split("_")[0] in METRICS or k == "score"]
     check_finite({k: result[k] for k in shown}, f"{cfg.task} of {cfg.ckpt}")

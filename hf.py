@@ -37,6 +37,8 @@ import torch
 from common import (
     UserError,
     checkpoint_model,
+    config_path,
+    declare_io,
     first_line,
     load_checkpoint,
     parse_flags,
@@ -825,6 +827,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_flags(ExportConfig, argv[1:])
     if not cfg.out:
         raise UserError("missing --out=DIR: the folder to write the transformers model into")
+    declare_io(reads={"--ckpt": cfg.ckpt, "--config": config_path(argv)}, writes={"--out": cfg.out})
     out = export(cfg.ckpt, cfg.out)
     print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({str(out)!r})", file=sys.stderr)
 

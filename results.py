@@ -11,66 +11,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import doors
-from common import UserError, atomic_file, parse_flags, run_main, through_door
-
-# What an existing output file must be for a command to replace it: this project's output of that kind
-OUTPUT_KINDS = {"json": "results (a JSON table or list)", "plot": "a plot (an image)", "out": "a tokenizer.json"}
-IMAGES = (b"\x89PNG", b"%PDF", b"<?xml", b"<svg", b"\xff\xd8\xff", b"GIF8", b"%!PS")
+from common import UserError, atomic_file, declare_io, parse_flags, run_main, through_door
 
 
-def parse_jsonl_line(line: str, where: str) -> Any:
-    """One line of a .jsonl file this project did not write: any way it is broken is one line naming `where`."""
+def jsonl_rows(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each row of a .jsonl file this project did not write, through its door
+    (doors.jsonl_rows: line by line, within bounds, UTF-8 text and JSON); a refusal as the scripts' one line."""
     try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where} is not valid JSON ({e.msg} at column {e.colno})") from None
-    except ValueError:  # an integer of more than 4300 digits
-        raise UserError(f"{where} holds a number too long to read") from None
-    except RecursionError:
-        raise UserError(f"{where} is JSON nested too deeply to be an example") from None
-
-
-def check_output_path(path: str | Path, flag: str, inputs: tuple = ()) -> None:
-    """Refuse, before any work, an output file that could never be written or must not be replaced: one that
-    resolves to an input of the command, a symbolic link, a folder or another thing than a regular file, a
-    path below a file or in a folder it cannot write, or an existing file that is not this project's output of
-    its kind (OUTPUT_KINDS, by the flag: --json, --plot, bpe.py's --out). An empty file may be replaced."""
-    path = Path(path)
-    if path.is_symlink():
-        raise UserError(f"--{flag}={path} is a symbolic link; pass the path of a file, which is written in its place")
-    if path.is_dir():
-        raise UserError(f"--{flag}={path} is a directory; pass a file path such as {path / 'results.json'}")
-    if any(os.path.realpath(path) == os.path.realpath(source) for source in inputs if source):
-        raise UserError(f"--{flag}={path} is also an input of this command; pass another path")
-    if any(p.exists() and not p.is_dir() for p in path.parents):
-        raise UserError(f"--{flag}={path}: a folder above it is a file")
-    parent = next(p for p in path.parents if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--{flag}={path}: {parent} is not writable; pass a path you can write")
-    if os.path.lexists(path) and not is_output(path, flag):
-        raise UserError(f"--{flag}={path} exists and is not {OUTPUT_KINDS[flag]} as this project writes it; it "
-                        "is left as it is: move it away or pass another path")
-
-
-def is_output(path: Path, flag: str) -> bool:
-    """Whether an existing file (read through a door: a regular file of a sane size) is one this project's
-    output of that kind may replace."""
-    try:
-        data = doors.read_small(path, doors.MAX_TOKENIZER_BYTES if flag == "out" else doors.MAX_TEXT_BYTES, "", "")
-        value = doors.parse(data, "", "") if data and flag != "plot" else None
-    except doors.Refused:
-        return False
-    if flag == "plot" or not data:
-        return data.startswith(IMAGES) or not data
-    return isinstance(value, (dict, list)) if flag == "json" else isinstance(value, dict) and "model" in value
+        yield from doors.jsonl_rows(path, what, fix)
+    except doors.Refused as e:
+        raise UserError(str(e)) from None
 
 
 def check_finite(values: Any, what: str) -> None:
@@ -143,7 +100,7 @@ Curves = dict[str, list[tuple[float, float]]]  # metric: its (x, value) points
 
 
 def log_curves(records: list[dict], x: Callable[[dict], float] = lambda r: r["tokens"]) -> Curves:
-    """A run's log records (doors.training_log) as curves: its training loss and each validation metric against
+    """A run's log records (doors.run_log) as curves: its training loss and each validation metric against
     x (by default the tokens seen); a null (a value that was not finite) is left out."""
     curves: Curves = {}
     for r in records:
@@ -212,9 +169,9 @@ def main(argv: list[str]) -> None:
     cfg = parse_flags(PlotConfig, argv)
     if not cfg.log or not cfg.plot:
         raise UserError("pass --log=out/log.jsonl[,out-ce/log.jsonl,...] and --plot=FILE.png")
-    check_output_path(cfg.plot, "plot", tuple(cfg.log))
+    declare_io(reads={"--log": cfg.log}, writes={"--plot": cfg.plot})
     import_pyplot()  # fail before reading anything
-    runs = {label: log_curves(through_door(doors.training_log, path))
+    runs = {label: log_curves(through_door(doors.run_log, path, True))
             for label, path in zip(run_labels(cfg.log), cfg.log)}
     if empty := [label for label, curves in runs.items() if not curves]:
         raise UserError(f"{', '.join(empty)}: the log holds no training loss or validation yet; nothing to draw")

@@ -25,7 +25,15 @@ import torch
 import common
 import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
-from data import BatchSampler, ensure_dataset, open_split, open_val_split, same_tokenizer, sequential_batches
+from data import (
+    BatchSampler,
+    dataset_dir,
+    ensure_dataset,
+    open_split,
+    open_val_split,
+    same_tokenizer,
+    sequential_batches,
+)
 from loss import VAL_SUMS, LossConfig, contrastive_table, scored_columns, training_loss, val_metrics, validation_sums
 from model import GPT, PRESETS, GPTConfig, PresetName, adamw, optimizer_step, padded_vocab_size
 
@@ -106,6 +114,7 @@ def check_config(cfg: TrainConfig) -> None:
     common.in_range(cfg, "eps", 0, ends="(]")
     common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
     common.in_range(cfg, "mix_alpha", 0, ends="(]")
+    common.bounded(cfg, "mix_alpha", 0, 100)  # beyond, the largest source alone (p ~ n^alpha); 1e308 gave NaNs
     common.in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
     given = {name: getattr(cfg, name) for name in MODEL_FIELDS if getattr(cfg, name) is not None}
     if why := doors.model_fields_problem(given, GPTConfig):  # each model flag as a checkpoint's model_config
@@ -648,7 +657,18 @@ class Run:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
-    a signal stopped it: `interrupted`, the signal's number in `signal`)."""
+    a signal stopped it: `interrupted`, the signal's number in `signal`). What it reads and writes is declared,
+    and out_dir claimed (its lock taken), before anything is built."""
+    check_config(cfg)
+    common.declare_io(reads={"--init_from": cfg.init_from,
+                             "--dataset": [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]},
+                      writes={"--out_dir": common.run_files(cfg.out_dir)}, kinds={"--init_from": "start"})
+    with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite):
+        return train_claimed(cfg)
+
+
+def train_claimed(cfg: TrainConfig) -> dict[str, Any]:
+    """train() in its claimed out_dir."""
     run = Run(cfg)
     cfg = run.cfg
     state = run.state
@@ -657,8 +677,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     since = (started, state.step)  # tokens/s counts training time only: validation restarts the clock
     stopping = False
     run.model.train()
-    claim = common.claim_out_dir(run.out_dir, run.resumed_step, cfg.overwrite, cfg.resume == "auto")
-    with claim, common.StopFlag() as stop, tracked(run):
+    common.start_log(run.out_dir, run.resumed_step)
+    with common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():
                 run.validate()
@@ -676,6 +696,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 run.save(stop)  # a validation due at this step is owed to --resume
                 break
         common.barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
+    stopping = stopping or stop.requested  # a signal at the run's very end still stops the whole command
     elapsed = time.time() - started
     ckpt = run.out_dir / "ckpt.pt"
     note(f"stopped at step {state.step}; checkpoint saved to {ckpt}; continue with --resume" if stopping else
@@ -694,8 +715,22 @@ def tracked(run: Run) -> contextlib.AbstractContextManager:
     return Tracker(run)
 
 
+def idle_settings(cfg: TrainConfig) -> dict[str, str]:
+    """The settings a command line gives that would change nothing (refused: common.refuse_idle)."""
+    idle = {}
+    if "," not in cfg.dataset:
+        idle["mix_alpha"] = "without a mix (--dataset=A,B,...)"
+    if cfg.lr_schedule == "constant":
+        idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
+    if not cfg.init_from or cfg.resume is True:
+        idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
+    return idle
+
+
 def main(argv: list[str]) -> None:
-    summary = train(common.parse_flags(TrainConfig, argv))
+    cfg = common.parse_flags(TrainConfig, argv)
+    common.refuse_idle(cfg, idle_settings(cfg))
+    summary = train(cfg)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

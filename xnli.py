@@ -40,10 +40,23 @@ import torch
 from tqdm import tqdm
 
 import glue
-from common import UserError, first_line, load_checkpoint, parse_flags, pick_device, pick_dtype, run_main
+from common import (
+    UserError,
+    bounded,
+    config_path,
+    declare_io,
+    first_line,
+    in_range,
+    load_checkpoint,
+    parse_flags,
+    pick_device,
+    pick_dtype,
+    run_main,
+)
 from data import dataset_tokenizer
+from doors import MAXIMA
 from model import adamw
-from results import check_finite, check_output_path, parse_jsonl_line, write_json
+from results import check_finite, jsonl_rows, write_json
 
 XNLI_HUB = "facebook/xnli"
 XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")
@@ -132,18 +145,12 @@ def plan_languages(cfg: XnliConfig, known: list[str]) -> list[tuple[str, list[st
 
 
 def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
-    """(position, row) of each non-blank line of a .jsonl file; the position names the file and line."""
+    """(position, row) of each non-blank line of a .jsonl file (read line by line through its door,
+    results.jsonl_rows); the position names the file and line."""
     if not path.is_file():
         raise UserError(f"{path} not found; {DATA_HINT}")
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"{path} line {number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise UserError(f"{where} is not UTF-8 text; save the file as UTF-8") from None
-            if line.strip():
-                yield where, parse_jsonl_line(line, where)
+    for number, row in jsonl_rows(path, "XNLI file", "save the file as UTF-8 JSON lines"):
+        yield f"{path} line {number}", row
 
 
 def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:
@@ -198,13 +205,14 @@ def load_split(cfg: XnliConfig, lang: str, split: str, limit: int | None) -> tup
 
 def check_config(cfg: XnliConfig) -> None:
     """Refuse settings that cannot work, and an unwritable --json, before any work."""
-    for name in ("epochs", "batch_size", "max_train_examples", "max_test_examples"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name} must be at least 1, got {value}")
+    for name, most in (("epochs", 1 << 20), ("batch_size", 1 << 20), ("max_train_examples", 1 << 40),
+                       ("max_test_examples", 1 << 40)):
+        bounded(cfg, name, 1, most)
     if cfg.max_length < 2:
         raise UserError(f"--max_length must be at least 2 (a premise and a hypothesis token), "
                         f"got {cfg.max_length}")
+    bounded(cfg, "max_length", 2, MAXIMA["block_size"])
+    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
     if not (0 < cfg.lr < math.inf):
         raise UserError(f"--lr must be a positive finite number, got {cfg.lr}")
     if not (0 <= cfg.warmup_fraction < 1):
@@ -213,8 +221,6 @@ def check_config(cfg: XnliConfig) -> None:
         raise UserError(f"--weight_decay must be a finite number of at least 0, got {cfg.weight_decay}")
     if not (0 <= cfg.dropout < 1):
         raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    if cfg.json:
-        check_output_path(cfg.json, "json", (cfg.ckpt, cfg.data))
 
 
 def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,
@@ -293,6 +299,8 @@ def run_xnli(cfg: XnliConfig) -> dict:
 
 def main(argv: list[str]) -> dict:
     cfg = parse_flags(XnliConfig, argv)
+    declare_io(reads={"--ckpt": cfg.ckpt, "--data": cfg.data, "--config": config_path(argv)},
+               writes={"--json": cfg.json})
     result = run_xnli(cfg)
     cells = [f"{lang} {100 * acc:.2f}" for lang, acc in result["accuracy"].items()]
     check_finite(result, f"xnli of {cfg.ckpt}")

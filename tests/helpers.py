@@ -3,6 +3,7 @@ its test files keeps every other test file collecting (tests/test_style.py check
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,3 +42,151 @@ def run_cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
         common.run_main(main)
     out, err = capsys.readouterr()
     return e.value.code, out, (err.splitlines() or [""])[-1]
+
+
+def refusal(main, argv: list[str], monkeypatch, capsys) -> str:
+    """`python SCRIPT.py ARGV` is refused as a user sees it: exit code 2, nothing on stdout, and its error one
+    line, the last on stderr (after any progress notes; no traceback, no second `error:` line); returns it."""
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        common.run_main(main)
+    out, err = capsys.readouterr()
+    assert (e.value.code, out) == (2, ""), (e.value.code, out, err)
+    return one_error_line(err)
+
+
+def one_error_line(err: str) -> str:
+    """The one error line that ends a refused command's stderr."""
+    lines = err.split("\n")
+    assert err.endswith("\n") and lines[-2].startswith("error: "), err[-2000:]
+    assert [line for line in lines if line.startswith(("error", "Traceback"))] == [lines[-2]], err[-2000:]
+    return lines[-2]
+
+
+# (input, output) path pairs: every way an output can be, hold or lie inside an input (contract 1)
+
+RELATIONS = ("same", "inside", "holds", "link", "link_parent", "hardlink")
+
+
+def tree_state(root: Path) -> dict[str, object]:
+    """Every entry under root, links unfollowed: a folder, a link's target, a file's bytes (a file of more than
+    1 MiB, a sparse one: its size, inode and modification time), so that equal states mean nothing changed."""
+    state = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            info = path.lstat()
+            state[str(path.relative_to(root))] = (
+                f"-> {os.readlink(path)}" if path.is_symlink() else "folder" if path.is_dir() else
+                (info.st_size, info.st_ino, info.st_mtime_ns) if info.st_size > 1 << 20 else path.read_bytes())
+    return state
+
+
+FILE_KINDS = {"file": "", "jsonl": ".jsonl", "config": ".json", "tokenizer": ".json"}  # kind: its name's suffix
+
+
+def make_input(path: Path, kind: str) -> None:
+    """An input of a kind a script reads: a file, a JSON config, a jsonl, a folder (a dataset's, a corpus, an HF
+    model's). Its content does not matter: the command must refuse before reading it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind in FILE_KINDS:
+        path.write_text({"file": "bytes", "jsonl": '{"text": "a b"}\n', "config": "{}\n", "tokenizer": "{}"}[kind])
+        return
+    path.mkdir()
+    inside = {"dataset": "meta.json", "corpus": "a.txt", "hf": "config.json", "folder": "notes.txt"}[kind]
+    (path / inside).write_text("{}\n")
+
+
+def written_path(relation: str, source: Path, root: Path, name: str, spelling: int) -> str:
+    """The path a command would write (named `name`), standing in `relation` to the input `source`, as a user
+    could spell it: absolute, relative to the current folder (root), or through `sub/..`."""
+    if relation == "same":
+        target = source
+    elif relation == "inside":
+        target = source / "sub" / name
+    elif relation == "holds":
+        target = source.parent
+    elif relation == "link":
+        target = root / "links" / name
+        target.parent.mkdir(exist_ok=True)
+        target.symlink_to(source)
+    elif relation == "link_parent":
+        link = root / "links" / "to-parent"
+        link.parent.mkdir(exist_ok=True)
+        link.symlink_to(source.parent)
+        target = link / source.name
+    else:  # hardlink
+        target = root / "hard" / name
+        target.parent.mkdir(exist_ok=True)
+        os.link(source, target)
+    text = str(target)
+    if spelling == 1:
+        text = os.path.relpath(target, root)
+    elif spelling == 2:
+        text = str(target.parent / "sub" / ".." / target.name)
+    return text
+
+
+def io_pairs(specs: dict, max_examples: int = 12):
+    """A Hypothesis test over (input, output) pairs of every script in `specs` (name -> (main, the input's kind, the
+    relations that apply, the name of what it writes, argv(input, output path))): each is refused in one line,
+    exit code 2, and nothing under the working folder changes (a tree_state before and after)."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(script=st.sampled_from(sorted(specs)), relation=st.sampled_from(RELATIONS),
+           spelling=st.integers(0, 2), depth=st.integers(0, 2))
+    def check(tmp_path_factory, monkeypatch, capsys, script, relation, spelling, depth):
+        main, kind, relations, name, argv = specs[script]
+        if relation not in relations:
+            relation = relations[0]
+        root = tmp_path_factory.mktemp("io")
+        monkeypatch.chdir(root)
+        suffix = FILE_KINDS.get(kind, "")
+        source = root.joinpath(*["deep"] * depth, "input" + suffix if relation in ("inside", "link") else name)
+        if relation == "holds":
+            source = root / name / f"input{suffix}"
+        make_input(source, kind)
+        target = written_path(relation, source, root, name, spelling)
+        before = tree_state(root)
+        code, out, err = run_cli(main, argv(str(source), target), monkeypatch, capsys)
+        assert code == 2 and out == "" and err.startswith("error: "), (script, relation, code, out, err)
+        assert "Traceback" not in err and tree_state(root) == before, (script, relation, err)
+
+    return check
+
+
+# Damage to a JSON file: a value of another type, a field deleted, the text cut short
+
+WRONG_JSON = ["text", [], {}, None, -1, 1e309, True, 2**70]  # 1e309: JSON's Infinity
+
+
+def json_paths(value, prefix: tuple = ()):
+    """Every path (of keys and indices) in a JSON value, the value's own (()) first."""
+    yield prefix
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from json_paths(item, (*prefix, key))
+
+
+def damaged_json(good, how: str, where: float, wrong) -> str:
+    """`good` as JSON text, damaged: "retype" sets the value at the `where`-th share of its paths to `wrong`,
+    "delete" deletes it, "cut" cuts the text at that share of its length."""
+    import copy
+
+    text = json.dumps(good)
+    if how == "cut":
+        return text[:int(where * len(text))]
+    paths = list(json_paths(good))[1:]
+    key_path = paths[int(where * len(paths))]
+    damaged = copy.deepcopy(good)
+    parent = damaged
+    for key in key_path[:-1]:
+        parent = parent[key]
+    if how == "retype":
+        parent[key_path[-1]] = wrong
+    else:
+        del parent[key_path[-1]]
+    return json.dumps(damaged)

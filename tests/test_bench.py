@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from conftest import refused_before_any_work
+from helpers import io_pairs, refusal, tree_state
 
 import bench
 import common
@@ -100,3 +101,59 @@ def test_too_many_negatives_are_reported_once(capsys):
 ])
 def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(bench.main, flags, message, tmp_path)
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 5, 6
+
+SMALL = ["--mode=loss", "--preset=tiny", "--vocab=64", "--tokens=8", "--variants=ce", "--repeats=1", "--warmup=0",
+         "--memory=false", "--device=cpu"]
+
+
+def a_dataset(t):
+    (t / "d").mkdir()
+    (t / "d" / "meta.json").write_text(json.dumps({"format": 3, "tokenizer": "gpt2"}, indent=2) + "\n")
+    return t / "d" / "meta.json"
+
+
+BENCH_CASES = {  # case: (flags given tmp_path; what the one line says)
+    "--json= a dataset's meta.json": (lambda t: [*SMALL, f"--json={a_dataset(t)}"],
+                                      "--json={t}/d/meta.json exists and is not results (a JSON table or list) as "
+                                      "this project writes them"),
+    "--gpu_check --json": (lambda t: ["--gpu_check", f"--json={t / 'r.json'}"],
+                           "--json={t}/r.json changes nothing with --gpu_check"),
+    "--gpu_check --quick": (lambda t: ["--gpu_check", "--quick"], "--quick=True changes nothing with --gpu_check"),
+    "--mode=ddp --json": (lambda t: ["--mode=ddp", f"--json={t / 'r.json'}"], "changes nothing with --mode=ddp"),
+    "--mode=data --preset": (lambda t: ["--mode=data", "--preset=tiny"], "--preset=tiny changes nothing with "
+                             "--mode=data"),
+    "--variants with --mode=step": (lambda t: ["--mode=step", "--variants=cwt"], "--variants=cwt changes nothing"),
+    "--check_presets without --gpu_check": (lambda t: ["--check_presets=tiny"], "changes nothing without --gpu_check"),
+    "--variants=ce,ce": (lambda t: [*SMALL, "--variants=ce,ce"], "--variants lists ce more than once"),
+    "--variants=cwt-k0 (all negatives, silently)": (lambda t: [*SMALL, "--variants=cwt-k0"],
+                                                    "unknown variant 'cwt-k0'"),
+    "variants = [] in a config file": (
+        lambda t: (t / "c.json").write_text('{"variants": []}') and [*SMALL[:4], f"--config={t / 'c.json'}"],
+        "--variants needs at least one value"),
+    "--vocab=1e12": (lambda t: [*SMALL, "--vocab=1e12"], "--vocab must be at most 4,194,304"),
+    "--tokens=1e9": (lambda t: [*SMALL, "--tokens=1e9"], "--tokens must be at most 4,194,304"),
+    "--block_size=1e9": (lambda t: ["--mode=step", "--block_size=1e9"], "--block_size must be at most 1,048,576"),
+}
+
+
+@pytest.mark.parametrize("case", BENCH_CASES)
+def test_bench_refuses_each_case_before_any_work(case, tmp_path, monkeypatch, capsys):
+    flags, words = BENCH_CASES[case]
+    argv = flags(tmp_path)
+    for work in ("run_bench", "gpu_check", "bench_data", "bench_ddp"):
+        monkeypatch.setattr(bench, work, lambda *a: pytest.fail("worked before the refusal"))
+    before = tree_state(tmp_path)
+    err = refusal(bench.main, argv, monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
+
+
+def test_bench_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): --json and --plot against --chunked_ref and --config."""
+    io_pairs({"bench --chunked_ref": (bench.main, "file", ("same", "link", "link_parent", "hardlink"), "r.png",
+                                      lambda i, o: [*SMALL, f"--chunked_ref={i}", f"--plot={o}"]),
+              "bench --config": (bench.main, "config", ("same", "link", "link_parent", "hardlink"), "c.json",
+                                 lambda i, o: [*SMALL, f"--config={i}", f"--json={o}"])})(
+        tmp_path_factory, monkeypatch, capsys)

@@ -213,3 +213,12 @@ def test_the_export_command_carries_a_trained_tokenizer(trained, tmp_path):
 
     exported = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert exported.encode("Café 日本語").ids == trained[300].encode("Café 日本語").ids
+
+
+def test_bpe_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): bpe.py's --out against a --sources folder."""
+    from helpers import io_pairs
+
+    io_pairs({"bpe --sources": (bpe.main, "corpus", ("same", "inside", "holds", "link", "link_parent"),
+                                "tokenizer.json", lambda i, o: [f"--sources={i}", "--vocab_size=300", f"--out={o}"])})(
+        tmp_path_factory, monkeypatch, capsys)

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import refused_before_any_work
-from helpers import read_log, run_cli, snapshot, without_timing
+from helpers import one_error_line, read_log, refusal, run_cli, snapshot, tree_state, without_timing
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import common
 import compare
@@ -159,3 +162,159 @@ def test_a_run_stopped_before_its_last_validation_is_not_finished(tiny_data_dir,
     ckpt["state"]["val_step"] = 2  # as a stop during step 4 leaves it
     torch.save(ckpt, tmp_path / "ckpt.pt")
     assert compare.finished_run(run_cfg) is None
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 5, 6, and compare.py's state
+
+
+COMPARE_CASES = {  # case: (flags given tmp_path; what the one line says)
+    "--json= its --lambada file": (lambda t: (t / "l.jsonl").write_text('{"text": "a b"}\n') and
+                                   [f"--lambada={t / 'l.jsonl'}", f"--json={t / 'l.jsonl'}"],
+                                   "--json={t}/l.jsonl is also an input of this command (--lambada={t}/l.jsonl)"),
+    "--seeds=1,2**32 (refused after seed 1's points)": (
+        lambda t: ["--negatives_sweep=all", "--seeds=1,4294967296"], "--seeds must be in [0, 4.29497e+09]"),
+    "--seed=2**32": (lambda t: ["--seed=4294967296"], "--seed must be in [0, 4.29497e+09]"),
+    "--block_size=1e9": (lambda t: ["--block_size=1e9"], "--block_size must be at most 1,048,576, got 1000000000"),
+    "--batch_size=1e9": (lambda t: ["--batch_size=1e9"], "--batch_size must be at most 1,048,576"),
+    "--seed with --seeds": (lambda t: ["--negatives_sweep=all", "--seeds=1", "--seed=5"],
+                            "--seed=5 changes nothing with --seeds"),
+    "an --out_dir holding --dataset": (lambda t: [f"--out_dir={t}"], "--out_dir={t}/ce would hold --dataset="),
+}
+
+
+@pytest.mark.parametrize("case", COMPARE_CASES)
+def test_compare_refuses_each_case_before_any_work(case, tmp_path, monkeypatch, capsys):
+    (tmp_path / "ce" / "d").mkdir(parents=True)
+    (tmp_path / "ce" / "d" / "meta.json").write_text("{}")  # a dataset's folder, read by the last case only
+    flags, words = COMPARE_CASES[case]
+    argv = [f"--dataset={tmp_path / 'ce' / 'd'}", f"--out_dir={tmp_path / 'cmp'}", "--quick", "--device=cpu",
+            *flags(tmp_path)]
+    monkeypatch.setattr(compare, "train", lambda cfg: pytest.fail("trained before the refusal"))
+    before = tree_state(tmp_path)
+    err = refusal(compare.main, argv, monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
+
+
+def test_quick_fills_only_the_settings_not_given():
+    """--quick replaced a given --block_size=16 with its own 32: the flag changed nothing."""
+    cfg = common.parse_flags(compare.CompareConfig, ["--quick", "--block_size=16"])
+    assert (compare.with_quick(cfg).block_size, compare.with_quick(cfg).ce_iters) == (16, compare.QUICK["ce_iters"])
+
+
+def test_a_signal_as_a_run_ends_stops_compare(tiny_data_dir, tmp_path, monkeypatch):
+    """Ctrl-C during CE's last validation was swallowed by the run that just finished: compare.py went on with
+    CWT and exited 0. The signal now reaches the command: CE is saved and finished, CWT never starts."""
+    real = train.Run.validate
+
+    def validate_then_ctrl_c(self):
+        real(self)
+        if self.state.step == self.cfg.max_iters:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(train.Run, "validate", validate_then_ctrl_c)
+    cfg = compare.CompareConfig(dataset=str(tiny_data_dir), quick=True, out_dir=str(tmp_path / "cmp"), device="cpu")
+    with pytest.raises(common.Interrupted) as stopped:
+        compare.run_compare(cfg)
+    assert stopped.value.signum == signal.SIGINT and sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["ce"]
+
+
+@pytest.fixture(scope="module")
+def finished_compare(tmp_path_factory):
+    """A finished quick compare.py (CE, CWT, its fine-tune) on a 300-token BPE of two plays' speeches: its
+    checkpoints are small, so that copies of its state are cheap. Returns (its flags, out_dir, result)."""
+    import data
+    import model
+
+    root = tmp_path_factory.mktemp("state")
+    speeches = [s for p in data.play_files()[:2] for s in data.clean_play(p.read_text()).split("\n\n")]
+    (root / "src").mkdir()
+    for name, part in (("train", speeches[:300]), ("validation", speeches[300:330])):
+        (root / "src" / f"{name}.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in part))
+    data.prepare(data.PrepareConfig(dataset=str(root / "src"), tokenizer="bpe:300", data_root=str(root / "data")))
+    flags = [f"--dataset={data.dataset_dir(str(root / 'src'), str(root / 'data'), tokenizer='bpe:300')}", "--quick",
+             "--device=cpu", f"--data_root={root / 'data'}"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=64))
+        compare.main([*flags, f"--out_dir={root / 'out'}", f"--json={root / 'result.json'}"])
+    return flags, root / "out", json.loads((root / "result.json").read_text())
+
+
+def measured(result: dict) -> dict:
+    """What a compare.py measured: its runs (but their time), curves, steps and budget."""
+    return {"runs": {k: {**r, "seconds": None} for k, r in result["runs"].items()}, "curves": result["curves"],
+            "iters": result["iters"], "budget_flops": result["budget_flops"]}
+
+
+def damage(out: Path, how: str, run: str, name: str, where: float) -> None:
+    """One change to a run's file in out: deleted, its bytes cut at `where` (a share of its length), or a value of
+    a line (log.jsonl) or field (ckpt.pt) of the wrong type."""
+    path = out / run / name
+    if how == "delete":
+        path.unlink()
+    elif how == "cut":
+        data = path.read_bytes()
+        path.write_bytes(data[:int(where * len(data))])
+    elif name == "log.jsonl":
+        lines = path.read_text().splitlines()
+        i = int(where * len(lines))
+        record = json.loads(lines[i])
+        key = sorted(record)[int(where * 100) % len(record)]
+        record[key] = [str(record[key])] if int(where * 10) % 2 else str(record[key])
+        path.write_text("\n".join([*lines[:i], json.dumps(record), *lines[i + 1:]]) + "\n")
+    else:
+        ckpt = torch.load(path, weights_only=True)
+        key = ("step", "val", "state", "loss", "tokens_seen")[int(where * 5)]
+        ckpt[key] = "text"
+        torch.save(ckpt, path)
+
+
+STATE_CASES = {  # the issue's cases (a traceback each): (run, file, how), what the one line says
+    "a missing log.jsonl of a finished run": (("cwt", "log.jsonl", "delete"), "holds a finished run whose validation"),
+    "a log.jsonl line of the wrong types": (("ce", "log.jsonl", "retype"), "log.jsonl line"),
+    "a log.jsonl cut short": (("cwt-ft", "log.jsonl", "cut"), "holds a finished run whose validation"),
+    "a checkpoint cut short": (("ce", "ckpt.pt", "cut"), "is not a torch.save file"),
+}
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+def test_damaged_resume_state_is_one_line_before_any_run(case, finished_compare, tmp_path, monkeypatch, capsys):
+    flags, out, _ = finished_compare
+    shutil.copytree(out, tmp_path / "out")
+    (run, name, how), words = STATE_CASES[case]
+    damage(tmp_path / "out", how, run, name, 0.5)
+    before = tree_state(tmp_path)
+    err = refusal(compare.main, [*flags, f"--out_dir={tmp_path / 'out'}", "--resume"], monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words in err, err
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.lists(st.tuples(st.sampled_from(["delete", "cut", "retype"]), st.sampled_from(compare.RUNS),
+                                  st.sampled_from(["ckpt.pt", "log.jsonl"]), st.floats(0, 0.99)),
+                        min_size=1, max_size=2))
+def test_any_damage_to_the_resume_state_works_as_before_or_is_one_line(changes, finished_compare,
+                                                                       tmp_path_factory, monkeypatch, capsys):
+    """compare.py --resume over its out_dir with files deleted, cut short or given values of the wrong type:
+    it gives the result of the undamaged run (a missing checkpoint's run is trained again, deterministically),
+    or refuses in one line with exit 2 before any run starts, changing nothing; never a traceback."""
+    flags, out, reference = finished_compare
+    root = tmp_path_factory.mktemp("damaged")
+    shutil.copytree(out, root / "out")
+    for how, run, name, where in changes:
+        if (root / "out" / run / name).exists():
+            damage(root / "out", how, run, name, where)
+    before = tree_state(root)
+    monkeypatch.setattr(sys, "argv", ["compare.py", *flags, f"--out_dir={root / 'out'}", "--resume",
+                                      f"--json={root / 'result.json'}"])
+    capsys.readouterr()
+    try:
+        common.run_main(compare.main)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code in (0, 2) and "Traceback" not in err, (code, err)
+    if code == 2:
+        assert one_error_line(err) and tree_state(root) == before, err
+    else:
+        result = json.loads((root / "result.json").read_text())
+        assert measured(result) == measured(reference)

@@ -8,6 +8,8 @@ from unittest import mock
 
 import pytest
 from conftest import refused_before_any_work
+from helpers import WRONG_JSON, damaged_json
+from hypothesis import given, settings, strategies as st
 
 import bench
 import compare
@@ -170,3 +172,42 @@ def test_plots_draw_both_series(tmp_path, monkeypatch):
     assert drawn == [([8, 63], [0.1, 0.05]), ([127], [0.02])]  # negatives per row: candidates - 1
     assert cost.twinx.return_value.plot.call_args_list[0].args[:2] == ([8], [2.0])  # memory where measured
     assert (tmp_path / "negatives.png").exists()
+
+
+# ------------------------------------------------------------- issue 33: compare.py's state, its door
+
+
+def test_a_result_json_copied_from_another_point_is_refused(sweep, tmp_path):
+    """A point's result.json is used as it is on --resume: one of another point (or seed) would be tabled as
+    this one's. Its batch, variant and seed must be the point's."""
+    _, out, _, _ = sweep
+    other = json.loads((out / "b2-cwt-k8-s7" / "result.json").read_text())
+    (tmp_path / "result.json").write_text(json.dumps(other))
+    with pytest.raises(UserError, match=r"result.json is not a finished point's results: variant is 'cwt-k8', not "
+                                        r"'cwt-unique'; delete it to run that point again"):
+        compare.finished_size(tmp_path / "result.json", other["sweep_settings"], "point",
+                              {"batch_size": 2, "variant": "cwt-unique", "seed": 7})
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG_JSON))
+def test_a_damaged_point_result_is_used_as_before_or_refused_in_one_line(sweep, tmp_path_factory, how, where, wrong):
+    """The door of a point's result.json (doors.compare_result), under random damage (a field of any other type,
+    a field deleted, the file cut short): either it is refused in one line, or what it lets in tables as a
+    finished point does (negatives_row, negatives_table, finite JSON), never a traceback."""
+    _, out, _, _ = sweep
+    good = json.loads((out / "b2-cwt-k8-s7" / "result.json").read_text())
+    ce = json.loads((out / "b2-ce-s7" / "result.json").read_text())
+    path = tmp_path_factory.mktemp("point") / "result.json"
+    path.write_text(damaged_json(good, how, where, wrong))
+    try:
+        result = compare.finished_size(path, good["sweep_settings"], "point",
+                                       {"batch_size": 2, "variant": "cwt-k8", "seed": 7})
+    except UserError as e:
+        assert "\n" not in str(e) and len(str(e)) < 1000
+        return
+    fields = compare.CompareConfig.__dataclass_fields__
+    cfg = compare.CompareConfig(**{k: v for k, v in good["sweep_settings"].items() if k in fields})
+    row = compare.negatives_row(cfg, "k", 2, "cwt-k8", [(result, ce)], {})
+    compare.negatives_table([row])
+    json.dumps(row, allow_nan=False)

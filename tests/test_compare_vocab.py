@@ -6,6 +6,8 @@ import math
 import sys
 
 import pytest
+from helpers import WRONG_JSON, damaged_json
+from hypothesis import given, settings, strategies as st
 
 import compare
 import data
@@ -108,3 +110,21 @@ def test_bad_sizes_prepared_folders_and_plots_without_matplotlib_are_one_line(ti
         compare.main(["--vocab_sizes=1024", f"--out_dir={tmp_path}", f"--plot={tmp_path / 'vocab.png'}"])
     assert "\n" not in str(e.value)
     assert not any(tmp_path.iterdir())  # refused before any work
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG_JSON))
+def test_a_damaged_size_result_is_used_as_before_or_refused_in_one_line(sweep, tmp_path_factory, how, where, wrong):
+    """The door of a size's result.json (doors.compare_result) under random damage: refused in one line, or what
+    it lets in tables as a finished size does (vocab_table, finite JSON), never a traceback."""
+    cfg, _ = sweep
+    good = json.loads((compare.Path(cfg.out_dir) / "bpe300" / "result.json").read_text())
+    path = tmp_path_factory.mktemp("size") / "result.json"
+    path.write_text(damaged_json(good, how, where, wrong))
+    try:
+        result = compare.finished_size(path, good["sweep_settings"], "size", {"bpe": 300})
+    except UserError as e:
+        assert "\n" not in str(e) and len(str(e)) < 1000
+        return
+    compare.vocab_table({"sizes": [result]})
+    json.dumps(result["full_val"], allow_nan=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import refusal, tree_state
 
 import data
 from common import UserError
@@ -284,3 +285,60 @@ def test_cli_prepares_builtin_shakespeare_offline(tmp_path):
     files = sorted(p.name for p in (tmp_path / "data" / "shakespeare").iterdir())
     assert files == ["meta.json", "train.bin", "val.bin", "val.bytes"]
     open_split(tmp_path / "data" / "shakespeare", "train", 50257)
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 2, 5, 6
+
+
+def user_folder(t: Path) -> list[str]:
+    (t / "d" / "shakespeare").mkdir(parents=True)
+    (t / "d" / "shakespeare" / "notes.txt").write_text("a user's notes")
+    return [f"--data_root={t / 'd'}", "--max_docs=1"]
+
+
+def victim(t: Path) -> list[str]:
+    (t / "victim").mkdir()
+    (t / "victim" / "mine.txt").write_text("a user's file")
+    return [f"--data_root={t / 'root'}", "--max_docs=1", "--name=../victim"]
+
+
+def books(t: Path) -> list[str]:
+    (t / "d" / "books").mkdir(parents=True)
+    for i in range(8):
+        (t / "d" / "books" / f"{i}.txt").write_text(f"line {i} of a book, with words enough to split by hash\n")
+    return [f"--dataset={t / 'd' / 'books'}", f"--data_root={t / 'd'}"]
+
+
+DATA_CASES = {  # case: (flags given tmp_path; what the one line says)
+    "data_root/NAME holding a user's files": (
+        user_folder, "{t}/d/shakespeare holds files that are not a dataset's (notes.txt); data.py replaces only a "
+        "folder it prepared"),
+    "--name=../victim, outside --data_root": (victim, "--name=../victim must be one folder name under --data_root"),
+    "the source corpus folder is where the dataset goes": (
+        books, "the dataset folder {t}/d/books is also an input of this command (--dataset={t}/d/books)"),
+    "--subset for the built-in corpus": (lambda t: [f"--data_root={t / 'd'}", "--subset=x"],
+                                         "--subset=x changes nothing for the built-in shakespeare"),
+    "--tokenizer_docs without bpe:N": (lambda t: [f"--data_root={t / 'd'}", "--tokenizer_docs=5"],
+                                       "--tokenizer_docs=5 changes nothing without --tokenizer=bpe:N"),
+    "--max_docs=1e20": (lambda t: [f"--data_root={t / 'd'}", "--max_docs=1e20"],
+                        "--max_docs must be at most 1,125,899,906,842,624"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+def test_data_py_refuses_each_case_and_deletes_nothing(case, tmp_path, monkeypatch, capsys):
+    flags, words = DATA_CASES[case]
+    argv = flags(tmp_path)
+    before = tree_state(tmp_path)
+    err = refusal(data.main, argv, monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
+
+
+def test_a_folder_holding_only_a_dataset_is_prepared_again(tiny_data_dir, tmp_path):
+    """What this project wrote there (a dataset, even a damaged one) is replaced; the folder's lock is ours."""
+    folder = copy_dataset(tiny_data_dir, tmp_path)
+    (folder / "meta.json").write_text("{damaged")
+    data.check_replaceable(folder)
+    (folder / "notes.txt").write_text("a user's")
+    with pytest.raises(UserError, match="holds files that are not a dataset's"):
+        data.check_replaceable(folder)

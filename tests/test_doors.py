@@ -434,12 +434,10 @@ def test_an_output_is_never_an_input_a_link_or_another_kind_of_file(checkpoint_d
     torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
     for main, flags, words in output_cases(tmp_path):
         refused(main, flags, words, monkeypatch, capsys, tmp_path)
-    (tmp_path / "old.json").write_text('{"task": "val", "ce": 3.0}\n')  # this project's results: replaced
+    (tmp_path / "old.json").write_text('{\n "task": "val",\n "ce": 3.0\n}\n')  # as write_json lays it out
     (tmp_path / "empty.json").write_text("")
-    for name in ("old.json", "empty.json", "new.json"):
-        from results import check_output_path
-
-        check_output_path(tmp_path / name, "json", (str(tmp_path / "ckpt.pt"),))
+    for name in ("old.json", "empty.json", "new.json"):  # replaced
+        common.declare_io(reads={"--ckpt": str(tmp_path / "ckpt.pt")}, writes={"--json": tmp_path / name})
 
 
 # ------------------------------------------------------------------------------------------ files we write

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
-from helpers import read_log, tiny_config
+from helpers import io_pairs, read_log, refusal, tiny_config, tree_state
 from hypothesis import given, settings, strategies as st
 
 import eval as evaluation
@@ -328,8 +328,8 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
         model.wte.weight.mul_(scale)
     ckpt = save_checkpoint(model, out / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     (out / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GPT2_TEXTS[:2]))
-    flags = [f"--ckpt={ckpt}", f"--task={task}", "--max_batches=1", f"--data={out / 'lambada.jsonl'}",
-             f"--json={out / 'result.json'}", "--device=cpu"]
+    of_task = ["--max_batches=1"] if task == "val" else [f"--data={out / 'lambada.jsonl'}"]  # the other's: refused
+    flags = [f"--ckpt={ckpt}", f"--task={task}", *of_task, f"--json={out / 'result.json'}", "--device=cpu"]
     try:
         result = evaluation.main(flags)
     except UserError as e:
@@ -367,3 +367,80 @@ def test_lambada_from_an_unreachable_hub_is_one_line_at_once(monkeypatch):
     with pytest.raises(UserError, match="could not load EleutherAI/lambada_openai"):  # the cache: here, none
         evaluation.load_lambada(None)
     assert len(tried) == 2
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 4 (line formats), 5, 6
+
+
+def sparse_line(path: Path) -> str:
+    """A sparse 3 GB file with no newline: one line, which used to be read whole until memory ran out."""
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+    return str(path)
+
+
+def hf_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "gpt_neox"}\n')
+    return path
+
+
+EVAL_CASES = {  # case: (flags given tmp_path, the checkpoint, the test dataset; what the one line says)
+    "--json= the dataset's meta.json": (
+        lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--dataset={d}", f"--json={d / 'meta.json'}"],
+        "--json={d}/meta.json lies inside --dataset={d}, an input of this command"),
+    "--json= a tokenizer.json in the dataset the checkpoint names": (
+        lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--json={d / 'tokenizer.json'}"],
+        "--json={d}/tokenizer.json lies inside --dataset={d}, an input of this command"),
+    "--json= the --config file": (
+        lambda t, c, d: (t / "cfg.json").write_text('{"device": "cpu"}') and
+        [f"--ckpt={c}", f"--config={t / 'cfg.json'}", f"--json={t / 'cfg.json'}"],
+        "--json={t}/cfg.json is also an input of this command (--config={t}/cfg.json)"),
+    "--json= an hf: folder's config.json": (
+        lambda t, c, d: [f"--ckpt=hf:{hf_folder(t / 'hfm')}", f"--json={t / 'hfm' / 'config.json'}"],
+        "--json={t}/hfm/config.json lies inside --ckpt={t}/hfm, an input of this command"),
+    "a sparse 3 GB --data file with no newline": (
+        lambda t, c, d: [f"--ckpt={c}", f"--data={sparse_line(t / 'big.jsonl')}"],
+        "{t}/big.jsonl line 1 is longer than 1,048,576 bytes"),
+    "a lone surrogate in a text": (
+        lambda t, c, d: (t / "s.jsonl").write_text('{"text": "the cat \\ud800 sat"}\n') and
+        [f"--ckpt={c}", f"--data={t / 's.jsonl'}"], "{t}/s.jsonl line 1 holds a lone surrogate"),
+    "--max_batches with --task=lambada": (lambda t, c, d: [f"--ckpt={c}", "--max_batches=5"],
+                                          "--max_batches=5 changes nothing with --task=lambada"),
+    "--data with --task=val": (lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--data={t / 'x.jsonl'}"],
+                               "changes nothing with --task=val"),
+    "--batch_size=1e9": (lambda t, c, d: [f"--ckpt={c}", "--batch_size=1e9"],
+                         "--batch_size must be at most 1,048,576, got 1000000000"),
+    "a --json name too long for the file system": (lambda t, c, d: [f"--ckpt={c}", f"--json={t / ('j' * 300)}"],
+                                                   "is too long for a file system: a name of 300 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", EVAL_CASES)
+def test_eval_refuses_each_case_in_one_line_and_changes_nothing(case, tiny_data_dir, tmp_path, monkeypatch,
+                                                                capsys):
+    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.pt",
+                           {"dataset": str(tiny_data_dir), "loss": "ce"})
+    flags, words = EVAL_CASES[case]
+    argv = [*flags(tmp_path, ckpt, tiny_data_dir), "--device=cpu"]
+    before = tree_state(tmp_path), tree_state(tiny_data_dir)
+    err = refusal(evaluation.main, argv, monkeypatch, capsys)
+    assert (tree_state(tmp_path), tree_state(tiny_data_dir)) == before
+    assert words.format(t=tmp_path, d=tiny_data_dir) in err, err
+
+
+EVAL_IO = {  # script: (main, its input's kind, the relations that apply, the name of what it writes, argv)
+    "eval --ckpt": (evaluation.main, "file", ("same", "link", "link_parent", "hardlink"), "r.json",
+                    lambda i, o: [f"--ckpt={i}", f"--json={o}"]),
+    "eval --data": (evaluation.main, "jsonl", ("same", "link", "link_parent", "hardlink"), "r.json",
+                    lambda i, o: [f"--ckpt={i}.pt", f"--data={i}", f"--json={o}"]),
+    "eval --config": (evaluation.main, "config", ("same", "link", "link_parent", "hardlink"), "r.json",
+                      lambda i, o: [f"--config={i}", f"--json={o}"]),
+    "eval --ckpt=hf:": (evaluation.main, "hf", ("same", "inside", "holds", "link", "link_parent"), "r.json",
+                        lambda i, o: [f"--ckpt=hf:{i}", f"--json={o}"]),
+}
+
+
+def test_eval_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): eval.py's --json against each input it reads."""
+    io_pairs(EVAL_IO)(tmp_path_factory, monkeypatch, capsys)

@@ -77,10 +77,14 @@ def test_a_fresh_run_into_a_finished_runs_out_dir_is_refused(tiny_data_dir, fini
     assert snapshot(out) == before  # ckpt.pt and log.jsonl byte-identical, no .lock, no temp file
 
 
-@pytest.mark.parametrize("during", ["ensure_dataset", "starting_point", "claim_out_dir"])
-def test_ctrl_c_of_a_refused_run_writes_nothing(during, tiny_data_dir, finished, tmp_path, monkeypatch, capsys):
-    """Ctrl-C while the mistaken run loads its data, builds its model, or checks out_dir: it used to save
-    over the other run's checkpoint at once; now it exits 130 and out_dir is as it was."""
+@pytest.mark.parametrize("during, flags", [("ensure_dataset", ["--resume", "--max_iters=6"]),
+                                           ("starting_point", ["--resume", "--max_iters=6"]),
+                                           ("claim_out_dir", [])])
+def test_ctrl_c_before_a_run_starts_writes_nothing(during, flags, tiny_data_dir, finished, tmp_path, monkeypatch,
+                                                  capsys):
+    """Ctrl-C while a run claims out_dir (a mistaken one, refused there), or while a resumed one loads its data
+    or builds its model: it used to save over the other run's checkpoint at once; now it exits 130 and out_dir
+    is as it was (the log is trimmed only once the run is built)."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
     module = common if during == "claim_out_dir" else train  # where train() finds it
@@ -91,10 +95,20 @@ def test_ctrl_c_of_a_refused_run_writes_nothing(during, tiny_data_dir, finished,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, during, interrupted)
-    code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
+    code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu", *flags],
                            monkeypatch, capsys)
     assert (code, err) == (130, "interrupted")
     assert snapshot(out) == before
+
+
+def test_a_refused_run_is_refused_before_anything_is_built(tiny_data_dir, finished, tmp_path, monkeypatch, capsys):
+    """Issue 34: a second `python train.py` into out/ was refused only after ~10 s and the model line; the claim
+    on out_dir (its checks and lock) now comes first, before the data, the model or the first line."""
+    out = copy_of(finished, tmp_path / "o")
+    monkeypatch.setattr(train, "ensure_dataset", lambda *a: pytest.fail("built before the refusal"))
+    code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
+                           monkeypatch, capsys)
+    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.pt")
 
 
 def test_overwrite_starts_over(tiny_data_dir, finished, tmp_path):

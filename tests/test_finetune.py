@@ -1,13 +1,17 @@
+import contextlib
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import refusal, tree_state
 
+import common
 import train
 from common import UserError
-from finetune import finetune, finetune_budget, resolve_config
+from finetune import finetune, finetune_budget, main as finetune_main, resolve_config
 from loss import LossConfig
 from model import load_model
 from train import Objective, evaluate
@@ -113,3 +117,53 @@ def test_bad_input(flags, message, cwt_checkpoint, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 5 (docs/failures.md)
+
+FINETUNE_CASES = {  # case: (flags, given tmp_path and a run folder holding a checkpoint; what the one line says)
+    "--ckpt=D/ckpt.pt --out_dir=D --overwrite": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--out_dir={run}",
+                                                                 "--overwrite"],
+                                                 "--out_dir={run}/ckpt.pt is also an input of this command"),
+    "--ckpt of a run still training": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--out_dir={t / 'ft'}"],
+                                       "--ckpt={run}/ckpt.pt is the checkpoint of a run still training in {run}"),
+    "--init_from": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--init_from={t / 'x.pt'}", f"--out_dir={t / 'ft'}"],
+                    "changes nothing in finetune.py (it starts from --ckpt)"),
+    "--budget_fraction with --max_iters": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", "--budget_fraction=0.1",
+                                                           "--max_iters=3", f"--out_dir={t / 'ft'}"],
+                                           "--budget_fraction=0.1 changes nothing with --max_iters or --tokens"),
+    "--tokens with --max_iters": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", "--tokens=1000", "--max_iters=3",
+                                                  f"--out_dir={t / 'ft'}"],
+                                  "--tokens=1000 changes nothing with --max_iters"),
+}
+
+
+@pytest.mark.parametrize("case", FINETUNE_CASES)
+def test_finetune_refuses_each_case_in_one_line_and_changes_nothing(case, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(b"a checkpoint: never read, the refusal comes first")
+    flags, words = FINETUNE_CASES[case]
+    with common.hold_lock(run, "training run") if "still training" in case else contextlib.nullcontext():
+        before = tree_state(tmp_path)
+        err = refusal(finetune_main, flags(tmp_path, run), monkeypatch, capsys)
+        assert tree_state(tmp_path) == before
+    assert words.format(run=run) in err, err
+
+
+def test_a_stopped_finetune_prints_no_finished_summary(cwt_checkpoint, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a fine-tune: it saves and exits 130, and never prints the "before -> after" line of a
+    fine-tune that finished."""
+    real = train.Run.step
+
+    def step_then_stop(self, *args):
+        signal.raise_signal(signal.SIGINT)
+        return real(self, *args)
+
+    monkeypatch.setattr(train.Run, "step", step_then_stop)
+    monkeypatch.setattr(sys, "argv", ["finetune.py", f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path / 'ft'}",
+                                      "--max_iters=3", "--eval_interval=3"])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(finetune_main)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "stopped at step 1" in err and "validation CE:" not in err, err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import refusal
 
 from common import run_main
 from data import load_tokenizer
@@ -236,3 +237,23 @@ def test_cli_bad_input_exits_2_with_one_line(cli_runs):
     code, out, err = cli_runs["missing"]
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+# ------------------------------------------------------------- issue 33: contracts 5, 6
+
+GENERATE_CASES = {  # case: (flags; what the one line says)
+    "a --prompt not in UTF-8 (bytes Python keeps as lone surrogates)": (
+        [b"--prompt=caf\xe9".decode("utf-8", "surrogateescape")], "--prompt 1 is not UTF-8 text (caf\\udce9)"),
+    "--top_k at temperature 0": (["--prompt=Hi", "--temperature=0", "--top_k=5"],
+                                 "--top_k=5 changes nothing with --temperature=0"),
+    "--seed at temperature 0": (["--prompt=Hi", "--temperature=0", "--seed=3"],
+                                "--seed=3 changes nothing with --temperature=0"),
+    "--max_new_tokens=1e12": (["--prompt=Hi", "--max_new_tokens=1e12"], "--max_new_tokens must be at most 16,777,216"),
+    "--num_samples=1e12": (["--prompt=Hi", "--num_samples=1e12"], "--num_samples must be at most 1,048,576"),
+}
+
+
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_generate_refuses_each_case_in_one_line(case, ckpt, monkeypatch, capsys):
+    flags, words = GENERATE_CASES[case]
+    assert words in refusal(main, [f"--ckpt={ckpt}", *flags], monkeypatch, capsys)

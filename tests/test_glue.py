@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import refused_before_any_work
+from helpers import io_pairs, refusal, tree_state
 
 import glue
 import model as model_module
@@ -114,3 +115,64 @@ def test_regression_head_and_causal_checkpoint_warning(tmp_path, capsys):
 ])
 def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(glue.main, ["--ckpt=CKPT", *flags], message, tmp_path)
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 4 (line formats), 6
+
+
+def tiny_encoder(path):
+    torch.manual_seed(0)
+    encoder = GPT(GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, d_model=32, causal=False))
+    save_checkpoint(path, {"model": encoder.state_dict(), "data_meta": {"tokenizer": "gpt2"},
+                           "model_config": dataclasses.asdict(encoder.config)})
+    return path
+
+
+def glue_folder(folder, train_row='{"sentence": "a fine film", "label": 1}\n'):
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(train_row)
+    (folder / "validation.jsonl").write_text('{"sentence": "a dull film", "label": 0}\n')
+    return folder
+
+
+def sparse_train(folder):
+    glue_folder(folder)
+    with open(folder / "train.jsonl", "wb") as f:
+        f.truncate(3 << 30)  # 3 GB, no newline: one line, which used to be read whole until memory ran out
+    return folder
+
+
+SURROGATE_ROW = '"sentence": "a \\udc00 film", "label": 1}\n'  # JSON's \udc00: half a pair
+
+
+GLUE_CASES = {  # case: (flags given tmp_path; what the one line says)
+    "--json= its own train.jsonl": (lambda t: [f"--data={glue_folder(t / 'g')}", f"--json={t / 'g' / 'train.jsonl'}"],
+                                    "--json={t}/g/train.jsonl lies inside --data={t}/g, an input of this command"),
+    "a sparse 3 GB train.jsonl with no newline": (lambda t: [f"--data={sparse_train(t / 'g')}"],
+                                                   "{t}/g/train.jsonl line 1 is longer than 1,048,576 bytes"),
+    "a lone surrogate in a sentence": (
+        lambda t: [f"--data={glue_folder(t / 'g', chr(123) + SURROGATE_ROW)}"],
+        "{t}/g/train.jsonl line 1 holds a lone surrogate"),
+    "--epochs=1e9": (lambda t: [f"--data={glue_folder(t / 'g')}", "--epochs=1e9"],
+                     "--epochs must be at most 1,048,576, got 1000000000"),
+    "--seed=-1": (lambda t: [f"--data={glue_folder(t / 'g')}", "--seed=-1"], "--seed must be in [0, 4.29497e+09]"),
+}
+
+
+@pytest.mark.parametrize("case", GLUE_CASES)
+def test_glue_refuses_each_case_in_one_line_and_changes_nothing(case, tmp_path, monkeypatch, capsys):
+    ckpt = tiny_encoder(tmp_path / "enc.pt")
+    flags, words = GLUE_CASES[case]
+    argv = [f"--ckpt={ckpt}", "--task=sst2", "--device=cpu", *flags(tmp_path)]
+    before = tree_state(tmp_path)
+    err = refusal(glue.main, argv, monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
+
+
+def test_glue_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): --json against --data (a folder) and --ckpt."""
+    io_pairs({"glue --data": (glue.main, "folder", ("same", "inside", "holds", "link", "link_parent"), "r.json",
+                              lambda i, o: ["--task=rte", f"--data={i}", f"--json={o}"]),
+              "glue --ckpt": (glue.main, "file", ("same", "link", "link_parent", "hardlink"), "r.json",
+                              lambda i, o: ["--task=rte", f"--ckpt={i}", f"--json={o}"])})(
+        tmp_path_factory, monkeypatch, capsys)

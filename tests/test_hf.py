@@ -219,3 +219,14 @@ def test_a_model_with_non_finite_weights_is_not_exported(checkpoints, tmp_path):
     with pytest.raises(UserError, match="weight blocks.0.mlp.up.weight is not finite") as e:
         hf.export(str(tmp_path / "nan.pt"), str(tmp_path / "hf"))
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+def test_export_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): hf.py export's --out against --ckpt (a file, or an hf: folder)."""
+    from helpers import io_pairs
+
+    io_pairs({"export --ckpt": (hf.main, "file", ("same", "link", "link_parent", "hardlink"), "hf",
+                                lambda i, o: ["export", f"--ckpt={i}", f"--out={o}"]),
+              "export --ckpt=hf:": (hf.main, "hf", ("same", "inside", "holds", "link", "link_parent"), "hf",
+                                    lambda i, o: ["export", f"--ckpt=hf:{i}", f"--out={o}"])})(
+        tmp_path_factory, monkeypatch, capsys)

@@ -340,3 +340,46 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     huge = {"model": model.state_dict(), "model_config": {**config, "n_layer": 10**6, "d_model": 10**6}}
     with pytest.raises(UserError, match="the weights hold 1 layers but the config says 1000000"):
         common.checkpoint_model(huge, "ckpt.pt")
+
+
+# ---------------------------------------------------------------------- issue 33, contract 5: one line means one line
+
+
+def test_an_error_is_one_escaped_line_of_bounded_length_after_the_progress_bar(monkeypatch, capsys):
+    """Text from a file inside an error (newlines that would forge `error:` and `Traceback` lines, a terminal's
+    escapes, 5 MB of it) is escaped and cut in the middle, keeping the fix at its end; an open tqdm bar (an error
+    used to be glued to it) is closed first, so that the error starts a line of its own."""
+    from tqdm import tqdm
+
+    def main(argv):
+        bar = tqdm(total=10, desc="working", file=sys.stderr)
+        bar.update(3)
+        raise UserError(argv[0] + "; the fix")
+
+    for text, shown in [("a\nerror: forged\nTraceback (most recent call last):\x1b[2J", "a\\nerror: forged\\nTraceback"
+                         " (most recent call last):\\x1b[2J; the fix"), ("A" * 5_000_000, " ... " + "A" * 900)]:
+        monkeypatch.setattr(sys, "argv", ["script.py", text])
+        with pytest.raises(SystemExit) as e:
+            common.run_main(main)
+        err = capsys.readouterr().err
+        last = err.split("\n")[-2]
+        assert e.value.code == 2 and err.endswith("\n") and last.startswith("error: ") and "\n" not in last
+        assert shown in last and last.endswith("; the fix") and len(last) <= common.MAX_ERROR_CHARS
+        assert err.split("\n")[:-2] == [err.split("\n")[0]] and "working:  30%" in err.split("\n")[0]  # the bar
+
+
+def test_a_signal_at_a_runs_very_end_stops_the_whole_command(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    """SIGTERM during the last validation: the run saves its last checkpoint and train.py exits 143, not 0 (a
+    caller, compare.py or a shell's `&&`, must not go on as if nothing came)."""
+    real = train.Run.validate
+
+    def validate_then_signal(self):
+        real(self)
+        if self.state.step == self.cfg.max_iters:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train.Run, "validate", validate_then_signal)
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2)
+    summary = train.train(cfg)
+    assert summary["interrupted"] and summary["signal"] == signal.SIGTERM and summary["step"] == 2
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2

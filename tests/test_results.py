@@ -67,13 +67,13 @@ def test_results_plot_refuses_in_one_line_before_drawing(tmp_path, monkeypatch):
     log = tmp_path / "out" / "log.jsonl"
     log.parent.mkdir()
     log.write_text('{"step": 0, "tokens": 0, "val_ce": 10.8}\n{"step": 10, "tokens": 2560, "loss": 7.6}\n{"step": 2')
-    assert [r["step"] for r in doors.training_log(log)] == [0, 10]
+    assert [r["step"] for r in doors.run_log(log, cut_ok=True)] == [0, 10]
     log.write_text('{"step": 0, "tokens": 0, "val_ce": 10.8}\n[1, 2]\n{"step": 10, "tokens": 2560, "loss": 7.6}\n')
-    with pytest.raises(doors.Refused, match=r"log.jsonl line 2: is \[1, 2\], not a table; pass the log.jsonl"):
-        doors.training_log(log)
+    with pytest.raises(doors.Refused, match=r"log.jsonl line 2: is \[1, 2\], not a table; move the damaged log"):
+        doors.run_log(log, cut_ok=True)
     log.write_text('{"step": 0, "val_ce": 10.8}\n')
     with pytest.raises(doors.Refused, match="line 1: lacks tokens"):
-        doors.training_log(log)
+        doors.run_log(log, cut_ok=True)
     with pytest.raises(UserError, match="pass --log=out/log.jsonl"):
         results.main([f"--log={log}"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError

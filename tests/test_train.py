@@ -1,3 +1,7 @@
+import contextlib
+import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -5,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_log, tiny_config
+from helpers import io_pairs, read_log, refusal, tiny_config, tree_state
 
 import common
+import data
+import finetune
 import train
 from common import UserError
 from model import load_model
@@ -186,3 +192,105 @@ def test_docs_training_table_gives_the_default_help_prints_for_each_flag_it_list
         if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
             want = float(cell)
         assert want == field.default and type(want) in (type(field.default), float), (field.name, cell)
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 2, 5, 6 (docs/failures.md)
+
+
+def a_run(tmp_path: Path) -> Path:
+    """A folder holding what a run writes (a stand-in ckpt.pt: every case here is refused before it is read)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"a checkpoint")
+    (tmp_path / "run" / "log.jsonl").write_text('{"step": 0, "tokens": 0}\n')
+    return tmp_path / "run"
+
+
+def evil_dataset(data_dir: Path, tmp_path: Path, source: str) -> Path:
+    """A copy of a dataset whose meta.json is refused (vocab_size is text) and names `source` as its corpus,
+    which the refusal's fix quotes."""
+    folder = tmp_path / "evil"
+    shutil.copytree(data_dir, folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["settings"]["dataset"], meta["vocab_size"] = source, "bad"
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+FLAGS = ["--preset=tiny", "--block_size=32", "--batch_size=4", "--max_iters=2", "--eval_batches=1", "--device=cpu"]
+TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test dataset; what the one line says)
+    "init_from its own out_dir's ckpt.pt, --overwrite": (
+        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.pt'}", f"--out_dir={t / 'run'}", "--overwrite"],
+        "--out_dir={t}/run/ckpt.pt is also an input of this command (--init_from={t}/run/ckpt.pt)"),
+    "--overwrite over a ckpt.pt that is a folder": (
+        lambda t, d: (t / "o" / "ckpt.pt").mkdir(parents=True) or [f"--out_dir={t / 'o'}", "--overwrite"],
+        "{t}/o/ckpt.pt is a folder or not a regular file, not a run's checkpoint"),
+    "--overwrite over a ckpt.pt that is not a run's": (
+        lambda t, d: (t / "o").mkdir() or (t / "o" / "ckpt.pt").write_text("a user's file") and
+        [f"--out_dir={t / 'o'}", "--overwrite"],
+        "{t}/o/ckpt.pt is not a torch.save file (it has no zip directory): it is not a run's checkpoint"),
+    "--overwrite over a log.jsonl that is not a run's": (
+        lambda t, d: (t / "o").mkdir() or (t / "o" / "log.jsonl").write_text("a user's notes\n") and
+        [f"--out_dir={t / 'o'}", "--overwrite"], "{t}/o/log.jsonl line 1 is not valid JSON"),
+    "--mix_alpha=1e308 (NaN mix weights)": (
+        lambda t, d: [f"--dataset={d},{d}", "--mix_alpha=1e308", f"--out_dir={t / 'o'}"],
+        "--mix_alpha must be at most 100, got 1e+308"),
+    "--mix_alpha without a mix": (
+        lambda t, d: [f"--dataset={d}", "--mix_alpha=0.5", f"--out_dir={t / 'o'}"],
+        "--mix_alpha=0.5 changes nothing without a mix"),
+    "--min_lr with a constant schedule": (
+        lambda t, d: [f"--dataset={d}", "--lr_schedule=constant", "--min_lr=1e-5", f"--out_dir={t / 'o'}"],
+        "--min_lr=1e-05 changes nothing with --lr_schedule=constant"),
+    "--add_lm_head on a new model": (
+        lambda t, d: [f"--dataset={d}", "--add_lm_head", f"--out_dir={t / 'o'}"],
+        "--add_lm_head=True changes nothing without --init_from"),
+    "an --out_dir name too long for the file system": (
+        lambda t, d: [f"--dataset={d}", f"--out_dir={t / ('a' * 300)}"],
+        "is too long for a file system: a name of 300 bytes (at most 255)"),
+    "--init_from the checkpoint of a run still training": (
+        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.pt'}", f"--dataset={d}", f"--out_dir={t / 'o'}"],
+        "--init_from={t}/run/ckpt.pt is the checkpoint of a run still training in {t}/run (pid "),
+    "meta.json text with newlines that would forge lines": (
+        lambda t, d: [f"--dataset={evil_dataset(d, t, 'x' + chr(10) + 'Traceback (most recent call last):')}",
+                      f"--out_dir={t / 'o'}"],
+        "python data.py --dataset=x\\nTraceback (most recent call last):"),
+    "meta.json text of 5 MB": (
+        lambda t, d: [f"--dataset={evil_dataset(d, t, 'A' * 5_000_000)}", f"--out_dir={t / 'o'}"],
+        "python data.py --dataset=" + "A" * 80 + "..."),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_train_refuses_each_case_in_one_line_and_changes_nothing(case, tiny_data_dir, tmp_path, monkeypatch, capsys):
+    flags, words = TRAIN_CASES[case]
+    argv = [*FLAGS, *flags(tmp_path, tiny_data_dir)]
+    held = contextlib.ExitStack()
+    if "still training" in case:  # another process's lock, as a training run holds it
+        held.enter_context(common.hold_lock(tmp_path / "run", "training run"))
+    with held:
+        before = tree_state(tmp_path)
+        err = refusal(train.main, argv, monkeypatch, capsys)
+        assert tree_state(tmp_path) == before
+    assert words.format(t=tmp_path) in err and len(err) <= common.MAX_ERROR_CHARS + 20, err[:300]
+
+
+CORE_IO = {  # script: (main, its input's kind, the relations that apply, the name of what it writes, argv)
+    "train --init_from": (train.main, "file", ("same", "link", "link_parent", "hardlink"), "ckpt.pt",
+                          lambda i, o: [*FLAGS, f"--init_from={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
+    "train --dataset": (train.main, "dataset", ("inside", "link"), "ckpt.pt",
+                        lambda i, o: [*FLAGS, f"--dataset={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
+    "finetune --ckpt": (finetune.main, "file", ("same", "link", "link_parent", "hardlink"), "log.jsonl",
+                        lambda i, o: [f"--ckpt={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
+    "data.py --dataset": (data.main, "corpus", ("same", "inside", "holds", "link", "link_parent"), "books",
+                          lambda i, o: [f"--dataset={i}", f"--data_root={os.path.dirname(o)}",
+                                        f"--name={os.path.basename(o)}"]),
+    "data.py --tokenizer": (data.main, "tokenizer", ("holds",), "books",
+                            lambda i, o: [f"--tokenizer={i}", f"--data_root={os.path.dirname(o)}",
+                                          f"--name={os.path.basename(o)}"]),
+}
+
+
+def test_no_core_script_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated: (input, output) pairs of train.py, finetune.py and data.py (the output is, holds or
+    lies inside the input; directly, through a link or a hard link, spelled absolute, relative or with `..`) are
+    refused in one line, exit 2, nothing changed. generate.py writes no file."""
+    io_pairs(CORE_IO, max_examples=15)(tmp_path_factory, monkeypatch, capsys)

@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from helpers import io_pairs, refusal, tree_state
 
 import xnli
 from common import UserError
@@ -149,3 +150,51 @@ def test_a_separator_outside_the_vocabulary_is_one_line(encoder_ckpt, languages,
     with pytest.raises(UserError, match=r"data_meta.eot_token (60000 is not a token id of the model's vocabulary|"
                                         r"is -1, outside|is '5', not int)"):  # the last two at the checkpoint's door
         xnli.main([f"--ckpt={tmp_path / 'bad.pt'}", f"--data={languages}", "--train_lang=xx", "--device=cpu"])
+
+
+# ------------------------------------------------------------- issue 33: contracts 1, 4 (line formats), 6
+
+
+def sparse_test(root):
+    """A language whose test.jsonl is a sparse 3 GB file with no newline (one line, read whole before)."""
+    make_language(root, "en")
+    with open(root / "en" / "test.jsonl", "wb") as f:
+        f.truncate(3 << 30)
+    return root
+
+
+def surrogate_test(root):
+    make_language(root, "en")
+    (root / "en" / "test.jsonl").write_text('{"premise": "a \\udc00", "hypothesis": "b", "label": 0}\n')
+    return root
+
+
+XNLI_CASES = {  # case: (flags given tmp_path; what the one line says)
+    "--json= its own test.jsonl": (lambda t: make_language(t / "x", "en") and
+                                   [f"--data={t / 'x'}", f"--json={t / 'x' / 'en' / 'test.jsonl'}"],
+                                   "--json={t}/x/en/test.jsonl lies inside --data={t}/x, an input of this command"),
+    "a sparse 3 GB test.jsonl with no newline": (lambda t: [f"--data={sparse_test(t / 'x')}"],
+                                                 "{t}/x/en/test.jsonl line 1 is longer than 1,048,576 bytes"),
+    "a lone surrogate in a premise": (lambda t: [f"--data={surrogate_test(t / 'x')}"],
+                                      "{t}/x/en/test.jsonl line 1 holds a lone surrogate"),
+    "--max_test_examples=1e20": (lambda t: [f"--data={t}", "--max_test_examples=1e20"],
+                                 "--max_test_examples must be at most 1,099,511,627,776"),
+    "--seed=2**32": (lambda t: [f"--data={t}", "--seed=4294967296"], "--seed must be in [0, 4.29497e+09]"),
+}
+
+
+@pytest.mark.parametrize("case", XNLI_CASES)
+def test_xnli_refuses_each_case_in_one_line_and_changes_nothing(case, encoder_ckpt, tmp_path, monkeypatch, capsys):
+    flags, words = XNLI_CASES[case]
+    argv = [f"--ckpt={encoder_ckpt}", "--langs=en", "--device=cpu", *flags(tmp_path)]
+    before = tree_state(tmp_path)
+    err = refusal(xnli.main, argv, monkeypatch, capsys)
+    assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
+
+
+def test_xnli_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
+    """Contract 1, generated (helpers.io_pairs): --json against --data (a folder) and --ckpt."""
+    io_pairs({"xnli --data": (xnli.main, "folder", ("same", "inside", "holds", "link", "link_parent"), "r.json",
+                              lambda i, o: [f"--data={i}", f"--json={o}"]),
+              "xnli --ckpt": (xnli.main, "file", ("same", "link", "link_parent", "hardlink"), "r.json",
+                              lambda i, o: [f"--ckpt={i}", f"--json={o}"])})(tmp_path_factory, monkeypatch, capsys)
