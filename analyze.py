@@ -95,14 +95,19 @@ def effective_rank(values: torch.Tensor) -> float | None:
     return math.exp(-(p * p.log()).sum().item())
 
 
-def isoscore(rows: torch.Tensor) -> float | None:
-    """IsoScore (Rudman et al., 2022) through the optional isoscore package (pip install isoscore); None without it
-    or with fewer than 2 rows."""
+def isoscore_function() -> Any:
+    """IsoScore (Rudman et al., 2022) from the optional isoscore package (pip install isoscore), or None."""
     try:
         from IsoScore.IsoScore import IsoScore
     except ImportError:
         return None
-    return float(IsoScore(rows.double().numpy())) if len(rows) > 1 else None
+    return IsoScore
+
+
+def isoscore(rows: torch.Tensor) -> float | None:
+    """The IsoScore of the rows: None without the package or with fewer than 2 rows."""
+    score = isoscore_function()
+    return float(score(rows.double().numpy())) if score and len(rows) > 1 else None
 
 
 def token_counts(tokens: np.ndarray, vocab_size: int, chunk: int = COUNT_CHUNK, progress: bool = False) -> np.ndarray:
@@ -241,25 +246,24 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
     seen = torch.from_numpy(np.flatnonzero(counts))
     drift, drift_from, drift_note = distance_from_init(ckpt, table)
     e_values, h_values = singular_values(table[seen]), singular_values(states)
-    row = {"ckpt": subject.path, "loss": ckpt.get("loss"), "step": ckpt["step"],
-           "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
-           "objective": objective_label(train_cfg), "encoder": not model.config.causal,
-           "masking": "off" if not model.config.causal else None, "dataset": str(subject.data_dir),
-           "tokenizer": meta["tokenizer"], "vocab_size": vocab, "train_tokens": int(counts.sum()),
-           "seen_tokens": len(seen), "positions": len(states),
-           "embedding_anisotropy": anisotropy(table[seen]), "embedding_anisotropy_all": anisotropy(table),
-           "hidden_anisotropy": anisotropy(states),
-           "embedding_effective_rank": effective_rank(e_values),
-           "embedding_effective_rank_all": effective_rank(singular_values(table)),
-           "hidden_effective_rank": effective_rank(h_values),
-           "embedding_isoscore": isoscore(table[seen]), "hidden_isoscore": isoscore(states),
-           "val_ce": float(row_ce.mean()), "ce_through": "lm_head" if model.lm_head is not None else "tied E",
-           "ce_target": "next token" if model.config.causal else "own token (masking off)",
-           "drift_from": drift_from, "drift_note": drift_note,
-           "frequency_bins": frequency_bins(counts, table.norm(dim=1), drift, targets, row_ce),
-           "neighbours": neighbours_of(cfg.words, ckpt, table, counts),
-           "embedding_singular_values": e_values.tolist(), "hidden_singular_values": h_values.tolist()}
-    return row
+    return {"ckpt": subject.path, "loss": ckpt.get("loss"), "step": ckpt["step"],
+            "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
+            "objective": objective_label(train_cfg), "encoder": not model.config.causal,
+            "masking": "off" if not model.config.causal else None, "dataset": str(subject.data_dir),
+            "tokenizer": meta["tokenizer"], "vocab_size": vocab, "train_tokens": int(counts.sum()),
+            "seen_tokens": len(seen), "positions": len(states),
+            "embedding_anisotropy": anisotropy(table[seen]), "embedding_anisotropy_all": anisotropy(table),
+            "hidden_anisotropy": anisotropy(states),
+            "embedding_effective_rank": effective_rank(e_values),
+            "embedding_effective_rank_all": effective_rank(singular_values(table)),
+            "hidden_effective_rank": effective_rank(h_values),
+            "embedding_isoscore": isoscore(table[seen]), "hidden_isoscore": isoscore(states),
+            "val_ce": float(row_ce.mean()), "ce_through": "lm_head" if model.lm_head is not None else "tied E",
+            "ce_target": "next token" if model.config.causal else "own token (masking off)",
+            "drift_from": drift_from, "drift_note": drift_note,
+            "frequency_bins": frequency_bins(counts, table.norm(dim=1), drift, targets, row_ce),
+            "neighbours": neighbours_of(cfg.words, ckpt, table, counts),
+            "embedding_singular_values": e_values.tolist(), "hidden_singular_values": h_values.tolist()}
 
 
 def objective_label(train_cfg: dict) -> str:
@@ -470,7 +474,7 @@ def main(argv: list[str]) -> list[dict]:
     check_config(cfg)
     device = pick_device(cfg.device)
     found = subjects(cfg)
-    if isoscore(torch.eye(2)) is None:
+    if isoscore_function() is None:
         note("note: IsoScore is left out (null): it needs the optional isoscore package: pip install isoscore")
     rows = [analyse(subject, cfg, device) for subject in found]
     print("\n".join(table_lines(rows)))
