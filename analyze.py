@@ -417,6 +417,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.plot(range(len(values)), values, marker="o", label=name, **style)
         ax.set_xticks(range(len(bins)), bins, rotation=30)
         ax.set(title=title, xlabel="training count of the token")
+    axes[1][0].set_yscale("log")  # unseen rows move by weight decay alone: orders of magnitude below the rest
     if all(r["drift_from"] is None for r in rows):
         axes[1][0].text(0.02, 0.95, "no checkpoint records its initialisation", transform=axes[1][0].transAxes,
                         va="top")
@@ -424,9 +425,9 @@ def plot(rows: list[dict], path: str) -> None:
     summary.axis("off")
     handles, labels = axes[0][0].get_legend_handles_labels()
     summary.legend(handles, labels, loc="upper left", title="checkpoint", frameon=False)
-    summary.text(0.0, 0.35, "\n".join(f"{n}: anisotropy E {cell(r['embedding_anisotropy'])}, hidden "
-                                      f"{cell(r['hidden_anisotropy'])}" for n, r in zip(names, rows)),
-                 transform=summary.transAxes, va="top", fontsize=8, family="monospace")
+    summary.text(0.0, 0.4, "anisotropy of E (seen, all ids), hidden states\n" + "\n".join(
+        f"{n}: {cell(r['embedding_anisotropy'])}, {cell(r['embedding_anisotropy_all'])}, {cell(r['hidden_anisotropy'])}"
+        for n, r in zip(names, rows)), transform=summary.transAxes, va="top", fontsize=8, family="monospace")
     fig.suptitle("What each objective learns (analyze.py)")
     fig.tight_layout()
     save_figure(fig, path)
