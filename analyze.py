@@ -250,7 +250,8 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
             "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
             "objective": objective_label(train_cfg), "encoder": not model.config.causal,
             "masking": "off" if not model.config.causal else None, "dataset": str(subject.data_dir),
-            "tokenizer": meta["tokenizer"], "vocab_size": vocab, "train_tokens": int(counts.sum()),
+            "tokenizer": meta["tokenizer"], "tokenizer_sha256": meta.get("tokenizer_sha256"), "vocab_size": vocab,
+            "train_tokens": int(counts.sum()),
             "seen_tokens": len(seen), "positions": len(states),
             "embedding_anisotropy": anisotropy(table[seen]), "embedding_anisotropy_all": anisotropy(table),
             "hidden_anisotropy": anisotropy(states),
@@ -340,7 +341,7 @@ def table_lines(rows: list[dict]) -> Iterator[str]:
     width = max(14, *map(len, names)) + 2
     for name, r in zip(names, rows):
         yield f"{name}: {r['ckpt']} ({r['objective']}{', encoder, masking off' if r['encoder'] else ''})"
-    if len({(r["tokenizer"], r["vocab_size"]) for r in rows}) > 1:
+    if len({(r["tokenizer"], r.get("tokenizer_sha256"), r["vocab_size"]) for r in rows}) > 1:  # as same_tokenizer
         yield ("note: these checkpoints use different tokenizers (" + ", ".join(sorted({r["tokenizer"] for r in rows}))
                + "): their measures are not over the same ids")
     yield ""
