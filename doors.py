@@ -386,10 +386,12 @@ CHECKPOINT_RULES = {"model": (dict,), "model_config": (dict,), "objective": (dic
                     "scaler": ((dict, None),), "train_config": (dict,), "state": (dict,), "step": COUNT,
                     "loss": ((float, None),), "val": METRICS, "first_val": METRICS, "tokens_seen": COUNT,
                     "flops": (float, 0), "base_tokens": COUNT, "base_flops": (float, 0), "data_meta": (dict,),
-                    "mask_spec": ((dict, None),), "tokenizer_json": ((str, None),), "mix": METRICS, "rng": (dict,)}
+                    "mask_spec": ((dict, None),), "tokenizer_json": ((str, None),), "mix": METRICS, "rng": (dict,),
+                    "init": ((dict, None),)}
 STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": (float, 0), "earlier_tokens": COUNT,
                "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
                "val_step": ((int, None), 0, BIG)}
+INIT_RULES = {"seed": (int, 0, 2**32 - 1), "model_config": (dict,)}
 # The settings a script takes from a checkpoint's train_config (finetune.py inherits some); any other is plain
 TRAIN_RULES = {"dataset": ((str, None),), "preset": ((str, None),), "block_size": ((int, None), 2, BIG),
                "batch_size": (int, 1, BIG), "grad_accum": (int, 1, BIG), "eval_batches": (int, 1, BIG),
@@ -450,6 +452,10 @@ def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
     yield model_config_problem(ckpt["model_config"], config_class)
     yield fields_problem(ckpt.get("train_config", {}), TRAIN_RULES, "train_config", others=True)
     yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
+    if ckpt.get("init") is not None:  # how the lineage's first weights were drawn (train.lineage_init)
+        yield fields_problem(ckpt["init"], INIT_RULES, "init", ("seed", "model_config"))
+        why = model_config_problem(ckpt["init"]["model_config"], config_class)
+        yield why and f"init.{why}"
     yield fields_problem(ckpt.get("data_meta", {}), {**META_RULES, "format": COUNT}, "data_meta", others=True)
     rng = ckpt.get("rng", {})
     yield fields_problem(rng, {"torch": (torch.Tensor,), "cuda": ((torch.Tensor, None),)}, "rng")

@@ -291,6 +291,15 @@ def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
     return GPT(GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS}, **derived_fields(cfg, meta)))
 
 
+def lineage_init(cfg: TrainConfig, model: GPT, start: dict | None) -> dict | None:
+    """What rebuilds the initial weights of this run's lineage exactly (analyze.py's drift): a fresh model's seed
+    and shape (torch is seeded at the start of Run, and nothing draws before the model is built), else what the
+    checkpoint it resumes or starts from carries (None for hf: imports and older checkpoints)."""
+    if start is not None:
+        return start.get("init")
+    return {"seed": cfg.seed, "model_config": dataclasses.asdict(model.config)}
+
+
 def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
     """A checkpoint's output layer as this run needs it: a head made from E (a fine-tune, --untied_head),
     or none for CWT (nothing would train it: it would go stale)."""
@@ -497,7 +506,8 @@ class Run:
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
             "tokenizer_json": first.tokenizer_json,
-            "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None}
+            "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None,
+            "init": lineage_init(cfg, model, start)}
         self.saved_step = None
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)

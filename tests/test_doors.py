@@ -70,7 +70,8 @@ def checkpoint_dict() -> dict:
                              "max_iters": 4, "loss": "ce", "objective": "causal", "device": "cpu", "seed": 0},
             "data_meta": {"tokenizer": "gpt2", "tokenizer_sha256": None, "vocab_size": 50, "dtype": "uint16",
                           "eot_token": 49, "format": 3},
-            "rng": {"torch": torch.get_rng_state(), "cuda": None}}
+            "rng": {"torch": torch.get_rng_state(), "cuda": None},
+            "init": {"seed": 0, "model_config": vars(config).copy()}}
 
 
 def edited(ckpt: dict, path: str, value) -> dict:
@@ -119,6 +120,11 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("11", "step", "5", "step is '5', not int"),
     ("11", "state/step", 3, "state.step 3 is not its step 4"),
     ("11", "tokenizer_json", 5, "tokenizer_json is 5, not str"),
+    ("11", "init", "seed 3", "init is 'seed 3', not dict or null"),
+    ("11", "init/seed", -1, "init.seed is -1, outside"),
+    ("11", "init/model_config", DELETE, "init lacks model_config"),
+    ("11", "init/model_config/n_head", 3, "init.model_config.d_model 16 is not a multiple of n_head 3"),
+    ("11", "init/model_config/bogus", 1, "init.model_config.bogus is not a field of this code's"),
 ]
 
 
@@ -196,7 +202,8 @@ ANY_VALUE = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) 
                                                                                      max_size=3), max_leaves=4)
 FIELDS = ([f"model_config/{f}" for f in vars(model.GPTConfig())] + [f"state/{f}" for f in ("step", "tokens", "val")]
           + [f"train_config/{f}" for f in doors.TRAIN_RULES] + [f"data_meta/{f}" for f in doors.META_RULES]
-          + ["step", "rng", "rng/torch", "model", "objective", "tokenizer_json", "val"])
+          + ["step", "rng", "rng/torch", "model", "objective", "tokenizer_json", "val", "init", "init/seed",
+             "init/model_config", "init/model_config/n_head"])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
