@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -50,7 +51,17 @@ from common import (
     pick_dtype,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, open_val_split, same_tokenizer, special_ids
+from data import (
+    dataset_dir,
+    dataset_tokenizer,
+    ensure_dataset,
+    load_meta,
+    open_split,
+    open_val_split,
+    same_tokenizer,
+    special_ids,
+)
+from doors import brief
 from results import check_finite, check_output_path, format_metric, parse_jsonl_line, write_json
 from train import contrastive_table, evaluate
 
@@ -230,6 +241,8 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
     if "," in dataset:  # a mixed run: its sources are scored one at a time
         raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
+    if not cfg.dataset:
+        dataset = recorded_dataset(dataset, cfg)
     data_dir = ensure_dataset(dataset, cfg.data_root)
     meta = load_meta(data_dir)
     theirs = ckpt.get("data_meta") or {}
@@ -256,6 +269,20 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     print(f"{cfg.split} ({dataset}): {shown} | {n / seconds:,.0f} tokens/s")
     return {"task": "val", "split": cfg.split, "dataset": dataset, "n": n, "ce": metrics["val_ce"],
             "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
+
+
+def recorded_dataset(recorded: str, cfg: EvalConfig) -> str:
+    """The dataset a checkpoint records, found by its folder's name under this command's --data_root: a path inside
+    a checkpoint is never opened (/elsewhere/books is data_root/books). The built-in corpus is prepared there."""
+    name = dataset_dir(Path(recorded).name).name
+    if re.fullmatch(r"shakespeare(-bpe\d+)?", name):
+        return name
+    folder = Path(cfg.data_root) / name
+    if not (folder / "meta.json").exists():
+        raise UserError(f"{cfg.ckpt} was trained on {brief(recorded)}, looked for as {folder} (a path inside a "
+                        "checkpoint is never opened), which is not a prepared dataset; pass --data_root=FOLDER that "
+                        f"holds {name}, or --dataset=NAME")
+    return str(folder)
 
 
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:

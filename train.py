@@ -87,14 +87,12 @@ DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 
 def check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, before any time is spent."""
-    for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval",
-                 "num_negatives"):
-        common.in_range(cfg, name, 1)
-    for name in ("warmup_iters", "weight_decay", "grad_clip", "loss_chunk_size"):
+    for name in [n for n in doors.COUNTS if hasattr(cfg, n)]:  # the bounds a checkpoint's train_config meets too
+        common.in_range(cfg, name, *doors.COUNTS[name])
+    for name in ("weight_decay", "grad_clip"):
         common.in_range(cfg, name, 0)
     for name in ("dropout", "beta1", "beta2"):
         common.in_range(cfg, name, 0, 1, "[)")
-    common.in_range(cfg, "block_size", 2, doors.MAXIMA["block_size"])
     common.in_range(cfg, "lr", 0, ends="(]")
     common.in_range(cfg, "min_lr", 0, cfg.lr)
     common.in_range(cfg, "eps", 0, ends="(]")
@@ -348,6 +346,7 @@ class Run:
         self.out_dir = Path(cfg.out_dir)
         cfg, model, self.state, resumed = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
         self.cfg = cfg
+        common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size or model.config.block_size)
         self.resumed_step = resumed["step"] if resumed else None
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
@@ -386,6 +385,8 @@ class Run:
 
     def restore(self, resumed: dict) -> None:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
+        common.through_door(doors.resumable, self.out_dir / "ckpt.pt", resumed, self.optimizer.param_groups,
+                            self.objective.named_parameters())  # its state fits the parameters it will drive
         try:
             self.optimizer.load_state_dict(resumed["optimizer"])
         except (KeyError, ValueError):

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -211,7 +212,8 @@ def test_cli_lambada_json(tmp_path, lm_head):
 def test_cli_val(tiny_data_dir, tmp_path):
     model = tiny_model(vocab_size=50304, std=0.02, d_model=16, n_layer=1, n_head=1, block_size=32)
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
-    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
+    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4",
+                              f"--data_root={tiny_data_dir.parent}"])
     tokens = open_split(tiny_data_dir, "val", 50304)
     expected = evaluate(model, tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
@@ -282,7 +284,7 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
     train.train(cfg)
     logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
     result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
-                              "--device=cpu"])
+                              "--device=cpu", f"--data_root={tiny_data_dir.parent}"])
     assert result["batch_size"] == 4 and result["dtype"] == "float32"
     for key in ("val_ce", "val_cwt", "val_acc"):
         assert result[key] == pytest.approx(logged[key], rel=1e-6), key
@@ -328,7 +330,7 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
     ckpt = save_checkpoint(model, out / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     (out / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GPT2_TEXTS[:2]))
     flags = [f"--ckpt={ckpt}", f"--task={task}", "--max_batches=1", f"--data={out / 'lambada.jsonl'}",
-             f"--json={out / 'result.json'}", "--device=cpu"]
+             f"--json={out / 'result.json'}", "--device=cpu", f"--data_root={tiny_data_dir.parent}"]
     try:
         result = evaluation.main(flags)
     except UserError as e:
@@ -337,3 +339,33 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
         return
     assert all(math.isfinite(v) for v in result.values() if isinstance(v, float))
     assert json.loads((out / "result.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == result
+
+
+def test_a_dataset_path_inside_a_checkpoint_is_never_opened(tiny_data_dir, tmp_path):
+    """Issue 33: eval.py --task=val read the absolute dataset path a checkpoint records. A checkpoint never decides
+    where data is read: its dataset is looked for by its folder's name under --data_root."""
+    elsewhere = Path(shutil.copytree(tiny_data_dir, tmp_path / "elsewhere" / "books"))
+    model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(elsewhere), "loss": "ce"})
+    with pytest.raises(UserError) as e:
+        evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=1", f"--data_root={tmp_path / 'data'}"])
+    assert f"looked for as {tmp_path / 'data' / 'books'}" in str(e.value) and "never opened" in str(e.value)
+    assert "\n" not in str(e.value)
+    shutil.copytree(tiny_data_dir, tmp_path / "data" / "books")  # the same dataset, under this command's root
+    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=1", f"--data_root={tmp_path / 'data'}"])
+    assert result["dataset"] == str(tmp_path / "data" / "books")
+
+
+@pytest.mark.parametrize("spec, words", [(None, "mask_spec is None, not a table"),
+                                         ({"mask_token": 5, "vocab_size": 64, "special_tokens": (0,), "x": 1},
+                                          "mask_spec.x is not a field of this code's")])
+def test_an_encoders_damaged_mask_spec_is_one_line(spec, words, tmp_path):
+    """Issue 33: eval.py --task=val on an encoder whose mask_spec was null or held an unknown key raised TypeError
+    (MaskSpec(**spec)) with a traceback; the checkpoint's door refuses it."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "mask_spec": spec,
+                "data_meta": {"tokenizer": "gpt2"}, "train_config": {"objective": "mlm", "dataset": "x"}}, path)
+    with pytest.raises(UserError) as e:
+        evaluation.main([f"--ckpt={path}", "--task=val", f"--data_root={tmp_path}"])
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -129,3 +129,12 @@ def test_mlm_training_resumes_exactly_and_records_the_mask(tiny_data_dir, tmp_pa
     with pytest.raises(UserError, match="encoder"):  # a decoder objective on an encoder: one line
         train.train(mlm_config(tiny_data_dir, tmp_path / "c", objective="causal",
                                init_from=str(tmp_path / "a" / "ckpt.pt")))
+
+
+def test_the_checkpoint_door_knows_mask_spec_as_masking_writes_it():
+    """doors.MASK_RULES (the checkpoint door reads an encoder's mask_spec, importing no extra) names MaskSpec's
+    fields, so that a checkpoint this code writes passes, and one with another field is refused in one line."""
+    import dataclasses
+
+    import doors
+    assert set(doors.MASK_RULES) == {f.name for f in dataclasses.fields(MaskSpec)}
