@@ -821,7 +821,7 @@ def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
     if groups is not None:
         moments_fit(path, optimizer, groups, {id(p): name for name, p in named}, refuse)
     for name, t in ckpt["model"].items():
-        if not bool(torch.isfinite(t).all()):
+        if not finite(t):
             raise refuse(f"weight {name} is not finite")
     for key, entry in optimizer["state"].items():
         where = f"optimizer.state.{key}"
@@ -833,10 +833,16 @@ def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
             shapes = [list(entry[k].shape) for k in (bad, "exp_avg")]
             raise refuse(f"{where}.{bad} has shape {shapes[0]}, but exp_avg {shapes[1]}")
         for k in moments:
-            if not bool(torch.isfinite(entry[k]).all()):
+            if k != "exp_avg" and entry[k].numel() and not bool(entry[k].min() >= 0):  # NaN too
+                raise refuse(f"{where}.{k} is negative, which a second moment never is" if finite(entry[k]) else
+                              f"{where}.{k} is not finite")
+            if not finite(entry[k]):
                 raise refuse(f"{where}.{k} is not finite")
-            if k != "exp_avg" and bool((entry[k] < 0).any()):
-                raise refuse(f"{where}.{k} is negative, which a second moment never is")
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of t is finite: two passes, no copy (a NaN fails both comparisons)."""
+    return not t.numel() or bool(t.max() < math.inf) and bool(t.min() > -math.inf)
 
 
 def moments_fit(path: str | Path, optimizer: dict, groups: list[dict], names: dict[int, str], refuse: Any) -> None:

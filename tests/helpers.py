@@ -80,9 +80,10 @@ class Worker:
     """Runs `python SCRIPT.py ARGV` in a memory-bounded process (see WORKER); `run` returns
     {"code", "out", "err", "seconds"}, code -N for a process ended by signal N and "hung" past the timeout."""
 
-    def __init__(self, scripts: tuple[str, ...], extra_bytes: int = 1 << 30):
+    def __init__(self, scripts: tuple[str, ...], extra_bytes: int = 1 << 30, root: Path | None = None):
         self.scripts = scripts
         self.extra_bytes = extra_bytes
+        self.root = root or Path(__file__).resolve().parents[1]  # another checkout's, to compare
         self.proc = None
 
     def start(self) -> None:
@@ -91,8 +92,8 @@ class Worker:
         import tempfile
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         self.log = tempfile.TemporaryFile()  # what the process writes below Python (a library's own stderr)
-        root = str(Path(__file__).resolve().parents[1])
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, root, str(self.extra_bytes), *self.scripts],
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(self.root), str(self.extra_bytes),
+                                      *self.scripts],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
         assert self.proc.stdout.readline() == "ready\n", "the worker did not start"

@@ -259,9 +259,9 @@ def checkpoint_cases(tmp: Path, made: dict) -> list[tuple]:
     generate = ("generate", ["--prompt=the", "--max_new_tokens=2", "--device=cpu"])
     resume = ("train", resume_flags(made, tmp))
     return [
-        ("stride-0 weights, an 8 GiB model from a 30 kB file", lambda c: huge_model(c, stride_zero), generate,
+        ("stride-0 weights: a 4 GiB model from a 6 kB file", lambda c: huge_model(c, stride_zero), generate,
          "is not a whole storage of its own"),
-        ("storage-sharing weights", lambda c: huge_model(c, one_storage), generate,
+        ("storage-sharing weights: a 4 GiB model from 16 MB", lambda c: huge_model(c, one_storage), generate,
          "holds tensors that share a storage"),
         ("integer weights", weights_as(lambda s: torch.ones(s, dtype=torch.int64)), generate,
          "is torch.int64, not a floating-point tensor"),
@@ -381,7 +381,8 @@ def test_the_last_good_checkpoint_is_one_its_door_accepts_whole(made, tmp_path):
 # ------------------------------------------------------------------------------------------ bounds of counts
 
 
-COUNT_FLAGS = [  # (script, flags, what the one line says): each ran for ever, or until memory ran out, before
+COUNT_FLAGS = [  # (script, flags, what the one line says): grad_accum, max_iters, eval_batches, warmup_iters,
+    # num_negatives and tokens ran for ever before; the others had no bound
     ("train", ["--grad_accum=1e12"], "--grad_accum must be in [1, 65536], got 1000000000000"),
     ("train", ["--max_iters=1e30"], "--max_iters must be in [1, 4.29497e+09]"),
     ("train", ["--eval_batches=1e12"], "--eval_batches must be in [1, 1.04858e+06]"),
@@ -470,6 +471,7 @@ def test_a_small_file_is_bounded_by_what_is_read_not_by_its_size(tmp_path):
         doors.read_small(tmp_path / "dangling.json", 100, "config file", "")
 
 
+@pytest.mark.filterwarnings("ignore:Duplicate name")
 def test_a_hostile_zip_or_pickle_is_refused_in_bounded_memory(tmp_path, worker):
     """data.pkl is read whole, so its size is bounded (doors.MAX_PICKLE_BYTES): a pickle of a million empty lists
     (the most objects a byte buys) is refused within the worker's bound; and a zip claiming more entries than any
