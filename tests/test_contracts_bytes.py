@@ -24,10 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import Worker, one_line_refusal, snapshot
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import common
-import data
 import doors
 import model
 import train
@@ -42,27 +41,27 @@ def worker():
     w.close()
 
 
-def small_corpus(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    (folder / "validation.txt").write_text("a lazy dog sleeps in the sun by the quick brown fox. " * 10)
-    return folder
+def word_tokenizer(path: Path, words: int = 3) -> None:
+    """A valid tokenizer.json of `words` ids (end-of-text among them), made with the tokenizers package itself."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tokenizer.to_str())
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory) -> dict:
-    """A bpe:260 dataset (its tokenizer.json travels in checkpoints) and a run on it, two steps, as train.py writes
-    it (model, optimizer state, rng, tokenizer_json): the valid inputs every case changes one thing of."""
+def made(tiny_data_dir, tmp_path_factory) -> dict:
+    """The test dataset (GPT-2's tokens) and a run on it, two steps, as train.py writes it (model, optimizer state,
+    rng, data_meta): the valid inputs every case changes one thing of. Core files only: no extra is needed."""
     root = tmp_path_factory.mktemp("bytes")
-    data.prepare(data.PrepareConfig(dataset=str(small_corpus(root / "corpus")), tokenizer="bpe:260",
-                                    data_root=str(root / "d")))
-    folder = root / "d" / "corpus-bpe260"
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=32, block_size=64))
-        train.main([f"--dataset={folder}", f"--out_dir={root / 'run'}", "--max_iters=2", "--eval_interval=2",
+        train.main([f"--dataset={tiny_data_dir}", f"--out_dir={root / 'run'}", "--max_iters=2", "--eval_interval=2",
                     *TRAIN])
     ckpt = torch.load(root / "run" / "ckpt.pt", weights_only=True)
-    return {"data": folder, "ckpt": ckpt, "path": root / "run" / "ckpt.pt"}
+    return {"data": tiny_data_dir, "ckpt": ckpt, "path": root / "run" / "ckpt.pt"}
 
 
 def resume_flags(made: dict, out_dir: Path) -> list[str]:
@@ -306,7 +305,7 @@ def checkpoint_cases(tmp: Path, made: dict) -> list[tuple]:
          "mask_spec.bogus is not a field of this code's"),
         ("mask_spec's [MASK] beyond the model", lambda c: (set_field("train_config/objective", "mlm")(c), set_field(
             "mask_spec", {"mask_token": 10**6, "vocab_size": 260, "special_tokens": (0,)})(c)), generate,
-         "mask_spec.mask_token 1000000 is not a token id of the model's 320"),
+         "mask_spec.mask_token 1000000 is not a token id of the model's 50304"),
         ("an inherited grad_accum of 10**12", set_field("train_config/grad_accum", 10**12),
          ("finetune", [f"--out_dir={tmp / 'ft'}", "--max_iters=1", "--device=cpu"]),
          "train_config.grad_accum is 1000000000000, outside [1, 65536]"),
@@ -342,8 +341,7 @@ def test_each_hostile_or_damaged_checkpoint_is_refused_in_one_line(case, made, w
         change(path)
     else:
         torch.save(edited(made["ckpt"], change), path)
-    (tmp_path / "elsewhere").mkdir()  # a valid tokenizer, but not the checkpoint's (the tokenizer-path case)
-    shutil.copy(made["data"] / "tokenizer.json", tmp_path / "elsewhere" / "tokenizer.json")
+    word_tokenizer(tmp_path / "elsewhere" / "tokenizer.json")  # valid, but not the checkpoint's (a case reads it)
     before = stats(tmp_path)
     if script != "train":
         argv = [f"--ckpt={path}", *argv]
@@ -448,11 +446,17 @@ def test_a_garbage_tokenizer_json_with_a_matching_sha256_is_refused(made, worker
 
 def test_a_tokenizer_json_of_another_vocabulary_size_is_refused(made, tmp_path):
     folder = Path(shutil.copytree(made["data"], tmp_path / "books"))
+    word_tokenizer(folder / "tokenizer.json", 260)
     meta = json.loads((folder / "meta.json").read_text())
-    meta["vocab_size"] = 1000
+    meta["tokenizer_sha256"] = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(doors.Refused, match="tokenizer.json has 260 tokens but meta.json's vocab_size is 1000"):
+    with pytest.raises(doors.Refused, match="tokenizer.json has 260 tokens but meta.json's vocab_size is 50257"):
         doors.dataset(folder)
+    meta["vocab_size"] = 260
+    meta["dtype"] = "uint16"
+    meta.update(eot_token=0, special_tokens=[0])
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert doors.dataset(folder).tokenizer_json == (folder / "tokenizer.json").read_text()  # the same, one of 260
 
 
 def test_a_small_file_is_bounded_by_what_is_read_not_by_its_size(tmp_path):
@@ -534,7 +538,7 @@ def changed_tensor(t: torch.Tensor, how: str, other: torch.Tensor, dtype: torch.
     if how == "transposed":  # strided: not contiguous
         return t.t() if t.dim() == 2 else t.unsqueeze(0).expand(2, *t.shape)
     if how == "stride-0":
-        return flat[:1].expand(t.shape)
+        return flat[:1].expand(t.shape if t.dim() else (2,))
     if how == "every other":  # a view of a storage twice its size
         return torch.cat([flat, flat])[::2].reshape(t.shape)
     if how == "a view of another":
@@ -621,6 +625,7 @@ def test_any_change_of_a_checkpoint_keeps_every_command_to_the_contract(change, 
         script, argv, writes = "generate", [f"--ckpt={path}", *GENERATE], set()
     before = stats(folder)
     result = worker.run(script, argv, folder, timeout=60)
+    event(f"{script}: exit {result['code']}")
     holds_the_contract(result)
     after = stats(folder)
     if result["code"] == 2 or not writes:  # a refusal changes nothing; generate.py writes nothing; a fine-tune, ft/
@@ -648,7 +653,7 @@ def changed_dataset(made: dict, folder: Path, change: tuple) -> None:
         return
     _, name, how, where = change
     path = folder / name
-    raw = bytearray(path.read_bytes())
+    raw = bytearray(path.read_bytes() if path.exists() else b'{"model": {"type": "BPE"}}')  # GPT-2's has none
     at_byte = min(int(where * len(raw)), len(raw) - 1)
     if how == "flip":
         raw[at_byte] ^= 0x20
@@ -673,6 +678,7 @@ def test_any_change_of_a_dataset_keeps_training_to_the_contract(change, made, wo
     before = stats(work / "books")
     result = worker.run("train", [f"--dataset={work / 'books'}", f"--out_dir={work / 'o'}", "--max_iters=1",
                                   "--eval_interval=1", *TRAIN], work, timeout=60)
+    event(f"exit {result['code']}")
     holds_the_contract(result)
     assert stats(work / "books") == before
     assert result["code"] == 0 or not (work / "o").exists()
@@ -699,6 +705,7 @@ def test_any_config_file_keeps_training_to_the_contract(values, kind, damage, ma
     before = stats(work)
     result = worker.run("train", [f"--config={config}", f"--dataset={made['data']}", f"--out_dir={work / 'o'}",
                                   *fixed], work, timeout=60)
+    event(f"exit {result['code']}")
     holds_the_contract(result)
     if result["code"] == 2:
         assert stats(work) == before
