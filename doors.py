@@ -515,8 +515,12 @@ def zip_problem(f: IO[bytes], size: int) -> str | None:
     if len(pickles) != 1 or pickles[0].file_size > MAX_PICKLE_BYTES:
         return f"does not hold one data.pkl of at most {MAX_PICKLE_BYTES >> 20} MiB, as torch.save writes"
     try:
-        records = storage_records(z.read(pickles[0]))
-    except Exception as e:  # a damaged data.pkl (zipfile checks its CRC-32), or not a pickle torch.save writes
+        pickled = z.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return damaged(pickles[0], e)
+    try:
+        records = storage_records(pickled)
+    except Exception as e:  # not a pickle torch.save writes
         return f"has a data.pkl that is not one torch.save writes ({type(e).__name__}: {brief(first_line(e), 80)})"
     prefix = pickles[0].filename.removesuffix("data.pkl")
     if why := storages_problem(records, {e.filename: e.file_size for e in entries}, prefix, size):
@@ -527,10 +531,15 @@ def zip_problem(f: IO[bytes], size: int) -> str | None:
                 while data.read(1 << 20):
                     pass
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-            damage = "its CRC-32 does not match its bytes" if "CRC" in str(e) else "its header is damaged"
-            return f"holds an entry ({brief(entry.filename)}) whose bytes are not the ones written ({damage}: a " \
-                   "changed byte or a damaged copy)"
+            return damaged(entry, e)
     return None
+
+
+def damaged(entry: zipfile.ZipInfo, e: BaseException) -> str:
+    if "CRC" not in str(e):
+        return f"holds an entry ({brief(entry.filename)}) whose header is damaged (a damaged copy)"
+    return (f"holds an entry ({brief(entry.filename)}) whose CRC-32 does not match its bytes (a changed byte, a "
+            "damaged copy, or a file saved without CRC-32s: torch.serialization.set_crc32_options(False))")
 
 
 class _Stub:
