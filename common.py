@@ -705,11 +705,13 @@ def diverged(what: str, value: float, step: int, ckpt: Path) -> UserError:
 
 
 def last_good_checkpoint(path: str | Path) -> str:
-    try:  # what a user can continue from after a refused or failed save
+    try:  # what a user can continue from after a refused or failed save: a checkpoint its doors accept whole
         import doors
         from model import GPTConfig
-        return f"the last good checkpoint is {path} (step {doors.checkpoint(path, GPTConfig)['step']})"
-    except Exception:  # none yet, or unreadable
+        ckpt = doors.checkpoint(path, GPTConfig)
+        doors.resumable(path, ckpt)
+        return f"the last good checkpoint is {path} (step {ckpt['step']})"
+    except Exception:  # none yet, unreadable, or damaged
         return "there is no earlier checkpoint"
 
 

@@ -7,20 +7,27 @@ imports no other file of this project (model.load_model reads through it), so a 
 ValueError: the scripts show it as their one-line UserError (common.through_door)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import difflib
+import errno
+import functools
 import hashlib
+import io
 import itertools
 import json
+import math
 import os
+import pickle
 import re
 import stat
+import struct
 import sys
 import tomllib
 import typing
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
@@ -35,9 +42,19 @@ class Refused(ValueError):
 # What a real model could have: a file that claims more is refused before anything is built (docs/failures.md)
 MAXIMA = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "d_model": 1 << 16, "n_head": 1024,
           "mlp_hidden": 1 << 18}
-MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, results files that an output would replace
-MAX_TOKENIZER_BYTES = 256 << 20  # a dataset's tokenizer.json (real ones: a few MB)
-MAX_PICKLE_BYTES = 64 << 20  # a checkpoint's data.pkl: the structure around the tensors, unpickled whole
+# The most a count may be: far beyond any real run, yet each keeps a run finite (docs/failures.md). train.py's and
+# finetune.py's flags and a checkpoint's train_config (TRAIN_RULES) are checked against this one table.
+COUNTS = {"batch_size": (1, 1 << 16), "grad_accum": (1, 1 << 16), "block_size": (2, MAXIMA["block_size"]),
+          "max_iters": (1, 1 << 32), "warmup_iters": (0, 1 << 32), "eval_interval": (1, 1 << 32),
+          "log_interval": (1, 1 << 32), "eval_batches": (1, 1 << 20), "num_negatives": (1, 1 << 30),
+          "loss_chunk_size": (0, 1 << 30), "tokens": (1, 1 << 50)}
+MAX_STEP_TOKENS = 1 << 30  # batch_size x block_size x grad_accum: a rank's tokens in one step (Llama 3's: 2^24)
+# Files read whole are read within these bounds, measured by reading (at most the bound + 1 bytes)
+MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, config.json, a safetensors header, results files
+MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json (real ones: 0.5 to 35 MB)
+MAX_PICKLE_BYTES = 8 << 20  # a torch.save file's data.pkl, unpickled whole (~110 bytes a tensor: pythia-70m's
+#   with its optimizer holds 306 in 28 kB, a model of 1024 layers and its optimizer about 50,000 in 5.4 MB)
+MAX_ZIP_ENTRIES = 1 << 17  # a torch.save file's entries, one a tensor (pythia-70m's with its optimizer: 306)
 MAX_HASHED_BYTES = 2 << 30  # shards up to this size are checked against their sha256 at every start
 BIG = 1 << 62  # any count
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -52,7 +69,9 @@ def opened(path: str | Path, what: str, fix: str) -> tuple[IO[bytes], os.stat_re
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        why = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        why = f"cannot be read ({e.strerror})"
+        if isinstance(e, FileNotFoundError):
+            why = "is a dangling symbolic link" if os.path.islink(path) else "not found"
         raise Refused(f"{what} {path} {why}; {fix}") from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
@@ -63,20 +82,38 @@ def opened(path: str | Path, what: str, fix: str) -> tuple[IO[bytes], os.stat_re
 
 
 def read_small(path: str | Path, limit: int, what: str, fix: str) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes, refused by its size before it is read."""
+    """The bytes of a regular file of at most `limit` bytes, measured by reading at most limit + 1 of them (a /proc
+    file says it has none, a file may grow after its stat); one that says it has more is refused unread."""
     f, info = opened(path, what, fix)
     with f:
-        if info.st_size > limit:
-            raise Refused(f"{what} {path} is {info.st_size:,} bytes, more than a {what} can be ({limit:,}); {fix}")
-        return f.read(limit + 1)
+        data = f.read(limit + 1) if info.st_size <= limit else None
+    if data is None or len(data) > limit:
+        size = f"{info.st_size:,} bytes" if data is None else f"more than {limit:,} bytes"
+        raise Refused(f"{what} {path} is {size}, more than a {what} can be ({limit:,}); {fix}")
+    return data
 
 
 def parse(data: bytes, where: str, fix: str, kind: str = "JSON") -> Any:
     """JSON or TOML read from a file's bytes: any way they are broken is one line."""
     try:
-        return json.loads(data) if kind == "JSON" else tomllib.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # bad JSON, TOML or UTF-8, a 5,000-digit number, absurd nesting
+        text = data.decode(json.detect_encoding(data) if kind == "JSON" else "utf-8")
+    except UnicodeDecodeError as e:
+        raise Refused(f"{where} is not UTF-8 text (byte {e.start}); {fix}") from None
+    try:
+        return json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except RecursionError:
+        raise Refused(f"{where} is {kind} nested too deeply; {fix}") from None
+    except ValueError as e:  # bad JSON or TOML, a 5,000-digit number
         raise Refused(f"{where} is not valid {kind}: {(str(e).splitlines() or ['?'])[0]}; {fix}") from None
+
+
+def json_file(path: str | Path, limit: int, what: str, fix: str) -> Any:
+    """A JSON file of at most `limit` bytes, parsed (the caller checks what it holds)."""
+    return parse(read_small(path, limit, what, fix), f"{what} {path}", fix)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def brief(value: Any, limit: int = 60) -> str:
@@ -93,6 +130,38 @@ def clip(text: str, limit: int = 80) -> str:
     as itself escaped, cut short."""
     shown = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))
     return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+@functools.lru_cache(maxsize=4)  # a run's doors read its dataset's tokenizer.json several times
+def tokenizer_problem(text: str) -> tuple[str | None, int]:
+    """Why a tokenizer.json's text is not a Hugging Face tokenizer (what its library says, in one line), or None;
+    and the number of its ids (the largest + 1)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return "cannot be read: the tokenizers package is missing (pip install -r requirements.txt)", 0
+    try:
+        ids = Tokenizer.from_str(text).get_vocab(with_added_tokens=True).values()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the Rust library's errors, its panics (BaseExceptions) included
+        return f"is not a Hugging Face tokenizer.json: {brief(first_line(e), 120)}", 0
+    return (None, max(ids) + 1) if ids else ("is not a Hugging Face tokenizer.json: it has no tokens", 0)
+
+
+def tokenizer_file(path: str | Path, what: str, fix: str) -> str:
+    """A tokenizer.json file's text, once its library reads it as a tokenizer (at most MAX_TOKENIZER_BYTES)."""
+    return tokenizer_text(read_small(path, MAX_TOKENIZER_BYTES, what, fix), f"{what} {path}", fix)
+
+
+def tokenizer_text(data: bytes, where: str, fix: str) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Refused(f"{where} is not a Hugging Face tokenizer.json: not UTF-8 text (byte {e.start}); {fix}") from None
+    if why := tokenizer_problem(text)[0]:
+        raise Refused(f"{where} {why}; {fix}")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -298,10 +367,14 @@ def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | N
     if (sha256 or data) and hashlib.sha256(data).hexdigest() != sha256:
         raise Refused(f"{path} is not the tokenizer {clip(meta['tokenizer'])} that meta.json records (its sha256 "
                       f"differs): a swapped or stray file; put the dataset's own back, or {redo}")
+    text = tokenizer_text(data, str(path), redo) if data else None  # read as a tokenizer: a sha256 vouches for bytes
+    if text and tokenizer_problem(text)[1] != meta["vocab_size"]:
+        raise Refused(f"{path} has {tokenizer_problem(text)[1]} tokens but meta.json's vocab_size is "
+                      f"{meta['vocab_size']}; {redo}")
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
         raise Refused(f"{folder} was tokenised with {clip(meta['tokenizer'])} ({meta['vocab_size']} tokens) but the "
                       f"model's vocab_size is {vocab_size}; match the model to the data")
-    return Dataset(meta, data.decode() or None, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
+    return Dataset(meta, text, {name: shard(folder / name, meta, redo, vocab_size) for name in files})
 
 
 def dataset_meta(folder: Path) -> dict:
@@ -376,7 +449,245 @@ def special_ids(meta: dict) -> list[int]:
     return list(meta.get("special_tokens") or [meta["eot_token"]])
 
 
-# ---------------------------------------------------------------------------------------------- training logs
+# ---------------------------------------------------------------------------------------------- torch files
+
+# The storages torch.save writes (named for their dtypes), and the dtypes a weight may have: another kind of number
+# (an integer, true/false, a complex number) is refused, never cast into the model
+STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
+                  "DoubleStorage": torch.float64, "ByteStorage": torch.uint8, "CharStorage": torch.int8,
+                  "ShortStorage": torch.int16, "IntStorage": torch.int32, "LongStorage": torch.int64,
+                  "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+                  "ComplexDoubleStorage": torch.complex128}
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def torch_file(path: str | Path, what: str, fix: str, missing: str | None = None) -> Any:
+    """What a torch.save file holds, read as far as its bytes vouch for it: a regular file, not sparse; a zip as
+    torch.save writes it (zip_problem: every entry stored, inside the file, its CRC-32 right; each storage data.pkl
+    names an entry of exactly its bytes); then torch.load (weights_only: never code; mmap: the tensors stay on
+    disk); then every tensor dense, on the CPU, and the whole of a storage of its own, together at most the file's
+    size. So what a loader builds from it is bounded by the bytes the file holds."""
+    f, info = opened(path, what, missing or fix)
+    with f:
+        why = holes_problem(f.fileno(), info.st_size) or zip_problem(f, info.st_size)
+    if why:
+        raise Refused(f"{what} {path} {why}; {fix}")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a refused pickle's message runs over many lines
+        refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
+        if refused:
+            raise Refused(f"{what} {path} holds a {brief(refused[1])} object, which torch.load(weights_only=True) "
+                          f"refuses to unpickle; {fix}") from None
+        raise Refused(f"cannot read {what} {path} ({type(e).__name__}); {fix}") from None
+    if why := tensors_problem(loaded, info.st_size):
+        raise Refused(f"{what} {path}: {why}; {fix}")
+    return loaded
+
+
+def holes_problem(fd: int, size: int) -> str | None:
+    """Why a file is not the bytes it claims: more than half of it holes (a sparse file, gigabytes of zeros that
+    cost nothing on disk and would cost memory once loaded), found by SEEK_DATA/SEEK_HOLE: a few system calls."""
+    present, offset = 0, 0
+    try:
+        for _ in range(1 << 16):  # extents; past them, the part walked is judged
+            if offset >= size or 2 * present >= size:
+                break
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+            offset = os.lseek(fd, start, os.SEEK_HOLE)
+            present += offset - start
+        else:
+            size = offset
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: no data past `offset`; otherwise the file system cannot tell
+            return None
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
+    if 2 * present >= size:
+        return None
+    return f"is a sparse file: {present:,} of its {size:,} bytes are on disk, the rest holes where data should be"
+
+
+def zip_entry_count(f: IO[bytes], size: int) -> int | None:
+    """The entries a zip's end record counts (zip64's where it has one), read before its directory: each entry of
+    the directory costs memory once read. None: no end record."""
+    tail_size = min(size, 22 + 65535)
+    f.seek(size - tail_size)
+    tail = f.read(tail_size)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return None
+    count = struct.unpack_from("<H", tail, at + 10)[0]
+    if count == 0xFFFF and at >= 20 and tail[at - 20:at - 16] == b"PK\x06\x07":
+        (offset,) = struct.unpack_from("<Q", tail, at - 12)
+        f.seek(min(offset, size))
+        record = f.read(56)
+        if record[:4] == b"PK\x06\x06" and len(record) == 56:
+            count = struct.unpack_from("<Q", record, 32)[0]
+    return count
+
+
+def zip_problem(f: IO[bytes], size: int) -> str | None:
+    """Why a file is not what torch.save writes: its zip's end record and directory (every entry stored, as
+    torch.save writes them, inside the file; one data.pkl of at most MAX_PICKLE_BYTES), then data.pkl's storage
+    records against the entries (storages_problem), then every entry's CRC-32, read a MiB at a time."""
+    count = zip_entry_count(f, size)
+    if count is not None and count > MAX_ZIP_ENTRIES:
+        return f"claims {count:,} entries, more than a checkpoint has ({MAX_ZIP_ENTRIES:,})"
+    try:
+        z = zipfile.ZipFile(f)
+        entries = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return "is not a torch.save file (it has no zip directory)"
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED:
+            return f"holds a compressed entry ({brief(entry.filename)}), which torch.save never writes"
+        if entry.header_offset + entry.file_size > size:
+            return f"holds an entry ({brief(entry.filename)}) larger than the file"
+    pickles = [e for e in entries if e.filename.endswith("/data.pkl")]
+    if len(pickles) != 1 or pickles[0].file_size > MAX_PICKLE_BYTES:
+        return f"does not hold one data.pkl of at most {MAX_PICKLE_BYTES >> 20} MiB, as torch.save writes"
+    try:
+        pickled = z.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return damaged(pickles[0], e)
+    try:
+        records = storage_records(pickled)
+    except Exception as e:  # not a pickle torch.save writes
+        return f"has a data.pkl that is not one torch.save writes ({type(e).__name__}: {brief(first_line(e), 80)})"
+    prefix = pickles[0].filename.removesuffix("data.pkl")
+    if why := storages_problem(records, {e.filename: e.file_size for e in entries}, prefix, size):
+        return why
+    for entry in entries:
+        try:
+            with z.open(entry) as data:
+                while data.read(1 << 20):
+                    pass
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+            return damaged(entry, e)
+    return None
+
+
+def damaged(entry: zipfile.ZipInfo, e: BaseException) -> str:
+    if "CRC" not in str(e):
+        return f"holds an entry ({brief(entry.filename)}) whose header is damaged (a damaged copy)"
+    return (f"holds an entry ({brief(entry.filename)}) whose CRC-32 does not match its bytes (a changed byte, a "
+            "damaged copy, or a file saved without CRC-32s: torch.serialization.set_crc32_options(False))")
+
+
+class _Stub:
+    """What data.pkl builds when it is read for its storage records alone: every name it asks for is this, so
+    nothing is imported or run, and whatever it builds of them costs a few bytes."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        return _Stub()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
+
+
+_STORAGE_STUBS = {name: type(name, (_Stub,), {}) for name in STORAGE_DTYPES}
+
+
+class _StorageRecords(pickle.Unpickler):
+    """Reads data.pkl for the storages it names, (kind, key, location, element count), and nothing else."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.records: list[Any] = []
+
+    def find_class(self, module: str, name: str) -> type:
+        return _STORAGE_STUBS.get(name, _Stub) if module == "torch" else _Stub
+
+    def persistent_load(self, pid: Any) -> _Stub:
+        self.records.append(pid)
+        return _Stub()
+
+
+def storage_records(pickled: bytes) -> list[Any]:
+    reader = _StorageRecords(pickled)
+    reader.load()
+    return reader.records
+
+
+def storages_problem(records: list[Any], entries: dict[str, int], prefix: str, size: int) -> str | None:
+    """Why data.pkl's storages are not the file's entries: one that is no storage torch.save writes, one named
+    twice (tensors sharing a storage), on the meta device (no bytes), or whose entry holds other than its bytes
+    (cut short or padded: its tensor would read its neighbours'); or, together, more bytes than the file."""
+    total, seen = 0, set()
+    for pid in records:
+        kind = pid[1] if isinstance(pid, tuple) and len(pid) == 5 else None
+        if not (isinstance(kind, type) and kind.__name__ in _STORAGE_STUBS and pid[0] == "storage"
+                and all(isinstance(x, str) for x in pid[2:4]) and problem(pid[4], int, 0, BIG) is None):
+            return f"names a storage that torch.save never writes ({brief(pid)})"
+        _, _, key, location, count = pid
+        if key in seen:
+            return f"holds tensors that share a storage ({brief(key)}); a tensor of a checkpoint has its own"
+        seen.add(key)
+        if location == "meta":
+            return "holds a tensor on the meta device, which has no data"
+        nbytes = count * STORAGE_DTYPES[kind.__name__].itemsize
+        stored = entries.get(f"{prefix}data/{key}")
+        if stored != nbytes:
+            held = "no entry" if stored is None else f"an entry of {stored:,} bytes"
+            return f"holds storage {brief(key)} in {held}, not the {nbytes:,} bytes its tensor records (cut short?)"
+        total += nbytes
+    if total > size:
+        return f"holds tensors of {total:,} bytes, more than the file's {size:,}"
+    return None
+
+
+def tensors_in(value: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in nested dicts, lists and tuples, by its path ("optimizer.state.0.exp_avg"), in order; each
+    container once (a pickle can make one hold itself)."""
+    todo, seen = collections.deque([("", value)]), set()
+    while todo:
+        name, value = todo.popleft()
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo.extend((f"{name}.{k}" if name else str(k), v) for k, v in items)
+
+
+def tensors_problem(value: Any, size: int) -> str | None:
+    """The first tensor in `value` that is not dense, on the CPU, contiguous and the whole of a storage of its own
+    (a stride-0 tensor or views of one storage claim what no byte backs), or tensors of more bytes than the file."""
+    owners: dict[int, str] = {}
+    total = 0
+    for name, t in tensors_in(value):
+        name = name[:80]
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_nested:
+            return f"{name} is a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
+        if t.device.type != "cpu":
+            return f"{name} is on the {t.device.type} device, which has no data"
+        storage = t.untyped_storage()
+        if not t.is_contiguous() or t.storage_offset() or storage.nbytes() != t.numel() * t.element_size():
+            return f"{name} is not a whole storage of its own (a view, or a strided or stride-0 tensor)"
+        if storage.nbytes() and storage.data_ptr() in owners:
+            return f"{name} shares its storage with {owners[storage.data_ptr()]}"
+        owners[storage.data_ptr()] = name
+        total += storage.nbytes()
+    if total > size:
+        return f"its tensors hold {total:,} bytes, more than the file's {size:,}"
+    return None
+
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
@@ -392,32 +703,36 @@ STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": 
                "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
                "val_step": ((int, None), 0, BIG)}
 INIT_RULES = {"seed": (int, 0, 2**32 - 1), "model_config": (dict,)}
-# The settings a script takes from a checkpoint's train_config (finetune.py inherits some); any other is plain
-TRAIN_RULES = {"dataset": ((str, None),), "preset": ((str, None),), "block_size": ((int, None), 2, BIG),
-               "batch_size": (int, 1, BIG), "grad_accum": (int, 1, BIG), "eval_batches": (int, 1, BIG),
-               "max_iters": (int, 1, BIG), "warmup_iters": ((int, None), 0, BIG), "lr": (float, 0),
+# The settings scripts take from a checkpoint's train_config (finetune.py inherits some), the counts within the
+# bounds their flags have (COUNTS); any other is plain
+TRAIN_RULES = {**{name: ((int, None), *bounds) for name, bounds in COUNTS.items()},
+               "batch_size": (int, *COUNTS["batch_size"]), "grad_accum": (int, *COUNTS["grad_accum"]),
+               "eval_batches": (int, *COUNTS["eval_batches"]), "max_iters": (int, *COUNTS["max_iters"]),
+               "dataset": ((str, None),), "preset": ((str, None),), "lr": (float, 0),
                "min_lr": ((float, None), 0), "temperature": (float, 1e-3, 1e3), "mix_alpha": ((float, None), 0),
                "objective": (["causal", "mlm"],), "loss": (str,), "device": (["auto", "cpu", "cuda", None],),
                "dtype": (["auto", "bfloat16", "float16", "float32", None],), "compile": ((bool, None),)}
 MODEL_RANGES = {**{name: (1, most) for name, most in MAXIMA.items()}, "dropout": (0, 0.999999),
                 "rotary_pct": (0, 1), "norm_eps": (1e-30, 1), "rope_base": (1, 1e12)}
+# masking.MaskSpec's fields (tests/test_masking.py keeps them one), an encoder's checkpoint's mask_spec
+MASK_RULES = {"mask_token": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]),
+              "special_tokens": ((list, tuple),)}
+SCALER_RULES = {"scale": (float, 0), "growth_factor": (float, 0), "backoff_factor": (float, 0),
+                "growth_interval": (int, 1, BIG), "_growth_tracker": COUNT}
+# AdamW's state_dict: a group's settings, and a parameter's state (amsgrad adds max_exp_avg_sq)
+GROUP_RULES = {"params": (list,), "lr": (float, 0), "initial_lr": (float, 0), "weight_decay": (float, 0),
+               "eps": (float, 0), "betas": ((list, tuple),), "amsgrad": (bool,), "maximize": (bool,),
+               "foreach": ((bool, None),), "capturable": (bool,), "differentiable": (bool,), "fused": ((bool, None),),
+               "decoupled_weight_decay": (bool,), "param_names": (list,)}
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def checkpoint(path: str | Path, config_class: type) -> dict:
-    """A train.py or finetune.py checkpoint through its door: a regular file whose zip directory is what torch.save
-    writes (every entry stored, within the file; one data.pkl of at most MAX_PICKLE_BYTES), checked before anything
-    is unpickled; then torch.load (weights_only: never code; mmap: the tensors stay on disk); then every field."""
+    """A train.py or finetune.py checkpoint through its door: its bytes (torch_file: the zip, every CRC-32, each
+    storage exactly its entry, every tensor dense and its storage's own), then every field (checkpoint_problems)."""
     fix = "pass a checkpoint that train.py or finetune.py wrote"
-    f, info = opened(path, "checkpoint", "train.py writes out/ckpt.pt and `finetune.py --ckpt=out/ckpt.pt` writes "
-                     "out-ft/ckpt.pt: run the step that makes it, or pass --ckpt=PATH")
-    with f:
-        why = zip_problem(f, info.st_size)
-    if why:
-        raise Refused(f"checkpoint {path} {why}; {fix}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise Refused(f"cannot read checkpoint {path} ({type(e).__name__}); is it a train.py checkpoint?") from None
+    ckpt = torch_file(path, "checkpoint", fix, "train.py writes out/ckpt.pt and `finetune.py --ckpt=out/ckpt.pt` "
+                      "writes out-ft/ckpt.pt: run the step that makes it, or pass --ckpt=PATH")
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
         raise Refused(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py one")
     if why := next(filter(None, checkpoint_problems(ckpt, config_class)), None):
@@ -425,32 +740,20 @@ def checkpoint(path: str | Path, config_class: type) -> dict:
     return ckpt
 
 
-def zip_problem(f: IO[bytes], size: int) -> str | None:
-    """Why a file is not what torch.save writes, from its zip directory alone (nothing is decompressed)."""
-    try:
-        entries = zipfile.ZipFile(f).infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return "is not a torch.save file (it has no zip directory)"
-    for entry in entries:
-        if entry.compress_type != zipfile.ZIP_STORED:
-            return f"holds a compressed entry ({brief(entry.filename)}), which torch.save never writes"
-        if entry.header_offset + entry.file_size > size:
-            return f"holds an entry ({brief(entry.filename)}) larger than the file"
-    pickles = [e.file_size for e in entries if e.filename.endswith("/data.pkl")]
-    if len(pickles) != 1 or pickles[0] > MAX_PICKLE_BYTES:
-        return f"does not hold one data.pkl of at most {MAX_PICKLE_BYTES >> 20} MiB, as torch.save writes"
-    return None
-
-
 def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
     """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
-    (tensors), model_config, train_config, state, rng, data_meta; with a state (it can resume), the optimizer too."""
+    (named tensors; the model's of floating-point dtypes), model_config, train_config (its counts, and a step's
+    tokens), state, rng, data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
     yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
     for key in ("model", "objective"):
         tensors = ckpt.get(key, {})
+        yield next((f"{key} has a key {brief(k)} that is not a name" for k in tensors if not isinstance(k, str)), None)
         yield fields_problem(tensors, dict.fromkeys(tensors, (torch.Tensor,)), key)
+    yield next((f"model.{k} is {t.dtype}, not a floating-point tensor" for k, t in ckpt["model"].items()
+                if t.dtype not in WEIGHT_DTYPES), None)
     yield model_config_problem(ckpt["model_config"], config_class)
-    yield fields_problem(ckpt.get("train_config", {}), TRAIN_RULES, "train_config", others=True)
+    train = ckpt.get("train_config", {})
+    yield fields_problem(train, TRAIN_RULES, "train_config", others=True)
     yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
     if ckpt.get("init") is not None:  # how the lineage's first weights were drawn (train.lineage_init)
         yield fields_problem(ckpt["init"], INIT_RULES, "init", ("seed", "model_config"))
@@ -463,14 +766,158 @@ def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
         yield "rng.torch is not the state of torch's generator"
     meta = ckpt.get("data_meta", {})
     yield meta_problem(meta) and f"data_meta {meta_problem(meta)}"
-    block = ckpt["model_config"].get("block_size", BIG)
-    if (ckpt.get("train_config", {}).get("block_size") or 0) > block:
+    name = meta.get("tokenizer", "")
+    if not ckpt.get("tokenizer_json") and (name.endswith(".json") or "/" in name and not name.startswith("hf:")):
+        yield (f"data_meta names its tokenizer by a file ({brief(name)}) but the checkpoint does not carry it (no "
+               "tokenizer_json), and a path inside a checkpoint is never opened")
+    block = config_class(**ckpt["model_config"]).block_size
+    if (train.get("block_size") or 0) > block:
         yield f"train_config.block_size is more than the model's {block} tokens of context"
+    step = step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
+    yield step and f"train_config: {step}"
     if "state" in ckpt and ckpt["state"].get("step") != ckpt.get("step"):
         yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
+    yield mask_problem(ckpt)
+    if ckpt.get("scaler"):
+        yield fields_problem(ckpt["scaler"], SCALER_RULES, "scaler", tuple(SCALER_RULES))
+    if "optimizer" in ckpt:
+        yield optimizer_problem(ckpt["optimizer"])
 
 
-def tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Tensor], what: str) -> str | None:
+def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | None:
+    """Why a rank's step of batch_size x block_size x grad_accum tokens cannot be: more than MAX_STEP_TOKENS."""
+    if not all(isinstance(n, int) for n in (batch_size, grad_accum, block_size)):
+        return None  # not known yet, or refused by its own rule
+    tokens = batch_size * grad_accum * block_size
+    if tokens <= MAX_STEP_TOKENS:
+        return None
+    return (f"batch_size {batch_size} x block_size {block_size} x grad_accum {grad_accum} is a step of {tokens:,} "
+            f"tokens, more than a rank's step can be ({MAX_STEP_TOKENS:,})")
+
+
+def check_step(batch_size: int, grad_accum: int, block_size: int) -> None:
+    """step_problem as a refusal, for a script that knows the three (train.Run, finetune.py)."""
+    if why := step_problem(batch_size, grad_accum, block_size):
+        raise Refused(f"{why}; lower --batch_size or --grad_accum (or --block_size)")
+
+
+def mask_problem(ckpt: dict) -> str | None:
+    """An encoder's mask_spec (masking.MaskSpec's fields): its ids within the model's and its own vocabulary."""
+    spec = ckpt.get("mask_spec")
+    if spec is None and ckpt.get("train_config", {}).get("objective") != "mlm":
+        return None
+    if why := fields_problem(spec, MASK_RULES, "mask_spec", tuple(MASK_RULES)):
+        return why
+    vocab = ckpt["model_config"].get("vocab_size", BIG)
+    if spec["mask_token"] >= vocab or spec["vocab_size"] > vocab:
+        which = "mask_token" if spec["mask_token"] >= vocab else "vocab_size"
+        return f"mask_spec.{which} {spec[which]} is not a token id of the model's {vocab}"
+    if bad := [i for i in spec["special_tokens"] if problem(i, int, 0, spec["vocab_size"] - 1)]:
+        return f"mask_spec.special_tokens holds {brief(bad[0])}, not a token id of its {spec['vocab_size']}"
+    return None
+
+
+def optimizer_problem(optimizer: Any) -> str | None:
+    """The structure of AdamW's state_dict: groups of settings (typed, in range) naming each parameter once, and a
+    state for some of them: a step count and moments (floating-point tensors). Their values and whether they fit
+    the parameters they will drive are checked before they are loaded (resumable)."""
+    if why := fields_problem(optimizer, {"state": (dict,), "param_groups": (list,)}, "optimizer",
+                             ("state", "param_groups")):
+        return why
+    group_of: dict[int, dict] = {}
+    for i, group in enumerate(optimizer["param_groups"]):
+        where = f"optimizer.param_groups.{i}"
+        if why := fields_problem(group, GROUP_RULES, where, ("params",), others=True):
+            return why
+        betas = group.get("betas", (0.9, 0.999))
+        if len(betas) != 2 or any(problem(b, float, 0, 1 - 1e-12) for b in betas):
+            return f"{where}.betas is {brief(betas)}, not two numbers in [0, 1)"
+        for p in group["params"]:
+            if problem(p, int, 0, BIG) or p in group_of:
+                return f"{where}.params holds {brief(p)}, not the id of a parameter no other group holds"
+            group_of[p] = group
+    for key, entry in optimizer["state"].items():
+        where = f"optimizer.state.{brief(key, 20)}"
+        if isinstance(key, bool) or key not in group_of:
+            return f"{where} is the state of no parameter of its groups"
+        needs = ("step", *MOMENTS[:2 + bool(group_of[key].get("amsgrad"))])
+        rules = {"step": ((torch.Tensor, float),), **dict.fromkeys(needs[1:], (torch.Tensor,))}
+        if why := fields_problem(entry, rules, where, needs):
+            return why
+        if isinstance(entry["step"], torch.Tensor) and (entry["step"].shape or not entry["step"].is_floating_point()):
+            return f"{where}.step is a tensor of shape {list(entry['step'].shape)}, not a count of steps"
+        if bad := next((k for k in needs[1:] if entry[k].dtype not in WEIGHT_DTYPES), None):
+            return f"{where}.{bad} is {entry[bad].dtype}, not a floating-point tensor"
+    return None
+
+
+def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
+              named: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+    """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights that are not
+    finite; state values no run makes (a step count that is not a whole number, moments not finite, a negative
+    second moment: NaNs that would then be blamed on --lr); and, given the param_groups this run's optimizer holds
+    (`named`: the parameters' names), state of another count, shape or dtype than the parameters it will drive
+    (a fused AdamW read and wrote past the buffers of a mismatched moment). Called by train.Run.restore, and by
+    common.last_good_checkpoint without groups."""
+    fix = "it is damaged: resume from a good copy, or start a new run from its weights with --init_from"
+
+    def refuse(why: str) -> Refused:
+        return Refused(f"checkpoint {path}: {why}; {fix}")
+
+    if "optimizer" not in ckpt:
+        raise refuse("it holds no optimizer state, so it cannot resume")
+    optimizer = ckpt["optimizer"]
+    if groups is not None:
+        moments_fit(path, optimizer, groups, {id(p): name for name, p in named}, refuse)
+    for name, t in ckpt["model"].items():
+        if not finite(t):
+            raise refuse(f"weight {name} is not finite")
+    for key, entry in optimizer["state"].items():
+        where = f"optimizer.state.{key}"
+        step = float(entry["step"])
+        if not (math.isfinite(step) and step == int(step) and 0 <= step <= BIG):
+            raise refuse(f"{where}.step is {step:g}, not a count of steps")
+        moments = [k for k in MOMENTS if k in entry]
+        if bad := next((k for k in moments if entry[k].shape != entry["exp_avg"].shape), None):
+            shapes = [list(entry[k].shape) for k in (bad, "exp_avg")]
+            raise refuse(f"{where}.{bad} has shape {shapes[0]}, but exp_avg {shapes[1]}")
+        for k in moments:
+            if k != "exp_avg" and entry[k].numel() and not bool(entry[k].min() >= 0):  # NaN too
+                raise refuse(f"{where}.{k} is negative, which a second moment never is" if finite(entry[k]) else
+                              f"{where}.{k} is not finite")
+            if not finite(entry[k]):
+                raise refuse(f"{where}.{k} is not finite")
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of t is finite: two passes, no copy (a NaN fails both comparisons)."""
+    return not t.numel() or bool(t.max() < math.inf) and bool(t.min() > -math.inf)
+
+
+def moments_fit(path: str | Path, optimizer: dict, groups: list[dict], names: dict[int, str], refuse: Any) -> None:
+    """The saved groups against the built ones: as many, of as many parameters; the settings that change the
+    update equal; each moment of its parameter's shape and dtype."""
+    saved = optimizer["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
+        raise Refused(f"{path} holds the optimizer of other trainable parameters; resume with the interrupted run's "
+                      "settings (--freeze_body, --loss)")
+    for i, (old, new) in enumerate(zip(saved, groups)):
+        for key in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
+            if key in old and key in new and old[key] != new[key]:
+                raise refuse(f"optimizer.param_groups.{i}.{key} is {old[key]}, but this run's optimizer has {new[key]}")
+        for pid, p in zip(old["params"], new["params"]):
+            entry = optimizer["state"].get(pid, {})
+            name = names.get(id(p), f"parameter {pid}")
+            for k in [k for k in MOMENTS if k in entry]:
+                if entry[k].shape != p.shape:
+                    raise refuse(f"optimizer state {k} of {name} has shape {list(entry[k].shape)}, but the parameter "
+                                 f"{list(p.shape)}")
+                if entry[k].dtype != p.dtype:
+                    raise refuse(f"optimizer state {k} of {name} is {entry[k].dtype}, but the parameter {p.dtype}")
+
+
+def declared_tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Tensor],
+                             what: str) -> str | None:
     """Why tensors a checkpoint holds (`what`: "its objective") are not the ones a module declares (names, shapes,
     dtypes): the message is completed by the caller ("... this run's objective declares")."""
     def shown(tensors: dict) -> str:

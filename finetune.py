@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import common
+import doors
 from common import DeviceName, DtypeName, UserError, note
 from loss import LossName
-from model import PresetName
+from model import GPTConfig, PresetName
 from train import TrainConfig, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
@@ -95,8 +96,10 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
     common.in_range(cfg, "budget_fraction", 0, 1, "(]")
     common.in_range(cfg, "block_size", 2, base["model_config"].get("block_size", math.inf))  # before any data
-    for name in ("tokens", "batch_size", "grad_accum"):
-        common.in_range(cfg, name, 1)
+    for name in ("tokens", "max_iters", "batch_size", "grad_accum"):  # doors.COUNTS, inherited values too
+        common.in_range(cfg, name, *doors.COUNTS[name])
+    common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum,
+                        cfg.block_size or GPTConfig(**base["model_config"]).block_size)
     return cfg
 
 
@@ -115,6 +118,10 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     block = cfg.block_size or base["model_config"]["block_size"]
     tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * common.world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
+    if steps > doors.COUNTS["max_iters"][1]:  # the bound of --max_iters, which the budget stands for
+        budget = cfg.tokens if cfg.tokens is not None else cfg.budget_fraction * pretrain_tokens
+        raise UserError(f"{budget:,.0f} tokens are {steps:,} steps of {tokens_per_iter:,} tokens, more than a run "
+                        f"can have ({doors.COUNTS['max_iters'][1]:,}); lower --tokens or raise --batch_size")
     warmup = cfg.warmup_iters
     if warmup is None:
         warmup = max(1, round(FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])["warmup"] * steps))

@@ -24,7 +24,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+import doors
 from common import (
     UserError,
     checkpoint_model,
@@ -45,6 +45,7 @@ from common import (
     remove_stale_temps,
     run_main,
     temp_path,
+    through_door,
 )
 from data import dataset_tokenizer, gpt2_vocab_files, load_meta
 from doors import brief
@@ -54,8 +55,8 @@ ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act ->
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MAX_POSITIONS = 1 << 20  # max_position_embeddings has no weight to check it against: a sane bound instead
 MAX_SIZE = 1 << 48  # any other size in config.json (checked against the weights' shapes after this bound)
-MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: read whole, so bounded
-MAX_HEADER_BYTES = 100 << 20  # a safetensors header (JSON); real ones are a few hundred kB at most
+MAX_HEADER_BYTES = doors.MAX_TEXT_BYTES  # a safetensors header (JSON): pythia-160m's is 22 kB
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have (as doors.WEIGHT_DTYPES)
 # Bytes per element of each safetensors dtype
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
                       "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
@@ -63,46 +64,12 @@ SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "
 
 
 # ----------------------------------------------------------------------------------------------
-# Files from outside: every problem is one line naming the file
+# Files from outside, through their doors (doors.py): every problem is one line naming the file
 
 
-def file_problem(path: Path) -> str | None:
-    """Why `path` cannot be read as a plain file (missing, a dangling link, a folder, a device...), or None.
-    Checked before opening it: opening a FIFO blocks, and reading /dev/zero never ends."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "is a dangling symbolic link" if os.path.islink(path) else "does not exist"
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if stat.S_ISDIR(mode):
-        return "is a folder, not a file"
-    if not stat.S_ISREG(mode):
-        return "is not a regular file (a device, pipe or socket)"
-    return None
-
-
-def read_json_file(path: Path, what: str) -> Any:
-    """The JSON in a file, with a one-line error for a file that is not one (the caller checks the type)."""
-    if problem := file_problem(path):
-        raise UserError(f"{path} {problem}; pass a folder whose {what} is a JSON file")
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise UserError(f"{path} is {path.stat().st_size} bytes, too big for a {what}")
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text, so not a {what}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}), so not a "
-                        f"{what}") from None
-    except ValueError as e:  # an integer of more than 4300 digits
-        raise UserError(f"{path} is not a {what}: {_short(e, 80)}") from None
-    except RecursionError:
-        raise UserError(f"{path} is JSON nested too deeply to be a {what}") from None
+def json_file(path: Path, limit: int, what: str) -> Any:
+    """The JSON in a file of at most `limit` bytes (the caller checks what it holds)."""
+    return through_door(doors.json_file, path, limit, what, f"pass a folder whose {what} is a JSON file")
 
 
 def _short(e: BaseException, limit: int = 200) -> str:
@@ -217,15 +184,8 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
         except Exception as e:  # offline, no such repository, or no tokenizer.json in it
             raise UserError(f"could not get the tokenizer of {name[3:]!r} from the Hugging Face hub "
                             f"(offline?): {first_line(e)}; pass a local tokenizer.json instead") from None
-    if problem := file_problem(Path(path)):
-        problem = "not found" if problem == "does not exist" else problem
-        raise UserError(f"tokenizer file {path} {problem}; pass an existing tokenizer.json or hf:ORG/NAME")
-    try:
-        return HFTokenizer(name, Tokenizer.from_file(str(path)))
-    except (UserError, KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # the Rust library's errors, panics (BaseExceptions) included
-        raise UserError(f"{path} is not a Hugging Face tokenizer.json: {_short(e)}") from None
+    text = through_door(doors.tokenizer_file, path, "tokenizer file", "pass a tokenizer.json or hf:ORG/NAME")
+    return HFTokenizer(name, Tokenizer.from_str(text))  # the door read it as one, within its bound
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,27 +363,31 @@ def _is_count(x: Any) -> bool:
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """The tensor shapes a .safetensors file declares, from its header alone (no tensor is read), once the
-    header is checked to be one: a sane length, a JSON object, and each tensor's dtype, shape and byte range
-    consistent with each other and inside the file. Layout: a little-endian u64 header length, the header
-    (JSON: name -> {dtype, shape, data_offsets}), then the tensors' bytes."""
-    if problem := file_problem(path):
-        raise UserError(f"weight file {path} {problem}; pass a folder with a real model.safetensors")
+    header is checked to be one: a sane length, a JSON object, and each tensor's dtype (a floating-point one: an
+    integer weight would be cast), shape and byte range consistent with each other, the ranges tiling the data
+    without overlap or gap (as the format says: tensors sharing bytes would claim what no byte backs), and the
+    file not sparse. Layout: a little-endian u64 header length, the header (JSON: name -> {dtype, shape,
+    data_offsets}), then the tensors' bytes."""
+    f, info = through_door(doors.opened, path, "weight file", "pass a folder with a real model.safetensors")
+    size = info.st_size
 
     def broken(why: str) -> UserError:
         return UserError(f"{path} is not a valid safetensors file: {why}; download or export it again")
 
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise broken("it is empty" if size == 0 else f"it is only {size} bytes long")
+    with f:
+        if size < 8:
+            raise broken("it is empty" if size == 0 else f"it is only {size} bytes long")
+        if sparse := doors.holes_problem(f.fileno(), size):
+            raise broken(f"it {sparse}")
+        try:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > min(MAX_HEADER_BYTES, size - 8):
                 raise broken(f"its header length {length} exceeds the "
-                             + ("100 MB limit" if length > MAX_HEADER_BYTES else f"file's {size} bytes"))
+                             + (f"{MAX_HEADER_BYTES >> 20} MiB limit" if length > MAX_HEADER_BYTES
+                                else f"file's {size} bytes"))
             raw = f.read(length)
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror}") from None
     if len(raw) != length:
         raise broken("it is shorter than its header says (truncated?)")
     try:
@@ -433,7 +397,7 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     if not isinstance(header, dict):
         raise broken(f"its header is a JSON {type(header).__name__}, not an object")
     data_bytes = size - 8 - length
-    shapes = {}
+    shapes, ranges = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -444,6 +408,9 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         tensor = f"tensor {brief(name, 80)}"
         if dtype not in SAFETENSORS_DTYPES:
             raise broken(f"{tensor} has unknown dtype {brief(dtype, 20)}")
+        if dtype not in FLOAT_DTYPES:
+            raise UserError(f"{path}: {tensor} is {dtype}, not a floating-point weight ({', '.join(FLOAT_DTYPES)}); "
+                            "a weight is never cast from another kind of number")
         if len(shape) > 64 or not all(_is_count(n) for n in shape):
             raise broken(f"{tensor} has shape {brief(shape, 40)}, not a list of sizes")
         if len(offsets) != 2 or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]:
@@ -456,29 +423,30 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                          f"{brief(math.prod(shape) * SAFETENSORS_DTYPES[dtype], 40)} of shape "
                          f"{brief(shape, 40)} in {dtype}")
         shapes[name] = tuple(shape)
+        ranges.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(ranges):
+        if begin != end:
+            raise broken(f"tensor {brief(name, 80)} begins at byte {begin} of the data, not {end}: the tensors "
+                         f"{'share bytes' if begin < end else 'leave a gap'}")
+        end = stop
+    if end != data_bytes:
+        raise broken(f"its tensors cover {end} of its {data_bytes} data bytes")
     return shapes
 
 
 def load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict in a pytorch_model.bin (a pickle, read with weights_only=True: tensors and plain data
-    only), as a whole: its size is bounded by the file's."""
-    if problem := file_problem(path):
-        raise UserError(f"weight file {path} {problem}; pass a folder with a real pytorch_model.bin")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a refused pickle is an UnpicklingError whose message runs over many lines
-        text = str(e)
-        if refused := re.search(r"GLOBAL (\S+) was not an allowed global", text):
-            raise UserError(f"{path} holds a {brief(refused[1])} object, which "
-                            "torch.load(weights_only=True) refuses to unpickle; convert it to "
-                            "model.safetensors") from None
-        detail = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-        detail = _short(detail[1]) if detail else f"{type(e).__name__}: {_short(e)}"
-        raise UserError(f"cannot read {path} as PyTorch weights ({detail}); is it a complete "
-                        "pytorch_model.bin?") from None
+    """The state dict in a pytorch_model.bin through the torch-file door (doors.torch_file, as a checkpoint's: the
+    zip, every CRC-32, each storage exactly its entry, every tensor dense and its storage's own; weights_only:
+    tensors and plain data only; mmap: read lazily), then of named floating-point tensors."""
+    state = through_door(doors.torch_file, path, "weight file", "pass a folder with a real pytorch_model.bin "
+                         "(or model.safetensors)")
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise UserError(f"{path} is not a state dict (tensor names to tensors); is it a pytorch_model.bin?")
+    if bad := next((k for k, v in state.items() if v.dtype not in doors.WEIGHT_DTYPES), None):
+        raise UserError(f"{path}: tensor {brief(bad, 80)} is {state[bad].dtype}, not a floating-point weight; a "
+                        "weight is never cast from another kind of number")
     return state
 
 
@@ -538,15 +506,14 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
 
 
 def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: model.safetensors or pytorch_model.bin, whole or sharded."""
+    """Every tensor of a checkpoint folder: model.safetensors or pytorch_model.bin, whole or sharded (their headers
+    and bytes checked first by weight_shapes)."""
     from safetensors.torch import load_file
     state = {}
     for f in files or weight_files(folder):
         if f.suffix == ".bin":
             state.update(load_bin(f))
             continue
-        if problem := file_problem(f):
-            raise UserError(f"weight file {f} {problem}; pass a folder with a real model.safetensors")
         try:
             state.update(load_file(str(f)))
         except Exception as e:  # SafetensorError, OSError: one line
@@ -584,7 +551,7 @@ def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
     path = folder / "tokenizer.json"
     if not os.path.lexists(path):
         return None
-    tokenizer = read_json_file(path, "tokenizer.json")
+    tokenizer = json_file(path, doors.MAX_TOKENIZER_BYTES, "tokenizer.json")
     model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
     if not isinstance(model, dict):
         raise UserError(f"{path} is not a Hugging Face tokenizer.json (no \"model\" object); remove it or "
@@ -611,7 +578,7 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     config = folder / "config.json"
     if not os.path.lexists(config):
         raise UserError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    c = config_from_hf(read_json_file(config, "config.json"), source)
+    c = config_from_hf(json_file(config, doors.MAX_TEXT_BYTES, "config.json"), source)
     tokenizer = tokenizer_name(folder, source, hub)
     files = weight_files(folder)
     shapes, state = weight_shapes(files)  # safetensors: headers only

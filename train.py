@@ -101,14 +101,12 @@ DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 
 def check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, or that would change nothing, before any time is spent."""
-    for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_batches", "log_interval",
-                 "num_negatives"):
-        common.in_range(cfg, name, 1)
-    for name in ("warmup_iters", "weight_decay", "grad_clip", "loss_chunk_size"):
+    for name in [n for n in doors.COUNTS if hasattr(cfg, n)]:  # the bounds a checkpoint's train_config meets too
+        common.in_range(cfg, name, *doors.COUNTS[name])
+    for name in ("weight_decay", "grad_clip"):
         common.in_range(cfg, name, 0)
     for name in ("beta1", "beta2"):
         common.in_range(cfg, name, 0, 1, "[)")
-    common.in_range(cfg, "block_size", 2, doors.MAXIMA["block_size"])
     common.in_range(cfg, "lr", 0, ends="(]")
     common.in_range(cfg, "min_lr", 0, cfg.lr)
     common.in_range(cfg, "eps", 0, ends="(]")
@@ -392,7 +390,7 @@ class Objective(torch.nn.Module):
         if not exactly:  # another run's: the pieces of the same name and shape; the others start fresh
             saved = {k: v for k, v in saved.items() if k in mine and v.shape == mine[k].shape}
             mine = {k: mine[k] for k in saved}
-        if why := doors.tensors_problem(saved, mine, "its objective"):
+        if why := doors.declared_tensors_problem(saved, mine, "its objective"):
             raise UserError(f"{source}: {why} this run's objective declares; resume with the code that wrote it, or "
                             f"start a new run from its weights with --init_from={source}")
         with torch.no_grad():
@@ -475,6 +473,7 @@ class Run:
         self.out_dir = Path(cfg.out_dir)
         cfg, model, self.state, start, resuming = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
         self.cfg = cfg
+        common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start["step"] if resuming else None
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
@@ -518,6 +517,8 @@ class Run:
 
     def restore(self, resumed: dict) -> None:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
+        common.through_door(doors.resumable, self.out_dir / "ckpt.pt", resumed, self.optimizer.param_groups,
+                            self.objective.named_parameters())  # its state fits the parameters it will drive
         try:
             self.optimizer.load_state_dict(resumed["optimizer"])
         except (KeyError, ValueError):

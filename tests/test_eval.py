@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -212,7 +213,8 @@ def test_cli_lambada_json(tmp_path, lm_head):
 def test_cli_val(tiny_data_dir, tmp_path):
     model = tiny_model(vocab_size=50304, std=0.02, d_model=16, n_layer=1, n_head=1, block_size=32)
     ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
-    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4"])
+    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4",
+                              f"--data_root={tiny_data_dir.parent}"])
     tokens = open_split(tiny_data_dir, "val", 50304)
     expected = evaluate(Objective(model, LossConfig("ce")), tokens, 4, 32, torch.device("cpu"), max_batches=3)
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
@@ -283,7 +285,7 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
     train.train(cfg)
     logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
     result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
-                              "--device=cpu"])
+                              "--device=cpu", f"--data_root={tiny_data_dir.parent}"])
     assert result["batch_size"] == 4 and result["dtype"] == "float32"
     for key in ("val_ce", "val_cwt", "val_acc"):
         assert result[key] == pytest.approx(logged[key], rel=1e-6), key
@@ -328,7 +330,8 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
         model.wte.weight.mul_(scale)
     ckpt = save_checkpoint(model, out / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
     (out / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GPT2_TEXTS[:2]))
-    of_task = ["--max_batches=1"] if task == "val" else [f"--data={out / 'lambada.jsonl'}"]  # the other's: refused
+    of_task = {"val": ["--max_batches=1", f"--data_root={tiny_data_dir.parent}"],  # each task's own settings only
+               "lambada": [f"--data={out / 'lambada.jsonl'}"]}[task]
     flags = [f"--ckpt={ckpt}", f"--task={task}", *of_task, f"--json={out / 'result.json'}", "--device=cpu"]
     try:
         result = evaluation.main(flags)
@@ -390,7 +393,7 @@ EVAL_CASES = {  # case: (flags given tmp_path, the checkpoint, the test dataset;
         lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--dataset={d}", f"--json={d / 'meta.json'}"],
         "--json={d}/meta.json lies inside --dataset={d}, an input of this command"),
     "--json= a tokenizer.json in the dataset the checkpoint names": (
-        lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--json={d / 'tokenizer.json'}"],
+        lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--data_root={d.parent}", f"--json={d / 'tokenizer.json'}"],
         "--json={d}/tokenizer.json lies inside --dataset={d}, an input of this command"),
     "--json= the --config file": (
         lambda t, c, d: (t / "cfg.json").write_text('{"device": "cpu"}') and
@@ -444,3 +447,33 @@ EVAL_IO = {  # script: (main, its input's kind, the relations that apply, the na
 def test_eval_never_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
     """Contract 1, generated (helpers.io_pairs): eval.py's --json against each input it reads."""
     io_pairs(EVAL_IO)(tmp_path_factory, monkeypatch, capsys)
+
+
+def test_a_dataset_path_inside_a_checkpoint_is_never_opened(tiny_data_dir, tmp_path):
+    """Issue 33: eval.py --task=val read the absolute dataset path a checkpoint records. A checkpoint never decides
+    where data is read: its dataset is looked for by its folder's name under --data_root."""
+    elsewhere = Path(shutil.copytree(tiny_data_dir, tmp_path / "elsewhere" / "books"))
+    model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(elsewhere), "loss": "ce"})
+    with pytest.raises(UserError) as e:
+        evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=1", f"--data_root={tmp_path / 'data'}"])
+    assert f"looked for as {tmp_path / 'data' / 'books'}" in str(e.value) and "never opened" in str(e.value)
+    assert "\n" not in str(e.value)
+    shutil.copytree(tiny_data_dir, tmp_path / "data" / "books")  # the same dataset, under this command's root
+    result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=1", f"--data_root={tmp_path / 'data'}"])
+    assert result["dataset"] == str(tmp_path / "data" / "books")
+
+
+@pytest.mark.parametrize("spec, words", [(None, "mask_spec is None, not a table"),
+                                         ({"mask_token": 5, "vocab_size": 64, "special_tokens": (0,), "x": 1},
+                                          "mask_spec.x is not a field of this code's")])
+def test_an_encoders_damaged_mask_spec_is_one_line(spec, words, tmp_path):
+    """Issue 33: eval.py --task=val on an encoder whose mask_spec was null or held an unknown key raised TypeError
+    (MaskSpec(**spec)) with a traceback; the checkpoint's door refuses it."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "mask_spec": spec,
+                "data_meta": {"tokenizer": "gpt2"}, "train_config": {"objective": "mlm", "dataset": "x"}}, path)
+    with pytest.raises(UserError) as e:
+        evaluation.main([f"--ckpt={path}", "--task=val", f"--data_root={tmp_path}"])
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -12,15 +12,19 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import Worker, one_line_refusal, snapshot
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from test_hf import random_neox
 
+import bpe
 import glue
 import hf
 from common import UserError
@@ -265,7 +269,7 @@ WEIGHT_FAULTS = {
     "empty": (weights(b""), ["model.safetensors", "empty"]),
     "short": (weights(b"\x01\x02\x03"), ["only 3 bytes"]),
     "truncated": (weights(truncated), ["truncated"]),
-    "huge header": (weights(struct.pack("<Q", 1 << 60) + b"{}" * 10), ["header length", "100 MB"]),
+    "huge header": (weights(struct.pack("<Q", 1 << 60) + b"{}" * 10), ["header length", "16 MiB limit"]),
     "header past the end": (weights(struct.pack("<Q", 100) + b"{}"),
                             ["header length 100", "file's 10 bytes"]),
     "header not JSON": (weights(header_bytes(b"{nope")), ["header is not JSON"]),
@@ -281,20 +285,47 @@ WEIGHT_FAULTS = {
     "huge shape": (entry(EMBED, shape=[10**4000, 64]), [EMBED, "not a list of sizes"]),
     "many huge dims": (entry(EMBED, shape=[(1 << 64) - 1] * 64), [EMBED, "bytes, not the"]),
     "holes": (weights(lambda f: (f / "model.safetensors").read_bytes() + b"x" * 8),  # bytes no tensor covers
-              ["cannot read", "model.safetensors", "safetensors"]),
+              ["model.safetensors", "not a valid safetensors file", "its tensors cover"]),
     "a folder": (weights(kind="folder"), ["model.safetensors", "is a folder"]),
     "a device": (weights(kind="device"), ["model.safetensors", "not a regular file"]),
     "dangling link": (weights(kind="dangling"), ["model.safetensors", "dangling symbolic link"]),
     "bin garbage": (weights(b"garbage" * 100, name="pytorch_model.bin"),
-                    ["cannot read", "pytorch_model.bin", "PyTorch weights"]),
+                    ["pytorch_model.bin", "is not a torch.save file"]),
     "bin truncated": (weights(lambda f: pickled({"w": torch.zeros(1000)})(f)[:-500],
                               name="pytorch_model.bin"),
-                      ["cannot read", "pytorch_model.bin"]),
+                      ["pytorch_model.bin", "is not a torch.save file"]),
     "bin refused pickle": (weights(pickled({"w": NotAllowed()}), name="pytorch_model.bin"),
                            ["pytorch_model.bin", "NotAllowed", "weights_only"]),
     "bin a list": (weights(pickled([torch.zeros(2)]), name="pytorch_model.bin"), ["not a state dict"]),
     "bin a folder": (weights(kind="folder", name="pytorch_model.bin"), ["pytorch_model.bin", "is a folder"]),
+    # issue 33: a weight is never cast from another kind of number, nor backed by bytes another tensor holds
+    "integer weights": (entry(EMBED, dtype="I32"), [EMBED, "is I32, not a floating-point weight"]),
+    "overlapping tensors": (lambda f: edit_header(f, lambda h: h[LAYER1_BIAS].update(
+        data_offsets=h[LAYER0_BIAS]["data_offsets"])), ["not a valid safetensors file", "share bytes"]),
+    "bin integer weights": (lambda f: bin_with(f, lambda s: s.update({EMBED: s[EMBED].to(torch.int32)})),
+                            ["pytorch_model.bin", "is torch.int32, not a floating-point weight"]),
+    "bin stride-0": (lambda f: bin_with(f, lambda s: s.update({EMBED: torch.zeros(1).expand(s[EMBED].shape)})),
+                     ["pytorch_model.bin", "is not a whole storage of its own"]),
+    "bin shared storage": (lambda f: bin_with(f, lambda s: s.update({LAYER1_BIAS: s[LAYER0_BIAS]})),
+                           ["pytorch_model.bin", "shares its storage with"]),
+    "bin a changed byte": (lambda f: (to_bin(f), flip_in(f / "pytorch_model.bin", 0.6)),
+                           ["pytorch_model.bin", "CRC-32"]),
 }
+LAYER0_BIAS, LAYER1_BIAS = (f"gpt_neox.layers.{i}.attention.dense.bias" for i in (0, 1))
+
+
+def bin_with(folder: Path, change) -> None:
+    """The weights as a pytorch_model.bin, after change(state)."""
+    state = load_file(folder / "model.safetensors")
+    change(state)
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+def flip_in(path: Path, where: float) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[int(where * len(raw))] ^= 0x10
+    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("fault", WEIGHT_FAULTS)
@@ -578,7 +609,70 @@ HOSTILE = {  # case: (corrupt, words)
     "a million layers in a .bin": (lambda f: (to_bin(f), edit_config(f, num_hidden_layers=1000000)),
                                    ["num_hidden_layers is 1000000"]),
     "a FIFO as the weights": (weights(kind="fifo"), ["model.safetensors", "not a regular file"]),
+    # issue 33: these allocated 2 to 4 GiB (and 2.2 GB to read a sparse config.json or tokenizer.json)
+    "a 6 kB pytorch_model.bin of stride-0 tensors": (lambda f: stride_zero_bin(f, 1 << 22),
+                                                     ["pytorch_model.bin", "is not a whole storage of its own"]),
+    "a sparse model.safetensors": (lambda f: sparse_safetensors(f, 1 << 22), ["model.safetensors", "sparse file"]),
+    "200 layers from one layer's bytes": (lambda f: layers_sharing_bytes(f, 200, 16384),
+                                          ["model.safetensors", "not a valid safetensors file", "share bytes"]),
+    "a sparse 900 MB config.json": (lambda f: sparse_file(f / "config.json", 900 << 20),
+                                    ["config.json", "more than a config.json can be"]),
+    "a sparse 900 MB tokenizer.json": (lambda f: sparse_file(f / "tokenizer.json", 900 << 20),
+                                       ["tokenizer.json", "more than a tokenizer.json can be"]),
 }
+
+
+def sparse_file(path: Path, size: int) -> None:
+    if not path.exists():
+        path.write_text("{")
+    os.truncate(path, size)
+
+
+def stride_zero_bin(folder: Path, vocab_size: int) -> None:
+    """config.json's vocabulary grown to 2 GiB of embeddings, each tensor of the .bin expanded from one number."""
+    state = load_file(folder / "model.safetensors")
+    state = {k: torch.zeros(1).expand((vocab_size, 64) if k in (EMBED, "embed_out.weight") else v.shape)
+             for k, v in state.items()}
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    edit_config(folder, vocab_size=vocab_size)
+
+
+def sparse_safetensors(folder: Path, vocab_size: int) -> None:
+    """The embeddings grown to vocab_size rows, their bytes a hole: a valid header over a sparse file."""
+    def grow(header: dict) -> None:
+        end = 0
+        for name in sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]):
+            if name in (EMBED, "embed_out.weight"):
+                header[name]["shape"] = [vocab_size, 64]
+            size = math.prod(header[name]["shape"]) * 4
+            header[name]["data_offsets"] = [end, end + size]
+            end += size
+        header["__metadata__"] = {"data": str(end)}
+    edit_header(folder, grow)
+    data = (folder / "model.safetensors").read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    (folder / "model.safetensors").write_bytes(data[:8 + length])
+    os.truncate(folder / "model.safetensors", 8 + length + int(json.loads(data[8:8 + length])["__metadata__"]["data"]))
+    edit_config(folder, vocab_size=vocab_size)
+
+
+def layers_sharing_bytes(folder: Path, n_layer: int, mlp: int) -> None:
+    """config.json of n_layer layers with an MLP of mlp channels (8 MB a layer at mlp=16384), every layer's
+    tensors pointing at layer 0's bytes: 16 MB of file for a model of 1.6 GB."""
+    state = load_file(folder / "model.safetensors")
+    for i in (0, 1):
+        prefix = f"gpt_neox.layers.{i}.mlp."
+        state.update({prefix + "dense_h_to_4h.weight": torch.randn(mlp, 64), prefix + "dense_h_to_4h.bias":
+                      torch.randn(mlp), prefix + "dense_4h_to_h.weight": torch.randn(64, mlp)})
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+    def copy_layers(header: dict) -> None:
+        layer0 = {k: v for k, v in header.items() if k.startswith("gpt_neox.layers.0.")}
+        for i in range(1, n_layer):
+            header.update({k.replace(".0.", f".{i}.", 1): dict(v) for k, v in layer0.items()})
+    edit_header(folder, copy_layers)
+    edit_config(folder, num_hidden_layers=n_layer, intermediate_size=mlp)
 
 
 def test_hostile_folders_allocate_nothing_and_never_hang(valid_folder, tmp_path):
@@ -599,3 +693,95 @@ def test_hostile_folders_allocate_nothing_and_never_hang(valid_folder, tmp_path)
         assert "\n" not in outcome and all(w in outcome for w in words), (case, outcome)
         assert seconds < 1.0, (case, seconds)
     assert results[-1][0] == "loaded"  # the same limit leaves room for a real (tiny) model
+
+
+def test_export_never_reads_a_tokenizer_file_a_checkpoint_names(small_ckpt, tmp_path):
+    """Issue 33: a checkpoint's data_meta naming a tokenizer.json of this machine (and carrying none) made export
+    read that file into the exported folder. A path inside a checkpoint is never opened."""
+    ckpt = torch.load(small_ckpt, weights_only=True)
+    (tmp_path / "theirs").mkdir()
+    bpe.save_tokenizer_json(bpe.train_bpe(["someone else's text"], 260), tmp_path / "theirs" / "tokenizer.json")
+    ckpt["data_meta"] = {"tokenizer": str(tmp_path / "theirs" / "tokenizer.json")}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(UserError) as e:
+        hf.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "hf"))
+    one_line(e, "data_meta names its tokenizer by a file", "never opened")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "theirs"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generated variations of a folder: config.json, the safetensors header, any byte, or the weights as a .bin whose
+# tensors changed. generate.py --ckpt=hf:FOLDER works, or refuses in one line (exit 2), in a worker whose memory
+# may grow by 1 GiB only, leaving the folder as it was. (safetensors has no checksum: a changed tensor byte is
+# another model, so only a refusal or a run is asked of it.)
+
+
+@pytest.fixture(scope="module")
+def speaking(tmp_path_factory) -> dict:
+    """A tiny GPT-NeoX folder with a tokenizer.json of its own (bpe:260 in a vocabulary of 320), and a worker."""
+    folder = tmp_path_factory.mktemp("speaking") / "model"
+    random_neox(folder, vocab_size=320, max_position_embeddings=64)
+    bpe.save_tokenizer_json(bpe.train_bpe(["the quick brown fox jumps over the lazy dog. " * 5], 260),
+                            folder / "tokenizer.json")
+    worker = Worker(("generate",))
+    ran = worker.run("generate", [f"--ckpt=hf:{folder}", *GENERATE], folder.parent)
+    assert ran["code"] == 0, ran
+    yield {"folder": folder, "worker": worker}
+    worker.close()
+
+
+GENERATE = ["--prompt=the", "--max_new_tokens=2", "--temperature=0", "--device=cpu"]
+ODD = st.sampled_from([None, True, 0, 1, -1, 2.5, 64, 320, 10**12, 10**400, "64", "", [], [1], {}, [0, 10**12],
+                       [320, 64], "F16", "I32", "BOOL", "F64", "gpt_neox", "gelu_new"])
+CONFIG_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "max_position_embeddings", "rotary_pct", "layer_norm_eps", "tie_word_embeddings", "model_type",
+               "hidden_act", "use_parallel_residual"]
+HF_CHANGES = st.one_of(
+    st.tuples(st.just("config"), st.sampled_from(CONFIG_KEYS), ODD),
+    st.tuples(st.just("header"), st.integers(0, 10**6), st.sampled_from(["dtype", "shape", "data_offsets"]), ODD),
+    st.tuples(st.just("bytes"), st.sampled_from(["config.json", "model.safetensors", "tokenizer.json"]),
+              st.sampled_from(["flip", "cut", "append"]), st.floats(0, 1)),
+    st.tuples(st.just("bin"), st.integers(0, 10**6),
+              st.sampled_from(["stride-0", "int", "bool", "shared", "transposed", "half", "sparse", "none"]), ODD))
+
+
+def changed_folder(source: Path, folder: Path, change: tuple) -> None:
+    shutil.copytree(source, folder)
+    kind = change[0]
+    if kind == "config":
+        edit_config(folder, **{change[1]: change[2]})
+    elif kind == "header":
+        def set_field(header: dict) -> None:
+            names = sorted(k for k in header if k != "__metadata__")
+            header[names[change[1] % len(names)]][change[2]] = change[3]
+        edit_header(folder, set_field)
+    elif kind == "bytes":
+        path = folder / change[1]
+        raw = path.read_bytes()
+        at = min(int(change[3] * len(raw)), len(raw) - 1)
+        changed = {"flip": raw[:at] + bytes([raw[at] ^ 0x20]) + raw[at + 1:], "cut": raw[:at],
+                   "append": raw + b"\x00\xff"}[change[2]]
+        path.write_bytes(changed)
+    else:
+        def tensor_change(state: dict) -> None:
+            names = sorted(state)
+            name, other = names[change[1] % len(names)], names[(change[1] + 1) % len(names)]
+            t = state[name]
+            state[name] = {"stride-0": lambda: t.reshape(-1)[:1].expand(t.shape), "int": lambda: t.to(torch.int32),
+                           "bool": lambda: t.bool(), "shared": lambda: state[other], "half": lambda: t.half(),
+                           "transposed": lambda: t.t() if t.dim() == 2 else t, "sparse": lambda: t.to_sparse(),
+                           "none": lambda: t}[change[2]]()
+        bin_with(folder, tensor_change)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(change=HF_CHANGES)
+def test_any_change_of_a_folder_keeps_generate_to_the_contract(change, speaking):
+    work = Path(tempfile.mkdtemp(dir=speaking["folder"].parent))
+    changed_folder(speaking["folder"], work / "model", change)
+    before = snapshot(work)
+    result = speaking["worker"].run("generate", [f"--ckpt=hf:{work / 'model'}", *GENERATE], work, timeout=60)
+    assert result["code"] in (0, 2) and "Traceback" not in result["err"] + result["out"], result
+    if result["code"] == 2:
+        one_line_refusal(result)
+    assert snapshot(work) == before

@@ -146,3 +146,12 @@ def test_scored_targets_come_without_hidden_states_and_a_short_window_is_never_s
         masked_rows(torch.randn(3, 20, 8), short)
     with pytest.raises(RuntimeError, match="a window masks fewer positions than masked_count"):
         scored_targets(short)
+
+
+def test_the_checkpoint_door_knows_mask_spec_as_masking_writes_it():
+    """doors.MASK_RULES (the checkpoint door reads an encoder's mask_spec, importing no extra) names MaskSpec's
+    fields, so that a checkpoint this code writes passes, and one with another field is refused in one line."""
+    import dataclasses
+
+    import doors
+    assert set(doors.MASK_RULES) == {f.name for f in dataclasses.fields(MaskSpec)}

@@ -1,0 +1,719 @@
+"""Contracts 3 and 4 of issue 33: a checkpoint is its bytes, checked; every count has a bound, inherited values too;
+a path inside a checkpoint is never opened; every file is read within a bound. Each case of the issue is a row of a
+table, run as a user runs the command (tests/helpers.py Worker: a process of its own whose memory may grow by 1 GiB
+only, so that a regression fails there instead of here); then a generator mutates a valid checkpoint, dataset and
+--config file at random and holds every command to the contract: it works exactly as before, or refuses in one line
+(exit 2), never with a traceback, beyond its memory bound, or by changing a file it was not asked to write."""
+from __future__ import annotations
+
+import collections
+import copy
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Worker, one_line_refusal, snapshot
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+import common
+import doors
+import model
+import train
+
+TRAIN = ["--preset=tiny", "--block_size=16", "--batch_size=2", "--eval_batches=1", "--device=cpu", "--seed=0"]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker(("generate", "train", "finetune"))
+    yield w
+    w.close()
+
+
+def word_tokenizer(path: Path, words: int = 3) -> None:
+    """A valid tokenizer.json of `words` ids (end-of-text among them), made with the tokenizers package itself."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tokenizer.to_str())
+
+
+@pytest.fixture(scope="module")
+def made(tiny_data_dir, tmp_path_factory) -> dict:
+    """The test dataset (GPT-2's tokens) and a run on it, two steps, as train.py writes it (model, optimizer state,
+    rng, data_meta): the valid inputs every case changes one thing of. Core files only: no extra is needed."""
+    root = tmp_path_factory.mktemp("bytes")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=32, block_size=64))
+        train.main([f"--dataset={tiny_data_dir}", f"--out_dir={root / 'run'}", "--max_iters=2", "--eval_interval=2",
+                    *TRAIN])
+    ckpt = torch.load(root / "run" / "ckpt.pt", weights_only=True)
+    return {"data": tiny_data_dir, "ckpt": ckpt, "path": root / "run" / "ckpt.pt"}
+
+
+def resume_flags(made: dict, out_dir: Path) -> list[str]:
+    return ["--resume", f"--out_dir={out_dir}", f"--dataset={made['data']}", "--max_iters=3", "--eval_interval=2",
+            *TRAIN]
+
+
+# ------------------------------------------------------------------------------------------ hostile checkpoints
+
+
+def edited(ckpt: dict, change) -> dict:
+    ckpt = copy.deepcopy(ckpt)
+    change(ckpt)
+    return ckpt
+
+
+def weights_as(make) -> callable:
+    """Every weight replaced by make(shape): the model_config left as it is."""
+    def change(ckpt: dict) -> None:
+        ckpt["model"] = {k: make(tuple(v.shape)) for k, v in ckpt["model"].items()}
+    return change
+
+
+def huge_model(ckpt: dict, tensors, vocab_size: int = 1 << 20, d_model: int = 1024) -> None:
+    """A model_config of 1M tokens x 1024 (a 4 GiB embedding), its tensors made by tensors(shapes)."""
+    config = model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=8, d_model=d_model)
+    shapes = {k: tuple(v.shape) for k, v in model.GPT(config).state_dict().items()}  # but E's rows, small
+    config.vocab_size = vocab_size
+    shapes["wte.weight"] = (vocab_size, d_model)
+    ckpt["model_config"] = vars(config).copy()
+    ckpt["model"] = tensors(shapes)
+    ckpt["train_config"]["block_size"] = 16
+    for key in ("optimizer", "state", "rng"):
+        ckpt.pop(key)
+
+
+def stride_zero(shapes: dict) -> dict:
+    return {k: torch.zeros(1).expand(shape) for k, shape in shapes.items()}
+
+
+def one_storage(shapes: dict) -> dict:
+    """Every tensor a view of one storage, the size of the largest (16 MB): the tensors claim 8 GiB."""
+    largest = max(math.prod(s) for s in (shapes[k] for k in shapes if k != "wte.weight"))
+    base = torch.zeros(largest)
+    wte = torch.zeros(shapes["wte.weight"][1]).expand(shapes["wte.weight"])
+    return {k: wte if k == "wte.weight" else base[:math.prod(shape)].view(shape) for k, shape in shapes.items()}
+
+
+def optimizer_entry(key: str, make) -> callable:
+    def change(ckpt: dict) -> None:
+        entry = ckpt["optimizer"]["state"][0]
+        entry[key] = make(entry[key])
+    return change
+
+
+def set_field(path: str, value) -> callable:
+    """A change setting the field at path ("optimizer/state/0/step": a number is a list index or an int key)."""
+    def change(ckpt: dict) -> None:
+        *parents, key = [int(k) if k.isdigit() else k for k in path.split("/")]
+        table = ckpt
+        for name in parents:
+            table = table[name]
+        table[key] = value
+    return change
+
+
+def key_of(ckpt: dict, name: str) -> str:
+    return next(k for k in ckpt["model"] if k.endswith(name))
+
+
+def rekeyed(ckpt: dict) -> None:
+    ckpt["model"][5] = ckpt["model"].pop(key_of(ckpt, "norm.bias"))
+
+
+def with_tokenizer_path(folder: Path):
+    """data_meta names a tokenizer.json of this machine (another, valid one) and the checkpoint carries none."""
+    def change(ckpt: dict) -> None:
+        ckpt["tokenizer_json"] = None
+        ckpt["data_meta"]["tokenizer"] = str(folder / "elsewhere" / "tokenizer.json")
+        ckpt["data_meta"]["tokenizer_sha256"] = None
+    return change
+
+
+# ------------------------------------------------------------------------------------------ byte-level damage
+
+
+def zip_entries(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as z:
+        return {i.filename: z.read(i) for i in z.infolist()}
+
+
+def rezip(path: Path, entries: dict[str, bytes]) -> None:
+    """The entries written again as a valid stored zip (every CRC right): what a careful forger writes."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, payload in entries.items():
+            z.writestr(name, payload)
+
+
+def largest_storage(path: Path) -> str:
+    entries = zip_entries(path)
+    return max((n for n in entries if "/data/" in n), key=lambda n: len(entries[n]))
+
+
+def flip_a_byte(path: Path) -> None:
+    """One byte inside the largest tensor's stored bytes changed, the zip otherwise untouched (its CRC now wrong)."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(largest_storage(path))
+    raw = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    at = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+    raw[at] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def cut_short(path: Path) -> None:
+    """The largest storage's entry cut to half its bytes, the zip rewritten with every CRC right: the pickle still
+    says the storage holds all of them."""
+    entries = zip_entries(path)
+    name = largest_storage(path)
+    entries[name] = entries[name][:len(entries[name]) // 2]
+    rezip(path, entries)
+
+
+def zero_crc(size: int, chunk: int = 1 << 26) -> int:
+    crc, zeros = 0, bytes(chunk)
+    for start in range(0, size, chunk):
+        crc = zlib.crc32(zeros[:min(chunk, size - start)], crc)
+    return crc
+
+
+def write_zip(path: Path, entries: dict[str, bytes | int]) -> None:
+    """A stored zip of these entries (an int: that many zero bytes, left as a hole: a sparse file), CRCs right."""
+    central = []
+    with open(path, "wb") as f:
+        for name, payload in entries.items():
+            offset = f.tell()
+            size = payload if isinstance(payload, int) else len(payload)
+            crc = zero_crc(size) if isinstance(payload, int) else zlib.crc32(payload)
+            f.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, crc, size, size, len(name), 0))
+            f.write(name.encode())
+            f.seek(size, os.SEEK_CUR) if isinstance(payload, int) else f.write(payload)
+            central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0, crc, size, size,
+                                       len(name), 0, 0, 0, 0, 0, offset) + name.encode())
+        start = f.tell()
+        f.write(b"".join(central))
+        f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), f.tell() - start, start, 0))
+
+
+class Hole:
+    """A float32 tensor of this shape whose bytes are a hole in the file (forge writes no byte of it)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+    def __reduce__(self):
+        strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+        return torch._utils._rebuild_tensor_v2, (self, 0, self.shape, strides, False, collections.OrderedDict())
+
+
+def forge(path: Path, obj) -> None:
+    """What torch.save writes for obj (data.pkl naming one storage entry per tensor), by hand: a Hole's storage is
+    an entry of zeros left as a hole. The other entries are copied from a real torch.save file."""
+    entries: dict[str, bytes | int] = {}
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            key = str(len(entries))
+            if isinstance(o, Hole):
+                entries[f"archive/data/{key}"] = 4 * math.prod(o.shape)
+                return "storage", torch.FloatStorage, key, "cpu", math.prod(o.shape)
+            if isinstance(o, torch.storage.TypedStorage):
+                raw = torch.empty(0, dtype=torch.uint8).set_(o._untyped_storage)
+                entries[f"archive/data/{key}"] = raw.numpy().tobytes()
+                return "storage", getattr(torch, o._pickle_storage_type()), key, "cpu", o._size()
+            return None
+
+    pickled = io.BytesIO()
+    Pickler(pickled, protocol=2).dump(obj)
+    torch.save({}, path)
+    others = {"archive/" + k.split("/", 1)[1]: v for k, v in zip_entries(path).items() if not k.endswith("data.pkl")}
+    write_zip(path, {"archive/data.pkl": pickled.getvalue(), **entries, **others})
+
+
+def sparse_weights(path: Path) -> None:
+    """A checkpoint of a 1 GiB embedding that is a hole: a sparse file of 200 kB on disk, every CRC right."""
+    ckpt = torch.load(path, weights_only=True)
+    huge_model(ckpt, lambda shapes: {k: torch.zeros(s) if k != "wte.weight" else Hole(s) for k, s in shapes.items()},
+               vocab_size=1 << 22, d_model=64)
+    forge(path, ckpt)
+
+
+def checkpoint_cases(tmp: Path, made: dict) -> list[tuple]:
+    """(case, a change of the checkpoint dict or of its bytes, the script, what the one line says)"""
+    generate = ("generate", ["--prompt=the", "--max_new_tokens=2", "--device=cpu"])
+    resume = ("train", resume_flags(made, tmp))
+    return [
+        ("stride-0 weights: a 4 GiB model from a 6 kB file", lambda c: huge_model(c, stride_zero), generate,
+         "is not a whole storage of its own"),
+        ("storage-sharing weights: a 4 GiB model from 16 MB", lambda c: huge_model(c, one_storage), generate,
+         "holds tensors that share a storage"),
+        ("integer weights", weights_as(lambda s: torch.ones(s, dtype=torch.int64)), generate,
+         "is torch.int64, not a floating-point tensor"),
+        ("bool weights", weights_as(lambda s: torch.ones(s, dtype=torch.bool)), generate,
+         "is torch.bool, not a floating-point tensor"),
+        ("complex weights", weights_as(lambda s: torch.ones(s, dtype=torch.complex64)), generate,
+         "is torch.complex64, not a floating-point tensor"),
+        ("weights on the meta device", weights_as(lambda s: torch.empty(s, device="meta")), generate,
+         "on the meta device"),
+        ("sparse weights", weights_as(lambda s: torch.zeros(s).to_sparse()), generate, "a sparse_coo tensor"),
+        ("a weight's key not a string", rekeyed, generate, "model has a key 5 that is not a name"),
+        ("a changed byte (CRC)", flip_a_byte, generate, "CRC-32"),
+        ("a storage cut short", cut_short, generate, "bytes, not the"),
+        ("a sparse file", sparse_weights, generate, "is a sparse file"),
+        ("exp_avg of another shape (fused AdamW wrote past it)", optimizer_entry("exp_avg", lambda t: t[:1].clone()),
+         resume, "optimizer state exp_avg of model.wte.weight has shape"),
+        ("exp_avg_sq of another dtype", optimizer_entry("exp_avg_sq", lambda t: t.double()), resume,
+         "optimizer state exp_avg_sq of model.wte.weight is torch.float64"),
+        ("a NaN step count", optimizer_entry("step", lambda t: torch.tensor(math.nan)), resume,
+         "optimizer.state.0.step is nan"),
+        ("a step count that is no whole number", optimizer_entry("step", lambda t: torch.tensor(2.5)), resume,
+         "optimizer.state.0.step is 2.5"),
+        ("a negative exp_avg_sq", optimizer_entry("exp_avg_sq", lambda t: -t - 1), resume,
+         "optimizer.state.0.exp_avg_sq is negative"),
+        ("an infinite exp_avg", optimizer_entry("exp_avg", lambda t: t + math.inf), resume,
+         "optimizer.state.0.exp_avg is not finite"),
+        ("optimizer groups not a list", set_field("optimizer/param_groups", {"params": [0]}), resume,
+         "optimizer.param_groups is {'params': [0]}, not list"),
+        ("a group's params not ids", set_field("optimizer/param_groups/0/params", "abc"), resume,
+         "optimizer.param_groups.0.params is 'abc', not list"),
+        ("optimizer state not a table", set_field("optimizer/state", [1, 2]), resume,
+         "optimizer.state is [1, 2], not dict"),
+        ("a state entry not a table", set_field("optimizer/state/0", 5), resume, "optimizer.state.0 is 5, not a table"),
+        ("a state entry with an unknown key", set_field("optimizer/state/0/momentum", torch.zeros(1)), resume,
+         "optimizer.state.0.momentum is not"),
+        ("betas out of range", set_field("optimizer/param_groups/0/betas", (0.9, 2.0)), resume,
+         "optimizer.param_groups.0.betas is (0.9, 2.0), not two numbers in [0, 1)"),
+        ("mask_spec null in an encoder's checkpoint", set_field("train_config/objective", "mlm"), generate,
+         "mask_spec is None, not a table"),
+        ("mask_spec with an unknown key", lambda c: (set_field("train_config/objective", "mlm")(c), set_field(
+            "mask_spec", {"mask_token": 5, "vocab_size": 260, "special_tokens": (0,), "bogus": 1})(c)), generate,
+         "mask_spec.bogus is not a field of this code's"),
+        ("mask_spec's [MASK] beyond the model", lambda c: (set_field("train_config/objective", "mlm")(c), set_field(
+            "mask_spec", {"mask_token": 10**6, "vocab_size": 260, "special_tokens": (0,)})(c)), generate,
+         "mask_spec.mask_token 1000000 is not a token id of the model's 50304"),
+        ("an inherited grad_accum of 10**12", set_field("train_config/grad_accum", 10**12),
+         ("finetune", [f"--out_dir={tmp / 'ft'}", "--max_iters=1", "--device=cpu"]),
+         "train_config.grad_accum is 1000000000000, outside [1, 65536]"),
+        ("an inherited batch_size x block_size x grad_accum of 2**40 tokens a step",
+         lambda c: c["train_config"].update(batch_size=1 << 16, grad_accum=1 << 16, block_size=16),
+         ("finetune", [f"--out_dir={tmp / 'ft'}", "--max_iters=1", "--device=cpu"]),
+         "a step of 68,719,476,736 tokens"),
+        ("an inherited eval_batches of 10**12", set_field("train_config/eval_batches", 10**12),
+         ("finetune", [f"--out_dir={tmp / 'ft'}", "--max_iters=1", "--device=cpu"]),
+         "train_config.eval_batches is 1000000000000, outside [1, 1.04858e+06]"),
+        ("data_meta names a tokenizer.json of this machine", with_tokenizer_path(tmp), generate,
+         "data_meta names its tokenizer by a file"),
+    ]
+
+
+def stats(folder: Path) -> dict[str, tuple[int, int]]:
+    """Each file under folder, by its size and time of change (a sparse gigabyte is not read to compare it)."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+ON_FILE = (flip_a_byte, cut_short, sparse_weights)  # changes of the file's bytes; the others change the dict
+CASES = [case for case, *_ in checkpoint_cases(Path("."), {"data": "", "ckpt": {}})]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_hostile_or_damaged_checkpoint_is_refused_in_one_line(case, made, worker, tmp_path):
+    """Contract 3, case by case: every command refuses it in one line, exit 2, in bounded memory (the worker's
+    1 GiB), naming the checkpoint; the folder it lies in is unchanged (a refused --resume rewrites nothing)."""
+    _, change, (script, argv), words = next(c for c in checkpoint_cases(tmp_path, made) if c[0] == case)
+    path = tmp_path / "ckpt.pt"
+    shutil.copy(made["path"], path)
+    if change in ON_FILE:
+        change(path)
+    else:
+        torch.save(edited(made["ckpt"], change), path)
+    word_tokenizer(tmp_path / "elsewhere" / "tokenizer.json")  # valid, but not the checkpoint's (a case reads it)
+    before = stats(tmp_path)
+    if script != "train":
+        argv = [f"--ckpt={path}", *argv]
+    line = one_line_refusal(worker.run(script, argv, tmp_path), words)
+    assert str(path) in line
+    assert stats(tmp_path) == before
+
+
+def test_the_valid_checkpoint_still_generates_resumes_and_fine_tunes(made, worker, tmp_path):
+    """The other side of each row: the file the cases change works, through the same commands."""
+    shutil.copy(made["path"], tmp_path / "ckpt.pt")
+    for script, argv in (("generate", [f"--ckpt={tmp_path / 'ckpt.pt'}", "--prompt=the", "--max_new_tokens=2",
+                                       "--device=cpu"]),
+                         ("finetune", [f"--ckpt={tmp_path / 'ckpt.pt'}", f"--out_dir={tmp_path / 'ft'}",
+                                       "--max_iters=1", "--device=cpu"]),
+                         ("train", resume_flags(made, tmp_path))):
+        result = worker.run(script, argv, tmp_path)
+        assert result["code"] == 0 and "Traceback" not in result["err"], result
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
+
+
+def test_the_last_good_checkpoint_is_one_its_door_accepts_whole(made, tmp_path):
+    """Case: a NaN step count or a negative exp_avg_sq passed, the run diverged, and the message named the damaged
+    file as the last good checkpoint. Now a checkpoint is named only if it could be resumed."""
+    path = tmp_path / "ckpt.pt"
+    torch.save(made["ckpt"], path)
+    assert common.last_good_checkpoint(path) == f"the last good checkpoint is {path} (step 2)"
+    for change in (optimizer_entry("step", lambda t: torch.tensor(math.nan)),
+                   optimizer_entry("exp_avg_sq", lambda t: -t - 1),
+                   set_field("model/wte.weight", torch.full_like(made["ckpt"]["model"]["wte.weight"], math.nan))):
+        torch.save(edited(made["ckpt"], change), path)
+        assert common.last_good_checkpoint(path) == "there is no earlier checkpoint"
+
+
+# ------------------------------------------------------------------------------------------ bounds of counts
+
+
+COUNT_FLAGS = [  # (script, flags, what the one line says): grad_accum, max_iters, eval_batches, warmup_iters,
+    # num_negatives and tokens ran for ever before; the others had no bound
+    ("train", ["--grad_accum=1e12"], "--grad_accum must be in [1, 65536], got 1000000000000"),
+    ("train", ["--max_iters=1e30"], "--max_iters must be in [1, 4.29497e+09]"),
+    ("train", ["--eval_batches=1e12"], "--eval_batches must be in [1, 1.04858e+06]"),
+    ("train", ["--batch_size=1e6"], "--batch_size must be in [1, 65536]"),
+    ("train", ["--eval_interval=1e30"], "--eval_interval must be in [1, 4.29497e+09]"),
+    ("train", ["--log_interval=1e30"], "--log_interval must be in [1, 4.29497e+09]"),
+    ("train", ["--warmup_iters=1e30"], "--warmup_iters must be in [0, 4.29497e+09]"),
+    ("train", ["--num_negatives=1e12"], "--num_negatives must be in [1, 1.07374e+09]"),
+    ("train", ["--loss_chunk_size=1e12"], "--loss_chunk_size must be in [0, 1.07374e+09]"),
+    ("train", ["--batch_size=65536", "--grad_accum=65536"], "a step of 68,719,476,736 tokens"),
+    ("finetune", ["--tokens=1e30"], "--tokens must be in [1, 1.1259e+15]"),
+    ("finetune", ["--tokens=1e15", "--batch_size=1"], "1,000,000,000,000,000 tokens are 62,500,000,000,000 steps"),
+    ("finetune", ["--grad_accum=1e12"], "--grad_accum must be in [1, 65536]"),
+]
+
+
+@pytest.mark.parametrize("script, flags, words", COUNT_FLAGS, ids=[f"{s}-{' '.join(f)}" for s, f, _ in COUNT_FLAGS])
+def test_every_count_flag_has_an_upper_bound(script, flags, words, made, worker, tmp_path):
+    shutil.copy(made["path"], tmp_path / "ckpt.pt")
+    before = snapshot(tmp_path)
+    where = [f"--dataset={made['data']}", f"--out_dir={tmp_path / 'o'}"]
+    argv = [*where, *TRAIN, *flags] if script == "train" else [f"--ckpt={tmp_path / 'ckpt.pt'}", *where, *flags]
+    one_line_refusal(worker.run(script, argv, tmp_path, timeout=30), words)
+    assert snapshot(tmp_path) == before
+
+
+def test_the_flags_and_the_checkpoint_door_share_one_table_of_bounds():
+    """train.py's flags and a checkpoint's train_config are checked against doors.COUNTS, so they cannot disagree:
+    each bound is met by a flag at it, and refused one past it, in both places."""
+    for name, (low, high) in doors.COUNTS.items():
+        if name not in doors.TRAIN_RULES or not hasattr(train.TrainConfig, name):
+            continue
+        assert doors.TRAIN_RULES[name][1:] == (low, high), name
+        for value, fine in ((high, True), (high + 1, False), (low - 1, False)):
+            cfg = train.TrainConfig(**{"max_iters": max(value, 1) if name == "warmup_iters" else 600, name: value})
+            try:
+                train.check_config(cfg)
+                flag_ok = True
+            except common.UserError:
+                flag_ok = False
+            door_ok = doors.problem(value, *doors.TRAIN_RULES[name]) is None
+            assert flag_ok == door_ok == fine, (name, value)
+
+
+# ------------------------------------------------------------------------------------------ datasets, files read
+
+
+def test_a_garbage_tokenizer_json_with_a_matching_sha256_is_refused(made, worker, tmp_path):
+    """Case: a tokenizer.json that is no tokenizer, its sha256 recorded in meta.json, passed the door unparsed
+    (and travelled into checkpoints). Now it is parsed at the door, before any work."""
+    folder = Path(shutil.copytree(made["data"], tmp_path / "d" / "books"))
+    for garbage in (b'{"model": {"type": "BPE"}}', b"\x00" * 100, b'["not", "a", "tokenizer"]'):
+        (folder / "tokenizer.json").write_bytes(garbage)
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["tokenizer_sha256"] = hashlib.sha256(garbage).hexdigest()
+        (folder / "meta.json").write_text(json.dumps(meta))
+        before = snapshot(tmp_path)
+        result = worker.run("train", [f"--dataset={folder}", f"--out_dir={tmp_path / 'o'}", "--max_iters=1",
+                                      *TRAIN], tmp_path)
+        one_line_refusal(result, "tokenizer.json is not a Hugging Face tokenizer.json")
+        assert snapshot(tmp_path) == before
+
+
+def test_a_tokenizer_json_of_another_vocabulary_size_is_refused(made, tmp_path):
+    folder = Path(shutil.copytree(made["data"], tmp_path / "books"))
+    word_tokenizer(folder / "tokenizer.json", 260)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["tokenizer_sha256"] = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(doors.Refused, match="tokenizer.json has 260 tokens but meta.json's vocab_size is 50257"):
+        doors.dataset(folder)
+    meta["vocab_size"] = 260
+    meta["dtype"] = "uint16"
+    meta.update(eot_token=0, special_tokens=[0])
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert doors.dataset(folder).tokenizer_json == (folder / "tokenizer.json").read_text()  # the same, one of 260
+
+
+def test_a_small_file_is_bounded_by_what_is_read_not_by_its_size(tmp_path):
+    """Contract 4: a /proc file's size says 0 and a file may grow after its stat: the bound is measured by reading
+    at most limit + 1 bytes. A sparse file over the bound is refused without reading it."""
+    with pytest.raises(doors.Refused, match="is more than 100 bytes, more than a status file can be"):
+        doors.read_small("/proc/self/maps", 100, "status file", "pass a small file")
+    assert len(doors.read_small("/proc/self/stat", 10_000, "status file", "")) > 0
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(10 << 30)
+    with pytest.raises(doors.Refused, match="is 10,737,418,240 bytes, more than"):
+        doors.read_small(big, doors.MAX_TEXT_BYTES, "config file", "")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(doors.Refused, match="is a dangling symbolic link"):
+        doors.read_small(tmp_path / "dangling.json", 100, "config file", "")
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name")
+def test_a_hostile_zip_or_pickle_is_refused_in_bounded_memory(tmp_path, worker):
+    """data.pkl is read whole, so its size is bounded (doors.MAX_PICKLE_BYTES): a pickle of a million empty lists
+    (the most objects a byte buys) is refused within the worker's bound; and a zip claiming more entries than any
+    checkpoint has (each costs memory once its directory is read) is refused from its end record."""
+    path = tmp_path / "ckpt.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02(" + b"]\x94" * (1 << 20) + b".")
+    one_line_refusal(worker.run("generate", [f"--ckpt={path}", "--prompt=a", "--device=cpu"], tmp_path),
+                     "cannot read checkpoint")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}.")
+        z.writestr("archive/big", b"x" * (doors.MAX_PICKLE_BYTES + 1))
+    with zipfile.ZipFile(path, "a") as z:  # the big entry now claims to be data.pkl too: two of them
+        z.writestr("archive/data.pkl", b"x" * (doors.MAX_PICKLE_BYTES + 1))
+    one_line_refusal(worker.run("generate", [f"--ckpt={path}", "--prompt=a", "--device=cpu"], tmp_path),
+                     "does not hold one data.pkl of at most 8 MiB")
+    count = doors.MAX_ZIP_ENTRIES + 1  # a zip64 end record claiming them, and nothing else
+    zip64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, 0, 0)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, 0, 1)
+    path.write_bytes(zip64 + locator + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                                                    0xFFFFFFFF, 0))
+    one_line_refusal(worker.run("generate", [f"--ckpt={path}", "--prompt=a", "--device=cpu"], tmp_path),
+                     f"claims {count:,} entries, more than a checkpoint has")
+
+
+# ------------------------------------------------------------------------------------------ generated variations
+# Whatever is changed, the command works exactly as before (byte damage: the same output), or refuses in one line
+# with exit 2; never a traceback, a hang, more memory than the worker's bound, or a change to a file it was not
+# asked to write. The values are small or out of range: a valid but huge count would only make a long run.
+
+ODD_VALUES = st.sampled_from([None, True, 0, 1, 2, -1, 2.5, math.nan, math.inf, 10**12, 2**63, 10**400, "5", "",
+                              "gpt2", [], [1], {}, {"a": 1}, "/etc/passwd", "../x.json", "hf:../../x"])
+DTYPES = [torch.int64, torch.int32, torch.bool, torch.uint8, torch.complex64, torch.float16, torch.bfloat16,
+          torch.float64]
+
+
+def tensor_slots(ckpt: dict) -> list[tuple]:
+    """The places of a checkpoint that hold a tensor, as key paths."""
+    slots = [("model", k) for k in ckpt["model"]] + [("rng", "torch")]
+    return slots + [("optimizer", "state", i, k) for i, entry in ckpt["optimizer"]["state"].items() for k in entry]
+
+
+def at(ckpt: dict, path: tuple):
+    for key in path:
+        ckpt = ckpt[key]
+    return ckpt
+
+
+def put(ckpt: dict, path: tuple, value) -> None:
+    at(ckpt, path[:-1])[path[-1]] = value
+
+
+def changed_tensor(t: torch.Tensor, how: str, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.detach().clone()
+    flat = t.reshape(-1)
+    if how == "dtype":
+        return t.to(dtype)
+    if how in ("shorter", "flat"):
+        return flat[:max(1, flat.numel() // 2)].clone() if how == "shorter" else flat.clone()
+    if how == "transposed":  # strided: not contiguous
+        return t.t() if t.dim() == 2 else t.unsqueeze(0).expand(2, *t.shape)
+    if how == "stride-0":
+        return flat[:1].expand(t.shape if t.dim() else (2,))
+    if how == "every other":  # a view of a storage twice its size
+        return torch.cat([flat, flat])[::2].reshape(t.shape)
+    if how == "a view of another":
+        return other.reshape(-1)[:t.numel()].view(t.shape) if other.numel() >= t.numel() else other
+    if how == "the same as another":
+        return other
+    if how in ("nan", "inf", "negative"):
+        return t.float().fill_(math.nan) if how == "nan" else t.float().fill_(-math.inf) if how == "inf" else \
+            -t.float().abs() - 1
+    return torch.empty(t.shape, device="meta") if how == "meta" else t.float().to_sparse()
+
+
+TENSOR_CHANGE = st.tuples(st.just("tensor"), st.integers(0, 10**6), st.sampled_from(
+    ["dtype", "shorter", "flat", "transposed", "stride-0", "every other", "a view of another", "the same as another",
+     "nan", "inf", "negative", "meta", "sparse"]), st.integers(0, 10**6), st.sampled_from(DTYPES))
+FIELDS = [("train_config", k) for k in ("grad_accum", "batch_size", "eval_batches", "block_size", "max_iters",
+                                        "dataset", "objective", "loss")] + \
+         [("data_meta", "tokenizer"), ("data_meta", "vocab_size"), ("tokenizer_json",), ("mask_spec",), ("step",),
+          ("state", "step"), ("model_config", "vocab_size"), ("model_config", "n_layer"), ("scaler",),
+          ("optimizer", "param_groups", 0, "lr"), ("optimizer", "param_groups", 0, "betas"),
+          ("optimizer", "param_groups", 0, "params"), ("optimizer", "param_groups"), ("optimizer", "state", 0),
+          ("optimizer", "state", 0, "step"), ("rng",), ("objective",)]
+FIELD_CHANGE = st.tuples(st.just("field"), st.sampled_from(FIELDS), ODD_VALUES)
+BYTE_CHANGE = st.tuples(st.just("bytes"), st.sampled_from(["flip", "cut", "append"]), st.floats(0, 1),
+                        st.integers(1, 255))
+
+
+def changed_checkpoint(made: dict, path: Path, change: tuple) -> str:
+    """Write the valid checkpoint at path with one change; returns what the change reached (for the command)."""
+    kind = change[0]
+    ckpt = copy.deepcopy(made["ckpt"])
+    if kind == "tensor":
+        _, which, how, other, dtype = change
+        slots = tensor_slots(ckpt)
+        slot = slots[which % len(slots)]
+        put(ckpt, slot, changed_tensor(at(ckpt, slot), how, at(ckpt, slots[other % len(slots)]), dtype))
+        torch.save(ckpt, path)
+        return slot[0]
+    if kind == "field":
+        put(ckpt, change[1], change[2])
+        torch.save(ckpt, path)
+        return change[1][0]
+    _, how, where, value = change
+    raw = bytearray(made["path"].read_bytes())
+    at_byte = min(int(where * len(raw)), len(raw) - 1)
+    if how == "flip":
+        raw[at_byte] ^= value
+    raw = raw[:at_byte] if how == "cut" else raw + bytes([value]) * 7 if how == "append" else raw
+    path.write_bytes(bytes(raw))
+    return "bytes"
+
+
+@pytest.fixture(scope="module")
+def generated(made, worker, tmp_path_factory) -> dict:
+    """What the valid checkpoint prints (greedy), to which an accepted byte change must print the same."""
+    root = tmp_path_factory.mktemp("generated")
+    return {"root": root, "text": worker.run("generate", [f"--ckpt={made['path']}", *GENERATE], root)["out"]}
+
+
+GENERATE = ["--prompt=the", "--max_new_tokens=3", "--temperature=0", "--device=cpu"]
+
+
+def holds_the_contract(result: dict) -> None:
+    assert result["code"] in (0, 2) and "Traceback" not in result["err"] + result["out"], result
+    if result["code"] == 2:
+        one_line_refusal(result)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(change=st.one_of(TENSOR_CHANGE, FIELD_CHANGE, BYTE_CHANGE))
+def test_any_change_of_a_checkpoint_keeps_every_command_to_the_contract(change, made, worker, generated):
+    """Contract 3 whatever the change: the dtype, shape or strides of any tensor, storage shared, values, device
+    or layout; a field of any type; a byte flipped, the file cut short or grown. The optimizer and train_config
+    are what a resume and a fine-tune read; the rest, generate.py."""
+    folder = Path(tempfile.mkdtemp(dir=generated["root"]))
+    path = folder / "ckpt.pt"
+    reached = changed_checkpoint(made, path, change)
+    if reached == "optimizer":
+        script, argv, writes = "train", resume_flags(made, folder), {"ckpt.pt", "log.jsonl"}
+    elif reached == "train_config":
+        script, argv, writes = "finetune", [f"--ckpt={path}", f"--out_dir={folder / 'ft'}", "--max_iters=1",
+                                            "--eval_interval=1", "--device=cpu"], set()
+    else:
+        script, argv, writes = "generate", [f"--ckpt={path}", *GENERATE], set()
+    before = stats(folder)
+    result = worker.run(script, argv, folder, timeout=60)
+    event(f"{script}: exit {result['code']}")
+    holds_the_contract(result)
+    after = stats(folder)
+    if result["code"] == 2 or not writes:  # a refusal changes nothing; generate.py writes nothing; a fine-tune, ft/
+        assert {k: v for k, v in after.items() if not k.startswith("ft")} == before
+    else:
+        assert {k: v for k, v in after.items() if k not in writes} == {k: v for k, v in before.items()
+                                                                        if k not in writes}
+    if reached == "bytes" and result["code"] == 0:
+        assert result["out"] == generated["text"]
+
+
+DATA_FILES = ["meta.json", "tokenizer.json", "train.bin", "val.bin", "val.bytes"]
+META_CHANGE = st.tuples(st.just("meta"), st.sampled_from(sorted(doors.META_RULES)), ODD_VALUES)
+FILE_CHANGE = st.tuples(st.just("file"), st.sampled_from(DATA_FILES),
+                        st.sampled_from(["flip", "cut", "append", "empty", "sparse", "garbage, its sha256 recorded"]),
+                        st.floats(0, 1))
+
+
+def changed_dataset(made: dict, folder: Path, change: tuple) -> None:
+    shutil.copytree(made["data"], folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    if change[0] == "meta":
+        meta[change[1]] = change[2]
+        (folder / "meta.json").write_text(json.dumps(meta))
+        return
+    _, name, how, where = change
+    path = folder / name
+    raw = bytearray(path.read_bytes() if path.exists() else b'{"model": {"type": "BPE"}}')  # GPT-2's has none
+    at_byte = min(int(where * len(raw)), len(raw) - 1)
+    if how == "flip":
+        raw[at_byte] ^= 0x20
+    raw = {"cut": raw[:at_byte], "append": raw + b"\x00\x01", "empty": b""}.get(how, raw)
+    if how == "garbage, its sha256 recorded" and name == "tokenizer.json":
+        raw = raw[:at_byte]
+        meta["tokenizer_sha256"] = hashlib.sha256(raw).hexdigest()
+        (folder / "meta.json").write_text(json.dumps(meta))
+    path.write_bytes(bytes(raw))
+    if how == "sparse":
+        os.truncate(path, (1 << 30) + len(raw))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(change=st.one_of(META_CHANGE, FILE_CHANGE))
+def test_any_change_of_a_dataset_keeps_training_to_the_contract(change, made, worker, generated):
+    """Contracts 4 and 5 on a dataset folder: any field of meta.json, any file damaged, cut, grown, emptied, made a
+    sparse gigabyte, or a garbage tokenizer.json whose sha256 meta.json records: train.py trains or refuses in one
+    line, the dataset untouched, no run folder left by a refusal."""
+    work = Path(tempfile.mkdtemp(dir=generated["root"]))
+    changed_dataset(made, work / "books", change)
+    before = stats(work / "books")
+    result = worker.run("train", [f"--dataset={work / 'books'}", f"--out_dir={work / 'o'}", "--max_iters=1",
+                                  "--eval_interval=1", *TRAIN], work, timeout=60)
+    event(f"exit {result['code']}")
+    holds_the_contract(result)
+    assert stats(work / "books") == before
+    assert result["code"] == 0 or not (work / "o").exists()
+
+
+COUNT_VALUES = st.sampled_from([0, -1, 1, 2, 2.5, "2", "", True, None, [2], 10**12, 2**63, 10**400, math.nan])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(st.sampled_from(sorted(doors.COUNTS)), COUNT_VALUES, min_size=1, max_size=3),
+       kind=st.sampled_from([".json", ".toml"]), damage=st.sampled_from(["none", "none", "cut", "sparse"]))
+def test_any_config_file_keeps_training_to_the_contract(values, kind, damage, made, worker, generated):
+    """Contract 4 and the bounds, through a --config file: counts of any type and size (a bound exceeded, a
+    10**400), the file cut short or a sparse 10 GB: train.py trains or refuses in one line, before any work."""
+    work = Path(tempfile.mkdtemp(dir=generated["root"]))
+    config = work / f"settings{kind}"
+    values = {k: v for k, v in values.items() if kind == ".json" or v is not None and not (
+        isinstance(v, float) and math.isnan(v))}  # TOML has no null; NaN is kept out of it as well
+    text = json.dumps(values) if kind == ".json" else "".join(f"{k} = {toml_value(v)}\n" for k, v in values.items())
+    config.write_text(text[:len(text) // 2] if damage == "cut" else text)
+    if damage == "sparse":
+        os.truncate(config, 10 << 30)
+    fixed = [f for f in [*TRAIN, "--max_iters=1", "--eval_interval=1"] if f[2:].split("=")[0] not in values]
+    before = stats(work)
+    result = worker.run("train", [f"--config={config}", f"--dataset={made['data']}", f"--out_dir={work / 'o'}",
+                                  *fixed], work, timeout=60)
+    event(f"exit {result['code']}")
+    holds_the_contract(result)
+    if result["code"] == 2:
+        assert stats(work) == before
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int) and not -2**63 <= v < 2**63:
+        return str(v)  # not valid TOML: its door says so
+    return json.dumps(v)
