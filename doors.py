@@ -709,7 +709,8 @@ TRAIN_RULES = {**{name: ((int, None), *bounds) for name, bounds in COUNTS.items(
                "batch_size": (int, *COUNTS["batch_size"]), "grad_accum": (int, *COUNTS["grad_accum"]),
                "eval_batches": (int, *COUNTS["eval_batches"]), "max_iters": (int, *COUNTS["max_iters"]),
                "dataset": ((str, None),), "preset": ((str, None),), "lr": (float, 0),
-               "min_lr": ((float, None), 0), "temperature": (float, 1e-3, 1e3), "mix_alpha": ((float, None), 0),
+               "min_lr": ((float, None), 0), "temperature": (float, 1e-3, 1e3), "mix_alpha": ((float, None), 0, 100),
+               "seed": ((int, None), 0, 2**32 - 1),
                "objective": (["causal", "mlm"],), "loss": (str,), "device": (["auto", "cpu", "cuda", None],),
                "dtype": (["auto", "bfloat16", "float16", "float32", None],), "compile": ((bool, None),)}
 MODEL_RANGES = {**{name: (1, most) for name, most in MAXIMA.items()}, "dropout": (0, 0.999999),

@@ -53,11 +53,12 @@ class FinetuneConfig(TrainConfig):
     dtype: DtypeName | None = None
     compile: bool | None = None
     mix_alpha: float | None = None
+    seed: int | None = None  # None: the pre-training run's, whose data stream the fine-tune reads on in
 
 
 # Where to read and write data comes from the command line (--data_root), never from the checkpoint.
 INHERITED = ("dataset", "mix_alpha", "preset", "block_size", "batch_size", "grad_accum", "eval_batches", "device",
-             "dtype", "compile")
+             "dtype", "compile", "seed")
 
 
 def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float = 0.02,

@@ -265,6 +265,7 @@ def test_a_finetune_reads_on_in_its_pretrainings_stream(tiny_data_dir, tmp_path,
                                               device="cpu", max_iters=3, eval_interval=3))
     assert read == list(range(8, 14))
     assert saved(tmp_path / "ft")["state"]["micro_batches"] == 14
+    assert saved(tmp_path / "ft")["train_config"]["seed"] == 0 == saved(tmp_path / "cwt")["train_config"]["seed"]
     read.clear()
     train.train(tiny_config(tiny_data_dir, tmp_path / "ce", loss="ce", max_iters=7, grad_accum=2, eval_interval=7,
                             **small))
