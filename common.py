@@ -26,6 +26,9 @@ from typing import IO, Any, Literal
 
 import torch
 
+import doors
+from doors import first_line  # noqa: F401 (common.first_line: a library's error, in a one-line message)
+
 DeviceName = Literal["auto", "cpu", "cuda"]
 DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -96,15 +99,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def through_door(read: Callable[..., Any], *args: Any) -> Any:
     """What a door (doors.py) reads; its refusal, a ValueError for notebooks, as the scripts' UserError."""
-    import doors
     try:
         return read(*args)
     except doors.Refused as e:
         raise UserError(str(e)) from None
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]  # a library's error, in a one-line message
 
 
 def package_dir(name: str) -> Path:
@@ -146,7 +144,6 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
 
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
     """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
-    import doors
     return through_door(doors.settings, cls, argv, quick)
 
 
@@ -525,7 +522,6 @@ def is_output(path: Path, kind: str) -> bool:
     of that kind may replace: empty; results: JSON exactly as results.write_json lays it out (a dataset's
     meta.json, a tokenizer or a data file is laid out otherwise); a plot: an image naming matplotlib; a tokenizer:
     a JSON table with a "model"."""
-    import doors
     try:
         data = doors.read_small(path, doors.MAX_TOKENIZER_BYTES if kind == "tokenizer" else doors.MAX_TEXT_BYTES,
                                 "output", "")
@@ -599,7 +595,6 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
 def check_a_runs_files(ckpt: Path, log: Path) -> None:
     """A ckpt.pt and log.jsonl that a new run would replace are a run's (contract 2): a file torch.save wrote (its
     zip directory), a log whose lines are a run's records (a last one cut short by a crash allowed)."""
-    import doors
     fix = "move it away or pick another --out_dir"
     if ckpt.is_file():
         f, info = through_door(doors.opened, ckpt, "checkpoint", fix)
@@ -620,7 +615,6 @@ def start_log(out_dir: Path, resumed_step: int | None) -> None:
     if resumed_step is None:
         log.unlink(missing_ok=True)
     elif log.is_file():
-        import doors
         records = through_door(doors.run_log, log, True)
         with atomic_file(log, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= resumed_step)
@@ -706,7 +700,6 @@ def diverged(what: str, value: float, step: int, ckpt: Path) -> UserError:
 
 def last_good_checkpoint(path: str | Path) -> str:
     try:  # what a user can continue from after a refused or failed save: a checkpoint its doors accept whole
-        import doors
         from model import GPTConfig
         ckpt = doors.checkpoint(path, GPTConfig)
         doors.resumable(path, ckpt)
@@ -722,7 +715,6 @@ def load_checkpoint(path: str | Path) -> dict:
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint
         return hf_checkpoint(str(path))
-    import doors
     from model import GPTConfig
     return through_door(doors.checkpoint, path, GPTConfig)
 
