@@ -12,6 +12,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:  # `pytest -n 2`: each worker has a core; tiny ops gain nothing from threads
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flat layout: `import data`, `import model`
 
 import pytest  # noqa: E402

@@ -64,7 +64,15 @@ def edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-DELETE = object()
+
+class Delete:
+    """The marker of a field to delete, with a stable name: test ids must be the same in every process."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = Delete()
 
 
 def load_fails(source: Path, *words: str, seconds: float = 1.0) -> str:
