@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import common
@@ -91,10 +92,12 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     defaults = TrainConfig()
     cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
                                       if getattr(cfg, k) is None})
-    recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
-    lr = recipe["lr"] if cfg.lr is None else cfg.lr
-    cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
-                              min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (Path(cfg.out_dir) / "ckpt.pt").is_file())
+    if not resuming:  # a resumed fine-tune keeps its own lr and schedule (train.starting_point fills them in)
+        recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
+        lr = recipe["lr"] if cfg.lr is None else cfg.lr
+        cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
+                                  min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
     common.in_range(cfg, "budget_fraction", 0, 1, "(]")
     common.in_range(cfg, "block_size", 2, base["model_config"].get("block_size", math.inf))  # before any data
     for name in ("tokens", "max_iters", "batch_size", "grad_accum"):  # doors.COUNTS, inherited values too

@@ -62,15 +62,16 @@ class TrainConfig(ModelSettings, LossConfig):
     batch_size: int = 8  # sequences per micro-batch (per rank): CWT's negatives are the other tokens in it
     grad_accum: int = 1  # micro-batches per rank per step
     max_iters: int = 600
-    lr: float = 1e-3
+    # unset (None): OPTIMIZER_DEFAULTS, or on --resume the resumed run's own
+    lr: float | None = None
     min_lr: float | None = None  # default: the preset's recipe (RECIPES)
     warmup_iters: int | None = None  # default: the preset's recipe (RECIPES)
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr_schedule: Literal["cosine", "constant"] | None = None
+    weight_decay: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    grad_clip: float | None = None  # 0 disables clipping
     # validation, logs and checkpoints
     eval_interval: int = 100  # steps between validations, each followed by a checkpoint
     eval_batches: int = 20
@@ -97,6 +98,11 @@ class TrainConfig(ModelSettings, LossConfig):
 # betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
+# AdamW and the schedule where no flag gives them: the paper's Pythia settings. A resumed run keeps its own instead
+# (each was saved in its train_config), so that `--resume` alone continues the same run; a flag given on resume
+# changes it from there on.
+OPTIMIZER_DEFAULTS = dict(lr=1e-3, lr_schedule="cosine", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                          grad_clip=1.0)
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -108,7 +114,8 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("beta1", "beta2"):
         common.in_range(cfg, name, 0, 1, "[)")
     common.in_range(cfg, "lr", 0, ends="(]")
-    common.in_range(cfg, "min_lr", 0, cfg.lr)
+    lr = OPTIMIZER_DEFAULTS["lr"] if cfg.lr is None and not cfg.resume else cfg.lr  # a resumed run's: with_schedule
+    common.in_range(cfg, "min_lr", 0, math.inf if lr is None else lr)
     common.in_range(cfg, "eps", 0, ends="(]")
     common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
     common.in_range(cfg, "mix_alpha", 0, ends="(]")
@@ -206,7 +213,8 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
     before = start.get("train_config", {})
     check_continuation(cfg, meta, start, source, resuming)
     if resuming:  # the same experiment: what it does not say is the checkpoint's
-        cfg = dataclasses.replace(cfg, **{k: before[k] for k in RESUME_SAME if getattr(cfg, k) is None and k in before})
+        kept = (*RESUME_SAME, *OPTIMIZER_DEFAULTS)
+        cfg = dataclasses.replace(cfg, **{k: before[k] for k in kept if getattr(cfg, k) is None and k in before})
     cfg = with_schedule(cfg, before, start["step"] if resuming else None)
     cfg = with_model(cfg, meta, start["model_config"], source)
     model = common.checkpoint_model(start, source, dropout=cfg.dropout)
@@ -228,7 +236,8 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
 def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = None) -> TrainConfig:
     """The preset (the checkpoint's, else tiny) and the schedule: a run resumed at resumed_step keeps its own
     warmup and final lr unless given (and says so when a longer --max_iters stretches its cosine); otherwise
-    the preset's recipe sets them."""
+    the preset's recipe sets them. AdamW's settings still unset take OPTIMIZER_DEFAULTS."""
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in OPTIMIZER_DEFAULTS.items() if getattr(cfg, k) is None})
     preset = cfg.preset or before.get("preset") or "tiny"
     recipe = RECIPES.get(preset, DEFAULT_RECIPE)
     warmup = cfg.warmup_iters
@@ -519,11 +528,14 @@ class Run:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
         common.through_door(doors.resumable, self.out_dir / "ckpt.pt", resumed, self.optimizer.param_groups,
                             self.objective.named_parameters())  # its state fits the parameters it will drive
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(resumed["optimizer"])
         except (KeyError, ValueError):
             raise UserError(f"{self.out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume "
                             "with the interrupted run's settings (--freeze_body, --loss)") from None
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)  # this run's betas, decay and eps (the saved run's unless a flag changed them)
         if self.scaler.is_enabled() and resumed.get("scaler"):
             self.scaler.load_state_dict(resumed["scaler"])
         torch.set_rng_state(resumed["rng"]["torch"])

@@ -78,6 +78,36 @@ def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
     assert vals(resumed) == vals(straight)
 
 
+
+OWN_OPTIMIZER = dict(lr=5e-4, lr_schedule="constant", weight_decay=0.01, beta1=0.8, beta2=0.99, eps=1e-6, grad_clip=0.5)
+
+
+def test_a_resume_naming_no_optimizer_setting_continues_the_run_with_its_own(tiny_data_dir, tmp_path):
+    """`--resume` alone (a longer --max_iters, no optimizer flag) is the run it resumes, not one with the defaults
+    (before: lr 1e-3 and clip 1.0 from the flags' defaults, while the loaded optimizer kept the run's decay)."""
+    straight = tmp_path / "straight"
+    train.train(tiny_config(tiny_data_dir, straight, max_iters=6, warmup_iters=2, **OWN_OPTIMIZER))
+    resumed = tmp_path / "resumed"
+    train.train(tiny_config(tiny_data_dir, resumed, max_iters=3, warmup_iters=2, **OWN_OPTIMIZER))
+    train.train(tiny_config(tiny_data_dir, resumed, max_iters=6, warmup_iters=None, resume=True))
+    def steps(d):
+        return {r["step"]: (r["loss"], r["lr"]) for r in read_log(d) if "loss" in r}
+    assert steps(resumed) == steps(straight)
+    saved = torch.load(resumed / "ckpt.pt", weights_only=True)
+    assert {k: saved["train_config"][k] for k in OWN_OPTIMIZER} == OWN_OPTIMIZER
+    decayed, plain = saved["optimizer"]["param_groups"]
+    assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"], decayed["eps"]) == (
+        0.01, 0.0, (0.8, 0.99), 1e-6)
+
+
+def test_an_optimizer_setting_given_on_resume_applies_from_there_on(tiny_data_dir, tmp_path):
+    train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=3, **OWN_OPTIMIZER))
+    train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=4, resume=True, weight_decay=0.05, beta2=0.9))
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    decayed, plain = saved["optimizer"]["param_groups"]
+    assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"]) == (0.05, 0.0, (0.8, 0.9))
+    assert (saved["train_config"]["weight_decay"], saved["train_config"]["lr"]) == (0.05, 5e-4)
+
 def make_loss_nan_from_call(monkeypatch, first_bad_call: int) -> None:
     """From its n-th call on, the training loss (and so every gradient and weight after it) is NaN."""
     calls = {"n": 0}
