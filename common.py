@@ -565,6 +565,11 @@ def launched_as_rank_0() -> bool:
     return is_main_process() if torch.distributed.is_initialized() else os.environ.get("RANK", "0") == "0"
 
 
+def resumes(out_dir: str | Path, resume: bool | str) -> bool:
+    """Whether a run with this --resume continues out_dir's checkpoint (auto: if there is one)."""
+    return resume is True or (resume == "auto" and run_files(out_dir)[0].is_file())
+
+
 @contextlib.contextmanager
 def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterator[None]:
     """out_dir for this run alone, claimed before anything is built (a second run is refused at once). A new
@@ -581,7 +586,7 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
     if ckpt.exists() and not ckpt.is_file():
         raise UserError(f"{ckpt} is a folder or not a regular file, not a run's checkpoint: it would never be "
                         "replaced; move it away or pick another --out_dir")
-    resuming = resume is True or (resume == "auto" and ckpt.is_file())
+    resuming = resumes(out_dir, resume)
     if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")

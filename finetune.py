@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import common
@@ -92,8 +91,7 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
     defaults = TrainConfig()
     cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
                                       if getattr(cfg, k) is None})
-    resuming = cfg.resume is True or (cfg.resume == "auto" and (Path(cfg.out_dir) / "ckpt.pt").is_file())
-    if not resuming:  # a resumed fine-tune keeps its own lr and schedule (train.starting_point fills them in)
+    if not common.resumes(cfg.out_dir, cfg.resume):  # a resumed fine-tune keeps its own lr and schedule
         recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
         lr = recipe["lr"] if cfg.lr is None else cfg.lr
         cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],

@@ -95,7 +95,7 @@ class TrainConfig(ModelSettings, LossConfig):
 
 
 # The paper's schedule for the Pythia shapes: cosine to 0 after a 1% warmup (1430 of 143,000 steps); lr,
-# betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
+# betas, decay and clip are OPTIMIZER_DEFAULTS'. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 # AdamW and the schedule where no flag gives them: the paper's Pythia settings. A resumed run keeps its own instead

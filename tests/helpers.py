@@ -21,6 +21,16 @@ def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
+
+class Delete:
+    """The marker of a field to delete, with a stable name: test ids must be the same in every process."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = Delete()
+
 def read_log(out_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
 

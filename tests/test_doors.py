@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, snapshot
+from helpers import DELETE, run_cli, snapshot
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import bpe
@@ -88,15 +88,6 @@ def edited(ckpt: dict, path: str, value) -> dict:
     return ckpt
 
 
-
-class Delete:
-    """The marker of a field to delete, with a stable name: test ids must be the same in every process."""
-
-    def __repr__(self) -> str:
-        return "DELETE"
-
-
-DELETE = Delete()
 CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("4", "model_config/block_size", 10**10, "model_config.block_size is 10000000000, outside [1, 1.04858e+06]"),
     ("4", "model_config/block_size", 10**8, "model_config.block_size is 100000000, outside"),

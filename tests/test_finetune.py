@@ -102,7 +102,6 @@ def test_resume_with_other_trainable_parameters_is_a_clear_error(cwt_checkpoint,
         finetune(resolve_config(flags + ["--resume", "--max_iters=3", "--freeze_body"]))
 
 
-
 def test_a_resumed_finetune_keeps_its_own_learning_rate(cwt_checkpoint, tmp_path):
     """Not the preset's recipe (3e-4 for tiny): the lr it was started with, unless given again."""
     flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--eval_batches=1", "--lr=1e-4"]
@@ -110,6 +109,7 @@ def test_a_resumed_finetune_keeps_its_own_learning_rate(cwt_checkpoint, tmp_path
     finetune(resolve_config([*flags[:-1], "--resume", "--max_iters=3"]))
     lrs = {r["step"]: r["lr"] for r in read_log(tmp_path) if "loss" in r}  # logged: each run's last step
     assert lrs == {2: pytest.approx(1e-4), 3: pytest.approx(1e-4)}  # constant after a warmup of 1 step
+
 
 @pytest.mark.parametrize("flags, message", [
     ([], "missing --ckpt=PATH"),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Worker, one_line_refusal, snapshot
+from helpers import DELETE, Worker, one_line_refusal, snapshot
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from test_hf import random_neox
@@ -62,17 +62,6 @@ def edit_config(folder: Path, **changes) -> None:
     for key in [k for k, v in changes.items() if v is DELETE]:
         del config[key]
     (folder / "config.json").write_text(json.dumps(config))
-
-
-
-class Delete:
-    """The marker of a field to delete, with a stable name: test ids must be the same in every process."""
-
-    def __repr__(self) -> str:
-        return "DELETE"
-
-
-DELETE = Delete()
 
 
 def load_fails(source: Path, *words: str, seconds: float = 1.0) -> str:

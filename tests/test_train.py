@@ -78,7 +78,6 @@ def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
     assert vals(resumed) == vals(straight)
 
 
-
 OWN_OPTIMIZER = dict(lr=5e-4, lr_schedule="constant", weight_decay=0.01, beta1=0.8, beta2=0.99, eps=1e-6, grad_clip=0.5)
 
 
@@ -107,6 +106,7 @@ def test_an_optimizer_setting_given_on_resume_applies_from_there_on(tiny_data_di
     decayed, plain = saved["optimizer"]["param_groups"]
     assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"]) == (0.05, 0.0, (0.8, 0.9))
     assert (saved["train_config"]["weight_decay"], saved["train_config"]["lr"]) == (0.05, 5e-4)
+
 
 def make_loss_nan_from_call(monkeypatch, first_bad_call: int) -> None:
     """From its n-th call on, the training loss (and so every gradient and weight after it) is NaN."""
