@@ -1,6 +1,6 @@
 """What each objective learns: checkpoints side by side, the paper's explanation of CWT's gains as measures.
 
-    python analyze.py --ckpts=out/ckpt.pt,out-ft/ckpt.pt,out-ce/ckpt.pt
+    python analyze.py --ckpts=out/ckpt.safetensors,out-ft/ckpt.safetensors,out-ce/ckpt.safetensors
     python analyze.py --ckpts=... --words=king,love,night --json=results/analysis.json --plot=results/analysis.png
 
 Each checkpoint is measured on its own dataset (under --data_root): token counts from its training split, final
@@ -456,7 +456,8 @@ def line_styles(rows: list[dict]) -> list[dict]:
 def check_config(cfg: AnalyzeConfig) -> None:
     """Every flag, before any checkpoint is read."""
     if not cfg.ckpts or "" in cfg.ckpts:
-        raise UserError("--ckpts=A,B,... names the checkpoints to put side by side (e.g. out/ckpt.pt,out-ce/ckpt.pt)")
+        raise UserError("--ckpts=A,B,... names the checkpoints to put side by side (e.g. "
+                        "out/ckpt.safetensors,out-ce/ckpt.safetensors)")
     if repeated := sorted({c for c in cfg.ckpts if cfg.ckpts.count(c) > 1}):
         raise UserError(f"--ckpts lists {', '.join(repeated)} more than once; pass each checkpoint once")
     bounded(cfg, "tokens", 2, 1 << 20)  # hidden states of at most 2^20 positions: a few GB at d 768

@@ -557,7 +557,7 @@ def brief_value(value: Any) -> str:
 
 def run_files(out_dir: str | Path) -> list[Path]:
     """What a training run writes in its out_dir (besides its .lock and temp files)."""
-    return [Path(out_dir) / "ckpt.pt", Path(out_dir) / "log.jsonl"]
+    return [Path(out_dir) / "ckpt.safetensors", Path(out_dir) / "log.jsonl"]
 
 
 def launched_as_rank_0() -> bool:
@@ -588,7 +588,7 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
                         "replaced; move it away or pick another --out_dir")
     resuming = resumes(out_dir, resume)
     if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
-        raise UserError(f"{out_dir} holds another run ({'ckpt.pt' if ckpt.exists() else 'log.jsonl'}); continue "
+        raise UserError(f"{out_dir} holds another run ({(ckpt if ckpt.exists() else log).name}); continue "
                         "it with --resume, start over with --overwrite, or pick another --out_dir")
     if not resuming:  # what a new run replaces must be a run's, whatever the flags
         check_a_runs_files(ckpt, log)
@@ -598,15 +598,19 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
 
 
 def check_a_runs_files(ckpt: Path, log: Path) -> None:
-    """A ckpt.pt and log.jsonl that a new run would replace are a run's (contract 2): a file torch.save wrote (its
-    zip directory), a log whose lines are a run's records (a last one cut short by a crash allowed)."""
+    """A ckpt.safetensors and log.jsonl that a new run would replace are a run's (contract 2): a safetensors file
+    whose metadata holds a checkpoint's document (its header alone is read), a log whose lines are a run's records
+    (a last one cut short by a crash allowed)."""
     fix = "move it away or pick another --out_dir"
     if ckpt.is_file():
-        f, info = through_door(doors.opened, ckpt, "checkpoint", fix)
-        with f:
-            why = doors.zip_problem(f, info.st_size)
-        if why:
-            raise UserError(f"{ckpt} {why}: it is not a run's checkpoint, and a new run replaces only a run's; {fix}")
+        try:
+            with doors.safetensors_open(ckpt, "checkpoint", fix) as f:
+                ours = doors.CHECKPOINT_KEY in (f.metadata() or {})
+        except doors.Refused:
+            ours = False
+        if not ours:
+            raise UserError(f"{ckpt} is not a run's checkpoint (a safetensors file holding a checkpoint's document), "
+                            f"and a new run replaces only a run's; {fix}")
     if log.is_file():
         through_door(doors.run_log, log, True)
 
@@ -676,11 +680,12 @@ class StopFlag:
             signal.signal(s, handler)
 
 
-# Checkpoints: plain data and tensors, read back with weights_only=True (never unpickled code)
+# Checkpoints: safetensors, tensors by name and the rest as JSON in its metadata (doors.encode_checkpoint)
 
 
 def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write atomically; refused, the previous file untouched, when a weight or a metric is not finite."""
+    """Write atomically as safetensors (doors.encode_checkpoint); refused, the previous file untouched, when a weight
+    or a metric is not finite."""
     values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
     weights = (f"weight {k} is not finite" for k, t in payload["model"].items()
                if t.is_floating_point() and not bool(torch.isfinite(t).all()))
@@ -691,7 +696,8 @@ def save_checkpoint(path: str | Path, payload: dict) -> None:
                         f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
     try:
         with atomic_file(path) as f:
-            torch.save(payload, f)
+            for piece in doors.checkpoint_bytes(payload):
+                f.write(piece)
     except UserError as e:  # no space left
         raise UserError(f"{e}; {last_good_checkpoint(path)}. Free some space, then continue with --resume"
                         ) from None
@@ -714,8 +720,8 @@ def last_good_checkpoint(path: str | Path) -> str:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A checkpoint dict through its door (doors.checkpoint: the zip's directory, then every field, before
-    anything is built; tensors read lazily); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
+    """A checkpoint dict through its door (doors.checkpoint: safetensors and its checksum, then every field, before
+    anything is built; tensors memory-mapped); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
     if str(path).startswith("hf:"):
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint

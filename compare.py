@@ -215,7 +215,7 @@ def check_out_dir(cfg: CompareConfig) -> None:
     root = Path(cfg.out_dir)
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
-    held = [name for name in RUNS if (root / name / "ckpt.pt").exists() or (root / name / "log.jsonl").exists()]
+    held = [name for name in RUNS if any((root / name / f).exists() for f in ("ckpt.safetensors", "log.jsonl"))]
     if held and not (cfg.resume or cfg.overwrite):
         raise UserError(f"{root} holds the runs of an earlier compare.py ({', '.join(held)}); continue them with "
                         "--resume (same settings), start every run over with --overwrite, or pick another --out_dir")
@@ -224,7 +224,7 @@ def check_out_dir(cfg: CompareConfig) -> None:
 def run_state(folder: Path) -> tuple[dict | None, list[dict] | None]:
     """A run folder's checkpoint and log, each through its door (None where there is none): damage is one line
     before any run of this compare.py starts (a line a crash cut short is allowed: a resumed run drops it)."""
-    log, ckpt = folder / "log.jsonl", folder / "ckpt.pt"
+    log, ckpt = folder / "log.jsonl", folder / "ckpt.safetensors"
     records = through_door(doors.run_log, log, True) if os.path.lexists(log) else None
     return (load_checkpoint(ckpt) if os.path.lexists(ckpt) else None), records
 
@@ -234,7 +234,7 @@ def finished_run(run_cfg: TrainConfig) -> dict | None:
     checkpoint: it is skipped), else None (train.py's --resume continues it, or it starts). A run of other
     settings is another experiment: refused; a finished run whose log does not end with its last validation
     (missing, cut short) is refused too: its curve would be wrong."""
-    path = Path(run_cfg.out_dir) / "ckpt.pt"
+    path = Path(run_cfg.out_dir) / "ckpt.safetensors"
     ckpt, records = run_state(path.parent)
     if ckpt is None:
         return None
@@ -320,9 +320,9 @@ def run_plan(plan: dict, cfg: CompareConfig) -> dict:
     runs = {}
     for name, run_cfg in plan.items():
         folder = Path(run_cfg.out_dir)
-        held = any((folder / f).exists() for f in ("ckpt.pt", "log.jsonl"))
+        held = any((folder / f).exists() for f in ("ckpt.safetensors", "log.jsonl"))
         base = next((b for b, c in plan.items() if isinstance(run_cfg, FinetuneConfig)
-                     and run_cfg.ckpt == str(Path(c.out_dir) / "ckpt.pt")), None)
+                     and run_cfg.ckpt == str(Path(c.out_dir) / "ckpt.safetensors")), None)
         stale = base is not None and cfg.resume and not done[base] and held
         if stale:  # it fine-tuned an earlier state of its base, trained further just now
             note(f"{folder}: it fine-tuned an earlier state of {Path(plan[base].out_dir)}; starting it over")
@@ -364,7 +364,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     root = Path(cfg.out_dir)
     plan = {"ce": pretrain_config(cfg, "ce", cfg.ce_iters, root / "ce"),
             "cwt": pretrain_config(cfg, "cwt", cwt_iters, root / "cwt"),
-            "cwt-ft": finetune_config(cfg, root / "cwt" / "ckpt.pt", ft_iters, root / "cwt-ft")}
+            "cwt-ft": finetune_config(cfg, root / "cwt" / "ckpt.safetensors", ft_iters, root / "cwt-ft")}
     runs = run_plan(plan, cfg)
     curves = {"ce": val_curve(root / "ce" / "log.jsonl", per_token["ce"]),
               "cwt": val_curve(root / "cwt" / "log.jsonl", per_token["cwt"]),
@@ -447,7 +447,7 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
         result = run_compare(dataclasses.replace(cfg, dataset=str(data_dir), out_dir=str(done.parent), json="",
                                                  plot="", vocab_sizes=[],
                                                  wandb_run_name=cfg.wandb_run_name and f"{cfg.wandb_run_name}/bpe{n}"))
-        result["full_val"] = {name: full_val_scores(done.parent / name / "ckpt.pt", data_dir, result["config"])
+        result["full_val"] = {name: full_val_scores(done.parent / name / "ckpt.safetensors", data_dir, result["config"])
                               for name in result["runs"]}
         if stopped := [f"{name} at step {s['step']} of {result['iters'][name]}"
                        for name, s in result["full_val"].items() if s["step"] < result["iters"][name]]:
@@ -621,7 +621,7 @@ def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, 
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
     held = [folder.name for folder in (point_dir(root, *p) for p in points) if not (folder / "result.json").exists()
-            and any((folder / run / f).exists() for run in RUNS for f in ("ckpt.pt", "log.jsonl"))]
+            and any((folder / run / f).exists() for run in RUNS for f in ("ckpt.safetensors", "log.jsonl"))]
     if held and not (cfg.resume or cfg.overwrite):
         raise UserError(f"{root} holds unfinished points of an earlier sweep ({', '.join(held)}); continue them with "
                         "--resume (same settings), start them over with --overwrite, or pick another --out_dir "
@@ -641,7 +641,7 @@ def run_point(cfg: CompareConfig, kw: dict, folder: Path, data_dir: Path, vocab:
     else:
         plan = {"cwt": pretrain_config(cfg, "cwt", steps, folder / "cwt", negatives=kw["negatives"],
                                        num_negatives=kw["num_negatives"]),
-                "cwt-ft": finetune_config(cfg, folder / "cwt" / "ckpt.pt", ft_steps, folder / "cwt-ft")}
+                "cwt-ft": finetune_config(cfg, folder / "cwt" / "ckpt.safetensors", ft_steps, folder / "cwt-ft")}
     runs = run_plan(plan, cfg)
     models = {}
     for name, run in runs.items():

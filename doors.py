@@ -7,26 +7,22 @@ imports no other file of this project (model.load_model reads through it), so a 
 ValueError: the scripts show it as their one-line UserError (common.through_door)."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import difflib
 import errno
 import functools
 import hashlib
-import io
 import itertools
 import json
 import math
 import os
-import pickle
 import re
 import stat
-import struct
 import sys
 import tomllib
 import typing
-import zipfile
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
@@ -52,9 +48,6 @@ MAX_STEP_TOKENS = 1 << 30  # batch_size x block_size x grad_accum: a rank's toke
 # Files read whole are read within these bounds, measured by reading (at most the bound + 1 bytes)
 MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, config.json, a safetensors header, results files
 MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json (real ones: 0.5 to 35 MB)
-MAX_PICKLE_BYTES = 8 << 20  # a torch.save file's data.pkl, unpickled whole (~110 bytes a tensor: pythia-70m's
-#   with its optimizer holds 306 in 28 kB, a model of 1024 layers and its optimizer about 50,000 in 5.4 MB)
-MAX_ZIP_ENTRIES = 1 << 17  # a torch.save file's entries, one a tensor (pythia-70m's with its optimizer: 306)
 MAX_HASHED_BYTES = 2 << 30  # shards up to this size are checked against their sha256 at every start
 BIG = 1 << 62  # any count
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -449,40 +442,40 @@ def special_ids(meta: dict) -> list[int]:
     return list(meta.get("special_tokens") or [meta["eot_token"]])
 
 
-# ---------------------------------------------------------------------------------------------- torch files
+# ---------------------------------------------------------------------------------------------- safetensors files
 
-# The storages torch.save writes (named for their dtypes), and the dtypes a weight may have: another kind of number
-# (an integer, true/false, a complex number) is refused, never cast into the model
-STORAGE_DTYPES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16, "FloatStorage": torch.float32,
-                  "DoubleStorage": torch.float64, "ByteStorage": torch.uint8, "CharStorage": torch.int8,
-                  "ShortStorage": torch.int16, "IntStorage": torch.int32, "LongStorage": torch.int64,
-                  "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
-                  "ComplexDoubleStorage": torch.complex128}
+# The dtypes a weight may have: another kind of number (an integer, true/false) is refused, never cast into the model
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEADER_BYTES = MAX_TEXT_BYTES  # a safetensors header: each tensor's name, dtype, shape and offsets, and the
+#   metadata (a checkpoint's document: pythia-70m's with its optimizer, 30 kB)
 
 
-def torch_file(path: str | Path, what: str, fix: str, missing: str | None = None) -> Any:
-    """What a torch.save file holds, read as far as its bytes vouch for it: a regular file, not sparse; a zip as
-    torch.save writes it (zip_problem: every entry stored, inside the file, its CRC-32 right; each storage data.pkl
-    names an entry of exactly its bytes); then torch.load (weights_only: never code; mmap: the tensors stay on
-    disk); then every tensor dense, on the CPU, and the whole of a storage of its own, together at most the file's
-    size. So what a loader builds from it is bounded by the bytes the file holds."""
-    f, info = opened(path, what, missing or fix)
+def safetensors_open(path: str | Path, what: str, fix: str, old: str = "") -> Any:
+    """A safetensors file opened by its library (safetensors.safe_open: memory-mapped, a tensor read when it is
+    asked for, copy-on-write), once its first bytes can begin one: a regular file, not sparse, whose header length
+    (its first 8 bytes) is at most MAX_HEADER_BYTES and within the file. The library checks the rest before a
+    tensor is read: a JSON header, each tensor's dtype, shape and byte count agreeing, and their byte ranges tiling
+    the data exactly (no overlap, no gap, nothing past the end). `old`: the fix for a torch.save file (a zip)."""
+    from safetensors import safe_open
+    f, info = opened(path, what, fix)
     with f:
-        why = holes_problem(f.fileno(), info.st_size) or zip_problem(f, info.st_size)
+        head = f.read(8)
+        why = holes_problem(f.fileno(), info.st_size)
+    length = int.from_bytes(head.ljust(8, b"\0"), "little")
+    if head.startswith(b"PK\x03\x04"):
+        raise Refused(f"{what} {path} is a torch.save file (a zip), not safetensors; {old or fix}")
+    if len(head) < 8 or length > min(MAX_HEADER_BYTES, info.st_size - 8):
+        why = (f"is {info.st_size} bytes, too few for a safetensors file" if len(head) < 8 else
+               f"is not a safetensors file: its first 8 bytes claim a header of {length:,} bytes, more than "
+               + (f"a header can be ({MAX_HEADER_BYTES:,})" if length > MAX_HEADER_BYTES else "the file holds"))
     if why:
         raise Refused(f"{what} {path} {why}; {fix}")
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a refused pickle's message runs over many lines
-        refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
-        if refused:
-            raise Refused(f"{what} {path} holds a {brief(refused[1])} object, which torch.load(weights_only=True) "
-                          f"refuses to unpickle; {fix}") from None
-        raise Refused(f"cannot read {what} {path} ({type(e).__name__}); {fix}") from None
-    if why := tensors_problem(loaded, info.st_size):
-        raise Refused(f"{what} {path}: {why}; {fix}")
-    return loaded
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # SafetensorError: what the header breaks, in one line
+        why = first_line(e).removeprefix("Error while deserializing header: ")
+        raise Refused(f"{what} {path} is not a valid safetensors file ({clip(why, 120)}): damaged, cut short or "
+                      f"not one; {fix}") from None
 
 
 def holes_problem(fd: int, size: int) -> str | None:
@@ -508,185 +501,138 @@ def holes_problem(fd: int, size: int) -> str | None:
     return f"is a sparse file: {present:,} of its {size:,} bytes are on disk, the rest holes where data should be"
 
 
-def zip_entry_count(f: IO[bytes], size: int) -> int | None:
-    """The entries a zip's end record counts (zip64's where it has one), read before its directory: each entry of
-    the directory costs memory once read. None: no end record."""
-    tail_size = min(size, 22 + 65535)
-    f.seek(size - tail_size)
-    tail = f.read(tail_size)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < 22:
-        return None
-    count = struct.unpack_from("<H", tail, at + 10)[0]
-    if count == 0xFFFF and at >= 20 and tail[at - 20:at - 16] == b"PK\x06\x07":
-        (offset,) = struct.unpack_from("<Q", tail, at - 12)
-        f.seek(min(offset, size))
-        record = f.read(56)
-        if record[:4] == b"PK\x06\x06" and len(record) == 56:
-            count = struct.unpack_from("<Q", record, 32)[0]
-    return count
+# A checkpoint in safetensors: each tensor of the payload (weights, the objective's pieces, the optimizer's state, the
+# random states) by its path in it, "optimizer/state/0/exp_avg"; each text longer than LONG_TEXT (a tokenizer.json)
+# as its UTF-8 bytes; the rest, plain JSON with null where a tensor was, one document in the metadata
+CHECKPOINT_KEY = "headless-lm"
+CHECKSUM_KEY = "headless-lm-crc32"
+LONG_TEXT = 1 << 12
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL", torch.complex64: "C64"}
+CONVERT = ('python -c "import sys, torch, common; common.save_checkpoint(sys.argv[2], torch.load(sys.argv[1], '
+           'weights_only=True))" {} {}')
 
 
-def zip_problem(f: IO[bytes], size: int) -> str | None:
-    """Why a file is not what torch.save writes: its zip's end record and directory (every entry stored, as
-    torch.save writes them, inside the file; one data.pkl of at most MAX_PICKLE_BYTES), then data.pkl's storage
-    records against the entries (storages_problem), then every entry's CRC-32, read a MiB at a time."""
-    count = zip_entry_count(f, size)
-    if count is not None and count > MAX_ZIP_ENTRIES:
-        return f"claims {count:,} entries, more than a checkpoint has ({MAX_ZIP_ENTRIES:,})"
-    try:
-        z = zipfile.ZipFile(f)
-        entries = z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return "is not a torch.save file (it has no zip directory)"
-    for entry in entries:
-        if entry.compress_type != zipfile.ZIP_STORED:
-            return f"holds a compressed entry ({brief(entry.filename)}), which torch.save never writes"
-        if entry.header_offset + entry.file_size > size:
-            return f"holds an entry ({brief(entry.filename)}) larger than the file"
-    pickles = [e for e in entries if e.filename.endswith("/data.pkl")]
-    if len(pickles) != 1 or pickles[0].file_size > MAX_PICKLE_BYTES:
-        return f"does not hold one data.pkl of at most {MAX_PICKLE_BYTES >> 20} MiB, as torch.save writes"
-    try:
-        pickled = z.read(pickles[0])
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        return damaged(pickles[0], e)
-    try:
-        records = storage_records(pickled)
-    except Exception as e:  # not a pickle torch.save writes
-        return f"has a data.pkl that is not one torch.save writes ({type(e).__name__}: {brief(first_line(e), 80)})"
-    prefix = pickles[0].filename.removesuffix("data.pkl")
-    if why := storages_problem(records, {e.filename: e.file_size for e in entries}, prefix, size):
-        return why
-    for entry in entries:
-        try:
-            with z.open(entry) as data:
-                while data.read(1 << 20):
-                    pass
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-            return damaged(entry, e)
-    return None
+def encode_checkpoint(payload: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A checkpoint's payload as a safetensors file holds it: (tensors by name, metadata), the CRC-32 of both
+    (checksum) in the metadata. A tensor sharing another's storage (tied weights) is stored as a copy."""
+    tensors: dict[str, torch.Tensor] = {}
+    texts: list[str] = []
+    storages: set[int] = set()
 
-
-def damaged(entry: zipfile.ZipInfo, e: BaseException) -> str:
-    if "CRC" not in str(e):
-        return f"holds an entry ({brief(entry.filename)}) whose header is damaged (a damaged copy)"
-    return (f"holds an entry ({brief(entry.filename)}) whose CRC-32 does not match its bytes (a changed byte, a "
-            "damaged copy, or a file saved without CRC-32s: torch.serialization.set_crc32_options(False))")
-
-
-class _Stub:
-    """What data.pkl builds when it is read for its storage records alone: every name it asks for is this, so
-    nothing is imported or run, and whatever it builds of them costs a few bytes."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
-        return _Stub()
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-    def add(self, value: Any) -> None:
-        pass
-
-
-_STORAGE_STUBS = {name: type(name, (_Stub,), {}) for name in STORAGE_DTYPES}
-
-
-class _StorageRecords(pickle.Unpickler):
-    """Reads data.pkl for the storages it names, (kind, key, location, element count), and nothing else."""
-
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data))
-        self.records: list[Any] = []
-
-    def find_class(self, module: str, name: str) -> type:
-        return _STORAGE_STUBS.get(name, _Stub) if module == "torch" else _Stub
-
-    def persistent_load(self, pid: Any) -> _Stub:
-        self.records.append(pid)
-        return _Stub()
-
-
-def storage_records(pickled: bytes) -> list[Any]:
-    reader = _StorageRecords(pickled)
-    reader.load()
-    return reader.records
-
-
-def storages_problem(records: list[Any], entries: dict[str, int], prefix: str, size: int) -> str | None:
-    """Why data.pkl's storages are not the file's entries: one that is no storage torch.save writes, one named
-    twice (tensors sharing a storage), on the meta device (no bytes), or whose entry holds other than its bytes
-    (cut short or padded: its tensor would read its neighbours'); or, together, more bytes than the file."""
-    total, seen = 0, set()
-    for pid in records:
-        kind = pid[1] if isinstance(pid, tuple) and len(pid) == 5 else None
-        if not (isinstance(kind, type) and kind.__name__ in _STORAGE_STUBS and pid[0] == "storage"
-                and all(isinstance(x, str) for x in pid[2:4]) and problem(pid[4], int, 0, BIG) is None):
-            return f"names a storage that torch.save never writes ({brief(pid)})"
-        _, _, key, location, count = pid
-        if key in seen:
-            return f"holds tensors that share a storage ({brief(key)}); a tensor of a checkpoint has its own"
-        seen.add(key)
-        if location == "meta":
-            return "holds a tensor on the meta device, which has no data"
-        nbytes = count * STORAGE_DTYPES[kind.__name__].itemsize
-        stored = entries.get(f"{prefix}data/{key}")
-        if stored != nbytes:
-            held = "no entry" if stored is None else f"an entry of {stored:,} bytes"
-            return f"holds storage {brief(key)} in {held}, not the {nbytes:,} bytes its tensor records (cut short?)"
-        total += nbytes
-    if total > size:
-        return f"holds tensors of {total:,} bytes, more than the file's {size:,}"
-    return None
-
-
-def tensors_in(value: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in nested dicts, lists and tuples, by its path ("optimizer.state.0.exp_avg"), in order; each
-    container once (a pickle can make one hold itself)."""
-    todo, seen = collections.deque([("", value)]), set()
-    while todo:
-        name, value = todo.popleft()
+    def plain(value: Any, path: str) -> Any:
+        if isinstance(value, str) and len(value) > LONG_TEXT:
+            texts.append(path)
+            value = torch.frombuffer(bytearray(value.encode()), dtype=torch.uint8)
         if isinstance(value, torch.Tensor):
-            yield name, value
-        elif isinstance(value, (dict, list, tuple)) and id(value) not in seen:
-            seen.add(id(value))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            todo.extend((f"{name}.{k}" if name else str(k), v) for k, v in items)
+            t = value.detach().cpu().contiguous()
+            storage = t.untyped_storage()
+            t = t.clone() if storage.nbytes() and storage.data_ptr() in storages else t
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[path] = t
+            return None
+        if isinstance(value, dict):
+            if bad := next((k for k in value if not isinstance(k, (str, int)) or "/" in str(k)), None):
+                raise ValueError(f"{path or 'the checkpoint'} has a key {bad!r}: a key is a name without / or a number")
+            return {str(k): plain(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v, f"{path}/{i}") for i, v in enumerate(value)]
+        return value
+
+    document = json.dumps({"payload": plain(payload, ""), "texts": texts}, allow_nan=False)
+    return tensors, {CHECKPOINT_KEY: document, CHECKSUM_KEY: checksum(document, tensors)}
 
 
-def tensors_problem(value: Any, size: int) -> str | None:
-    """The first tensor in `value` that is not dense, on the CPU, contiguous and the whole of a storage of its own
-    (a stride-0 tensor or views of one storage claim what no byte backs), or tensors of more bytes than the file."""
-    owners: dict[int, str] = {}
-    total = 0
-    for name, t in tensors_in(value):
-        name = name[:80]
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_nested:
-            return f"{name} is a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
-        if t.device.type != "cpu":
-            return f"{name} is on the {t.device.type} device, which has no data"
-        storage = t.untyped_storage()
-        if not t.is_contiguous() or t.storage_offset() or storage.nbytes() != t.numel() * t.element_size():
-            return f"{name} is not a whole storage of its own (a view, or a strided or stride-0 tensor)"
-        if storage.nbytes() and storage.data_ptr() in owners:
-            return f"{name} shares its storage with {owners[storage.data_ptr()]}"
-        owners[storage.data_ptr()] = name
-        total += storage.nbytes()
-    if total > size:
-        return f"its tensors hold {total:,} bytes, more than the file's {size:,}"
-    return None
+def checkpoint_bytes(payload: dict) -> Iterator[Any]:
+    """A checkpoint file's bytes, in pieces (encode_checkpoint's tensors and metadata, as safetensors lays them out:
+    the header's length in 8 bytes, the header, JSON padded with spaces to a multiple of 8, then each tensor's bytes,
+    the widest dtypes first, so that each is aligned to its element). Written here, not by the library, so that
+    common.atomic_file writes them: the library's save_file renames a temp file of its own over the path."""
+    tensors, metadata = encode_checkpoint(payload)
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name} is a {t.dtype} tensor, which safetensors does not store")
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.numel() * t.element_size()]}
+        offset = header[name]["data_offsets"][1]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield len(text).to_bytes(8, "little") + text
+    for name in order:
+        yield tensors[name].reshape(-1).view(torch.uint8).numpy()
+
+
+def checksum(document: str, tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 of a checkpoint's document, then of each tensor's name, dtype, shape and bytes, in the order of their
+    names: a byte changed anywhere (in a tensor; in the header, which would then read other tensors or settings)
+    changes it. zlib reads 2 GB/s: 0.2 s for pythia-70m with its optimizer (bench.py --mode=checkpoint)."""
+    crc = zlib.crc32(document.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        crc = zlib.crc32(f"{name} {t.dtype} {list(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def checkpoint_file(path: str | Path) -> dict:
+    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
+    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    missing = ("train.py writes out/ckpt.safetensors and `finetune.py --ckpt=out/ckpt.safetensors` writes "
+               "out-ft/ckpt.safetensors: run the step that makes it, or pass --ckpt=PATH")
+    convert = CONVERT.format(path, Path(path).with_suffix(".safetensors"))
+    old = (f"this project's checkpoints before safetensors (ckpt.pt) are converted once, a file you trust as your "
+           f"own: {convert}")
+    with safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old) as f:
+        metadata = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    if CHECKPOINT_KEY not in metadata:
+        raise Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its {CHECKPOINT_KEY} "
+                      f"metadata); {fix}")
+    if metadata.get(CHECKSUM_KEY) != checksum(metadata[CHECKPOINT_KEY], tensors):
+        raise Refused(f"checkpoint {path} does not match its checksum: a byte changed (a damaged copy); copy it "
+                      "again, or resume from a good copy")
+    document = parse(metadata[CHECKPOINT_KEY].encode(), f"checkpoint {path}'s document", fix)
+    why = fields_problem(document, {"payload": (dict,), "texts": (list,)}, "its document", ("payload", "texts"))
+    payload = document.get("payload") if not why else None
+    for name, t in tensors.items() if not why else ():
+        if name in document["texts"]:
+            t = utf8(t)
+        if t is None or not put_back(payload, name, t):
+            why = f"tensor {brief(name, 80)} has no place in its document" if t is not None else \
+                f"text {brief(name, 80)} is not UTF-8"
+            break
+    if why:
+        raise Refused(f"checkpoint {path}: {why}; {fix}")
+    return payload
+
+
+def utf8(t: torch.Tensor) -> str | None:
+    try:
+        return bytes(t.numpy()).decode("utf-8") if t.dtype == torch.uint8 and t.dim() == 1 else None
+    except UnicodeDecodeError:
+        return None
+
+
+def put_back(payload: dict, name: str, value: Any) -> bool:
+    """Put a tensor in the place its name says ("optimizer/state/0/exp_avg"), a null the payload holds for it."""
+    table, keys = payload, name.split("/")
+    for i, key in enumerate(keys):
+        if isinstance(table, list) and key.isascii() and key.isdigit() and int(key) < len(table):
+            key = int(key)
+        elif not isinstance(table, dict) or key not in table:
+            return False
+        if i == len(keys) - 1:
+            if table[key] is not None:
+                return False
+            table[key] = value
+        table = table[key]
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -720,24 +666,18 @@ MASK_RULES = {"mask_token": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_
               "special_tokens": ((list, tuple),)}
 SCALER_RULES = {"scale": (float, 0), "growth_factor": (float, 0), "backoff_factor": (float, 0),
                 "growth_interval": (int, 1, BIG), "_growth_tracker": COUNT}
-# AdamW's state_dict: a group's settings, and a parameter's state (amsgrad adds max_exp_avg_sq)
-GROUP_RULES = {"params": (list,), "lr": (float, 0), "initial_lr": (float, 0), "weight_decay": (float, 0),
-               "eps": (float, 0), "betas": ((list, tuple),), "amsgrad": (bool,), "maximize": (bool,),
-               "foreach": ((bool, None),), "capturable": (bool,), "differentiable": (bool,), "fused": ((bool, None),),
-               "decoupled_weight_decay": (bool,), "param_names": (list,)}
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 def checkpoint(path: str | Path, config_class: type) -> dict:
-    """A train.py or finetune.py checkpoint through its door: its bytes (torch_file: the zip, every CRC-32, each
-    storage exactly its entry, every tensor dense and its storage's own), then every field (checkpoint_problems)."""
-    fix = "pass a checkpoint that train.py or finetune.py wrote"
-    ckpt = torch_file(path, "checkpoint", fix, "train.py writes out/ckpt.pt and `finetune.py --ckpt=out/ckpt.pt` "
-                      "writes out-ft/ckpt.pt: run the step that makes it, or pass --ckpt=PATH")
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
+    """A train.py or finetune.py checkpoint through its door: its bytes (checkpoint_file: safetensors, its checksum),
+    then every field (checkpoint_problems)."""
+    ckpt = checkpoint_file(path)
+    if not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
         raise Refused(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py one")
+    optimizer = ckpt.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):  # JSON's keys are text: ids again
+        optimizer["state"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in optimizer["state"].items()}
     if why := next(filter(None, checkpoint_problems(ckpt, config_class)), None):
-        raise Refused(f"checkpoint {path}: {why}; {fix}")
+        raise Refused(f"checkpoint {path}: {why}; pass a checkpoint that train.py or finetune.py wrote")
     return ckpt
 
 
@@ -819,47 +759,55 @@ def mask_problem(ckpt: dict) -> str | None:
 
 
 def optimizer_problem(optimizer: Any) -> str | None:
-    """The structure of AdamW's state_dict: groups of settings (typed, in range) naming each parameter once, and a
-    state for some of them: a step count and moments (floating-point tensors). Their values and whether they fit
-    the parameters they will drive are checked before they are loaded (resumable)."""
+    """The structure of a torch optimizer's state_dict, whichever it is (AdamW, Lion, RMSprop, SGD...): groups of
+    settings (numbers, flags, text, null, lists of them) naming each parameter once, and a state for some of them:
+    a step count if it keeps one, tensors of a floating-point dtype, plain numbers. Whether the state is finite and
+    fits the parameters it will drive is checked before it is loaded (resumable)."""
     if why := fields_problem(optimizer, {"state": (dict,), "param_groups": (list,)}, "optimizer",
                              ("state", "param_groups")):
         return why
-    group_of: dict[int, dict] = {}
+    ids: set[int] = set()
     for i, group in enumerate(optimizer["param_groups"]):
         where = f"optimizer.param_groups.{i}"
-        if why := fields_problem(group, GROUP_RULES, where, ("params",), others=True):
+        if why := fields_problem(group, {"params": (list,), "param_names": (list,)}, where, ("params",), others=True):
             return why
-        betas = group.get("betas", (0.9, 0.999))
-        if len(betas) != 2 or any(problem(b, float, 0, 1 - 1e-12) for b in betas):
-            return f"{where}.betas is {brief(betas)}, not two numbers in [0, 1)"
         for p in group["params"]:
-            if problem(p, int, 0, BIG) or p in group_of:
+            if problem(p, int, 0, BIG) or p in ids:
                 return f"{where}.params holds {brief(p)}, not the id of a parameter no other group holds"
-            group_of[p] = group
+            ids.add(p)
     for key, entry in optimizer["state"].items():
         where = f"optimizer.state.{brief(key, 20)}"
-        if isinstance(key, bool) or key not in group_of:
+        if isinstance(key, bool) or key not in ids:
             return f"{where} is the state of no parameter of its groups"
-        needs = ("step", *MOMENTS[:2 + bool(group_of[key].get("amsgrad"))])
-        rules = {"step": ((torch.Tensor, float),), **dict.fromkeys(needs[1:], (torch.Tensor,))}
-        if why := fields_problem(entry, rules, where, needs):
-            return why
-        if isinstance(entry["step"], torch.Tensor) and (entry["step"].shape or not entry["step"].is_floating_point()):
-            return f"{where}.step is a tensor of shape {list(entry['step'].shape)}, not a count of steps"
-        if bad := next((k for k in needs[1:] if entry[k].dtype not in WEIGHT_DTYPES), None):
-            return f"{where}.{bad} is {entry[bad].dtype}, not a floating-point tensor"
+        if not isinstance(entry, dict):
+            return f"{where} is {brief(entry)}, not a table"
+        for name, value in entry.items():
+            if why := state_problem(name, value):
+                return f"{where}.{clip(name, 40)} {why}"
     return None
+
+
+def state_problem(name: str, value: Any) -> str | None:
+    """Why a value of a parameter's optimizer state is none an optimizer keeps: its step count a whole number (a
+    tensor of one value, or a number), any other tensor floating-point, anything else a plain number or flag."""
+    if name == "step":
+        count = value.item() if isinstance(value, torch.Tensor) and not value.shape and value.dtype != torch.bool \
+            and not value.is_complex() else value
+        if problem(count, float, 0, BIG) is None and count == int(count):
+            return None
+        shown = f"a tensor of shape {list(count.shape)}" if isinstance(count, torch.Tensor) else brief(count)
+        return f"is {shown}, not a count of steps"
+    if isinstance(value, torch.Tensor):
+        return None if value.dtype in WEIGHT_DTYPES else f"is {value.dtype}, not a floating-point tensor"
+    return problem(value, (bool, float, None))
 
 
 def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
               named: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
-    """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights that are not
-    finite; state values no run makes (a step count that is not a whole number, moments not finite, a negative
-    second moment: NaNs that would then be blamed on --lr); and, given the param_groups this run's optimizer holds
-    (`named`: the parameters' names), state of another count, shape or dtype than the parameters it will drive
-    (a fused AdamW read and wrote past the buffers of a mismatched moment). Called by train.Run.restore, and by
-    common.last_good_checkpoint without groups."""
+    """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights or optimizer
+    state that are not finite (NaNs that would then be blamed on --lr); and, given the param_groups this run's
+    optimizer holds (`named`: the parameters' names), state for another optimizer or of other parameters
+    (optimizer_fits). Called by train.Run.restore, and by common.last_good_checkpoint without groups."""
     fix = "it is damaged: resume from a good copy, or start a new run from its weights with --init_from"
 
     def refuse(why: str) -> Refused:
@@ -869,25 +817,14 @@ def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
         raise refuse("it holds no optimizer state, so it cannot resume")
     optimizer = ckpt["optimizer"]
     if groups is not None:
-        moments_fit(path, optimizer, groups, {id(p): name for name, p in named}, refuse)
+        optimizer_fits(path, optimizer, groups, {id(p): name for name, p in named}, refuse)
     for name, t in ckpt["model"].items():
         if not finite(t):
             raise refuse(f"weight {name} is not finite")
     for key, entry in optimizer["state"].items():
-        where = f"optimizer.state.{key}"
-        step = float(entry["step"])
-        if not (math.isfinite(step) and step == int(step) and 0 <= step <= BIG):
-            raise refuse(f"{where}.step is {step:g}, not a count of steps")
-        moments = [k for k in MOMENTS if k in entry]
-        if bad := next((k for k in moments if entry[k].shape != entry["exp_avg"].shape), None):
-            shapes = [list(entry[k].shape) for k in (bad, "exp_avg")]
-            raise refuse(f"{where}.{bad} has shape {shapes[0]}, but exp_avg {shapes[1]}")
-        for k in moments:
-            if k != "exp_avg" and entry[k].numel() and not bool(entry[k].min() >= 0):  # NaN too
-                raise refuse(f"{where}.{k} is negative, which a second moment never is" if finite(entry[k]) else
-                              f"{where}.{k} is not finite")
-            if not finite(entry[k]):
-                raise refuse(f"{where}.{k} is not finite")
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor) and not finite(t):
+                raise refuse(f"optimizer.state.{key}.{name} is not finite")
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -895,26 +832,25 @@ def finite(t: torch.Tensor) -> bool:
     return not t.numel() or bool(t.max() < math.inf) and bool(t.min() > -math.inf)
 
 
-def moments_fit(path: str | Path, optimizer: dict, groups: list[dict], names: dict[int, str], refuse: Any) -> None:
-    """The saved groups against the built ones: as many, of as many parameters; the settings that change the
-    update equal; each moment of its parameter's shape and dtype."""
+def optimizer_fits(path: str | Path, optimizer: dict, groups: list[dict], names: dict[int, str], refuse: Any) -> None:
+    """The saved groups against this run's optimizer's, whichever optimizer it is: as many, of as many parameters;
+    no setting this optimizer does not have (another optimizer's state), its flags the same; each state tensor
+    shaped like its parameter, or one value (a fused optimizer reads and writes a mismatched buffer past its end)."""
     saved = optimizer["param_groups"]
     if [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
         raise Refused(f"{path} holds the optimizer of other trainable parameters; resume with the interrupted run's "
                       "settings (--freeze_body, --loss)")
     for i, (old, new) in enumerate(zip(saved, groups)):
-        for key in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
-            if key in old and key in new and old[key] != new[key]:
-                raise refuse(f"optimizer.param_groups.{i}.{key} is {old[key]}, but this run's optimizer has {new[key]}")
+        if others := sorted(set(old) - set(new) - {"initial_lr"}):
+            raise refuse(f"optimizer.param_groups.{i} has settings {', '.join(others)}, which this run's optimizer "
+                         f"has not: the state of another optimizer")
+        for key in [k for k in old if isinstance(old[k], bool) and isinstance(new[k], bool) and old[k] != new[k]]:
+            raise refuse(f"optimizer.param_groups.{i}.{key} is {old[key]}, but this run's optimizer has {new[key]}")
         for pid, p in zip(old["params"], new["params"]):
-            entry = optimizer["state"].get(pid, {})
-            name = names.get(id(p), f"parameter {pid}")
-            for k in [k for k in MOMENTS if k in entry]:
-                if entry[k].shape != p.shape:
-                    raise refuse(f"optimizer state {k} of {name} has shape {list(entry[k].shape)}, but the parameter "
-                                 f"{list(p.shape)}")
-                if entry[k].dtype != p.dtype:
-                    raise refuse(f"optimizer state {k} of {name} is {entry[k].dtype}, but the parameter {p.dtype}")
+            for key, t in optimizer["state"].get(pid, {}).items():
+                if isinstance(t, torch.Tensor) and t.shape != p.shape and t.numel() != 1:
+                    raise refuse(f"optimizer state {key} of {names.get(id(p), f'parameter {pid}')} has shape "
+                                 f"{list(t.shape)}, but the parameter {list(p.shape)}")
 
 
 def declared_tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Tensor],

@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: zero-shot LAMBADA (OpenAI version) accuracy and perplexity, or validation loss.
 
-    python eval.py --ckpt=out/ckpt.pt                               # lambada_openai test split (5153 texts)
-    python eval.py --ckpt=out/ckpt.pt --data=lambada_test.jsonl     # offline: one {"text": ...} per line
-    python eval.py --ckpt=out/ckpt.pt --task=val --json=val.json    # loss/perplexity on the checkpoint's data
+    python eval.py --ckpt=out/ckpt.safetensors                               # lambada_openai test split (5153 texts)
+    python eval.py --ckpt=out/ckpt.safetensors --data=lambada_test.jsonl     # offline: one {"text": ...} per line
+    python eval.py --ckpt=out/ckpt.safetensors --task=val --json=val.json    # loss/perplexity on the checkpoint's data
 
 Every kind of checkpoint is scored the way `model(idx)` scores it: through the LM head if it has one
 (fine-tuned headless, the `nce` ablation), else against the tied input embeddings (CE, raw headless).
@@ -75,7 +75,7 @@ LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, co
 
 @dataclass
 class EvalConfig:
-    ckpt: str = "out/ckpt.pt"  # a checkpoint written by train.py or finetune.py
+    ckpt: str = "out/ckpt.safetensors"  # a checkpoint written by train.py or finetune.py
     task: Literal["lambada", "val"] = "lambada"
     data: str | None = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
     batch_size: int | None = None  # lambada: examples per pass (16); val: the checkpoint's micro-batch

@@ -1,7 +1,7 @@
 """Sample text from a checkpoint, streaming it to the terminal as it is produced.
 
-    python generate.py --prompt="ROMEO:"                          # out/ckpt.pt, as train.py writes it
-    python generate.py --ckpt=out-ft/ckpt.pt --prompt="To be" --prompt="Once upon" --num_samples=3
+    python generate.py --prompt="ROMEO:"                          # out/ckpt.safetensors, as train.py writes it
+    python generate.py --ckpt=out-ft/ckpt.safetensors --prompt="To be" --prompt="Once upon" --num_samples=3
     python generate.py --prompt_file=prompts.txt --temperature=0  # greedy; prompts split by blank lines
 
 CE checkpoints, fine-tuned headless ones (their LM head) and raw headless ones (the tied embeddings, not
@@ -26,7 +26,7 @@ from model import GPT, KVCache
 
 @dataclass
 class GenerateConfig:
-    ckpt: str = "out/ckpt.pt"  # a train.py or finetune.py checkpoint
+    ckpt: str = "out/ckpt.safetensors"  # a train.py or finetune.py checkpoint
     prompt: list[str] = field(default_factory=list, metadata={"repeatable": True})  # repeat for several
     prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
     max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first

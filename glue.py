@@ -1,8 +1,8 @@
 """Fine-tune an encoder checkpoint on a GLUE task and score its validation split with GLUE's metric.
 
-    python glue.py --ckpt=out-mlm/ckpt.pt --task=sst2                  # data from the hub (nyu-mll/glue)
-    python glue.py --ckpt=out-mlm/ckpt.pt --task=rte --epochs=10 --lr=1e-4 --json=results/rte.json
-    python glue.py --ckpt=out-mlm/ckpt.pt --task=mnli --data=glue/mnli  # offline, see --data
+    python glue.py --ckpt=out-mlm/ckpt.safetensors --task=sst2                  # data from the hub (nyu-mll/glue)
+    python glue.py --ckpt=out-mlm/ckpt.safetensors --task=rte --epochs=10 --lr=1e-4 --json=results/rte.json
+    python glue.py --ckpt=out-mlm/ckpt.safetensors --task=mnli --data=glue/mnli  # offline, see --data
 
 Input: a sentence, or a pair joined by the end-of-text token (GPT-2 has no [SEP]; end-of-text is the
 boundary the encoder saw between documents and is never masked), cut to --max_length tokens (the longer
@@ -86,7 +86,7 @@ TASKS: dict[str, Task] = {
 
 @dataclass
 class GlueConfig:
-    ckpt: str = "out/ckpt.pt"  # an encoder checkpoint (train.py --objective=mlm)
+    ckpt: str = "out/ckpt.safetensors"  # an encoder checkpoint (train.py --objective=mlm)
     task: TaskName = "sst2"
     data: str | None = None  # a folder with train.jsonl and validation.jsonl (GLUE's columns); default: hub
     epochs: int = 3

@@ -1,15 +1,16 @@
 """The Hugging Face bridge: GPT-NeoX (Pythia) checkpoints in and out of this project.
 
-    python hf.py export --ckpt=out/ckpt.pt --out=out/hf    # a folder transformers, lm_eval and vLLM load
+    python hf.py export --ckpt=out/ckpt.safetensors --out=out/hf    # a folder transformers, lm_eval and vLLM load
 
-`load_hf("EleutherAI/pythia-70m")` (or a local folder holding config.json and model.safetensors or
-pytorch_model.bin) builds a `GPT`; train.py's `--init_from=hf:...` starts from it. Export writes
+`load_hf("EleutherAI/pythia-70m")` (or a local folder holding config.json and model.safetensors, or its shards
+and model.safetensors.index.json) builds a `GPT`; train.py's `--init_from=hf:...` starts from it. Export writes
 config.json, model.safetensors and the tokenizer, loaded by `AutoModelForCausalLM.from_pretrained` with no
 custom code and giving the same logits as `model(idx)`. Only exact equivalents cross the bridge: any
 config or architecture without one (RMSNorm, rope scaling, other activations...) is a one-line error.
 A folder is checked before any model is built: config.json's fields, then its sizes against the weight
-files' tensor shapes (only the safetensors headers are read), so a broken or hostile folder (a million
-layers, a truncated file) is one line, never a large allocation.
+files' tensor shapes (only the safetensors headers are read, by the safetensors library), so a broken or hostile
+folder (a million layers, a truncated file) is one line, never a large allocation. A pytorch_model.bin (a pickle) is
+never read: a folder of it alone is refused, naming the one command that converts it.
 
 GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py packs them per kind
 ((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name.
@@ -24,7 +25,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,15 +52,9 @@ from doors import brief
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MAX_POSITIONS = 1 << 20  # max_position_embeddings has no weight to check it against: a sane bound instead
 MAX_SIZE = 1 << 48  # any other size in config.json (checked against the weights' shapes after this bound)
-MAX_HEADER_BYTES = doors.MAX_TEXT_BYTES  # a safetensors header (JSON): pythia-160m's is 22 kB
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have (as doors.WEIGHT_DTYPES)
-# Bytes per element of each safetensors dtype
-SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
-                      "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
-                      "F64": 8}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,121 +350,53 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def _is_count(x: Any) -> bool:
-    """A size or byte offset as safetensors stores them (u64)."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64
-
-
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes a .safetensors file declares, from its header alone (no tensor is read), once the
-    header is checked to be one: a sane length, a JSON object, and each tensor's dtype (a floating-point one: an
-    integer weight would be cast), shape and byte range consistent with each other, the ranges tiling the data
-    without overlap or gap (as the format says: tensors sharing bytes would claim what no byte backs), and the
-    file not sparse. Layout: a little-endian u64 header length, the header (JSON: name -> {dtype, shape,
-    data_offsets}), then the tensors' bytes."""
-    f, info = through_door(doors.opened, path, "weight file", "pass a folder with a real model.safetensors")
-    size = info.st_size
-
-    def broken(why: str) -> UserError:
-        return UserError(f"{path} is not a valid safetensors file: {why}; download or export it again")
-
-    with f:
-        if size < 8:
-            raise broken("it is empty" if size == 0 else f"it is only {size} bytes long")
-        if sparse := doors.holes_problem(f.fileno(), size):
-            raise broken(f"it {sparse}")
-        try:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(MAX_HEADER_BYTES, size - 8):
-                raise broken(f"its header length {length} exceeds the "
-                             + (f"{MAX_HEADER_BYTES >> 20} MiB limit" if length > MAX_HEADER_BYTES
-                                else f"file's {size} bytes"))
-            raw = f.read(length)
-        except OSError as e:
-            raise UserError(f"cannot read {path}: {e.strerror}") from None
-    if len(raw) != length:
-        raise broken("it is shorter than its header says (truncated?)")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise broken("its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise broken(f"its header is a JSON {type(header).__name__}, not an object")
-    data_bytes = size - 8 - length
-    shapes, ranges = {}, []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
-                and isinstance(info.get("shape"), list) and isinstance(info.get("data_offsets"), list)):
-            raise broken(f"the entry of tensor {brief(name, 80)} is not {{dtype, shape, data_offsets}}")
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        tensor = f"tensor {brief(name, 80)}"
-        if dtype not in SAFETENSORS_DTYPES:
-            raise broken(f"{tensor} has unknown dtype {brief(dtype, 20)}")
-        if dtype not in FLOAT_DTYPES:
-            raise UserError(f"{path}: {tensor} is {dtype}, not a floating-point weight ({', '.join(FLOAT_DTYPES)}); "
-                            "a weight is never cast from another kind of number")
-        if len(shape) > 64 or not all(_is_count(n) for n in shape):
-            raise broken(f"{tensor} has shape {brief(shape, 40)}, not a list of sizes")
-        if len(offsets) != 2 or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]:
-            raise broken(f"{tensor} has data_offsets {brief(offsets, 40)}, not [begin, end]")
-        if offsets[1] > data_bytes:
-            raise broken(f"{tensor} ends at byte {brief(offsets[1], 40)} of the {data_bytes} data bytes "
-                         "(truncated?)")
-        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[dtype]:
-            raise broken(f"{tensor} has {offsets[1] - offsets[0]} bytes, not the "
-                         f"{brief(math.prod(shape) * SAFETENSORS_DTYPES[dtype], 40)} of shape "
-                         f"{brief(shape, 40)} in {dtype}")
-        shapes[name] = tuple(shape)
-        ranges.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(ranges):
-        if begin != end:
-            raise broken(f"tensor {brief(name, 80)} begins at byte {begin} of the data, not {end}: the tensors "
-                         f"{'share bytes' if begin < end else 'leave a gap'}")
-        end = stop
-    if end != data_bytes:
-        raise broken(f"its tensors cover {end} of its {data_bytes} data bytes")
-    return shapes
-
-
-def load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict in a pytorch_model.bin through the torch-file door (doors.torch_file, as a checkpoint's: the
-    zip, every CRC-32, each storage exactly its entry, every tensor dense and its storage's own; weights_only:
-    tensors and plain data only; mmap: read lazily), then of named floating-point tensors."""
-    state = through_door(doors.torch_file, path, "weight file", "pass a folder with a real pytorch_model.bin "
-                         "(or model.safetensors)")
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise UserError(f"{path} is not a state dict (tensor names to tensors); is it a pytorch_model.bin?")
-    if bad := next((k for k, v in state.items() if v.dtype not in doors.WEIGHT_DTYPES), None):
-        raise UserError(f"{path}: tensor {brief(bad, 80)} is {state[bad].dtype}, not a floating-point weight; a "
-                        "weight is never cast from another kind of number")
-    return state
-
-
 def weight_files(folder: Path) -> list[Path]:
-    """The checkpoint's weight files: model.safetensors (or its shards), else pytorch_model.bin (or its)."""
-    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise UserError(f"{folder} has no {' or '.join(WEIGHT_FILES)}; is it a Hugging Face model folder?")
-    return files
+    """The model's weight files: model.safetensors, or the shards model.safetensors.index.json maps tensors to (each
+    a .safetensors file of this folder). A folder of pytorch_model.bin alone (a pickle) is refused, naming the one
+    command that converts it (transformers' own loader, which reads it with torch.load(weights_only=True))."""
+    index = folder / "model.safetensors.index.json"
+    if os.path.lexists(index):
+        table = json_file(index, doors.MAX_TEXT_BYTES, "model.safetensors.index.json")
+        shards = table.get("weight_map") if isinstance(table, dict) else None
+        names = set(shards.values()) if isinstance(shards, dict) else set()
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or not n.endswith(".safetensors")]
+        if not names or bad:
+            raise UserError(f"{index}: its weight_map does not map tensor names to .safetensors files of the folder "
+                            f"({brief(bad[0]) if bad else 'none'}); download or export it again")
+        return [folder / name for name in sorted(names)]
+    if os.path.lexists(folder / "model.safetensors") or not any(folder.glob("pytorch_model*.bin")):
+        return [folder / "model.safetensors"]
+    convert = (f"from transformers import AutoModelForCausalLM as M; M.from_pretrained({str(folder)!r})"
+               f".save_pretrained({str(folder)!r})")
+    raise UserError(f"{folder} holds pytorch_model.bin (a pickle) and no model.safetensors; a pickle is never read "
+                    f"here: if you trust it, convert it once with python -c \"{convert}\"")
 
 
-def weight_shapes(files: list[Path]) -> tuple[dict[str, tuple[tuple[int, ...], Path]], dict | None]:
-    """{GPT-NeoX name: (shape, file)} of every tensor in the weight files, and the tensors themselves for
-    pickles (read whole) or None for safetensors (only their headers are read)."""
-    shapes, state = {}, None
+def open_weights(path: Path) -> Any:
+    """A weight file through the safetensors door (doors.safetensors_open: its header, by the library)."""
+    fix = "download or export it again"
+    if not os.path.lexists(path):
+        raise UserError(f"{path.parent} has no {path.name}; is it a Hugging Face model folder?")
+    return through_door(doors.safetensors_open, path, "weight file", fix)
+
+
+def weight_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """{GPT-NeoX name: (shape, file)} of every tensor in the weight files, from their headers (no tensor is read):
+    each a floating-point weight (an integer one would be cast), none in two files."""
+    shapes = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            found = safetensors_shapes(f)
-        else:
-            state = {**(state or {}), **(part := load_bin(f))}
-            found = {name: tuple(w.shape) for name, w in part.items()}
-        for name, shape in found.items():
-            shapes[name.replace("lm_head.", "embed_out.", 1)] = (shape, f)  # transformers 5's name
-    return shapes, state
+        with open_weights(f) as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is no mapping)
+                part = weights.get_slice(name)
+                if part.get_dtype() not in FLOAT_DTYPES:
+                    raise UserError(f"{f}: tensor {brief(name, 80)} is {part.get_dtype()}, not a floating-point weight "
+                                    f"({', '.join(FLOAT_DTYPES)}); a weight is never cast from another kind of number")
+                key = name.replace("lm_head.", "embed_out.", 1)  # transformers 5's name
+                if key in shapes:
+                    raise UserError(f"{f}: tensor {brief(name, 80)} is also in {shapes[key][1].name}; download or "
+                                    "export it again")
+                shapes[key] = (tuple(part.get_shape()), f)
+    return shapes
 
 
 _LAYER = re.compile(r"gpt_neox\.layers\.(\d{1,9})\.")
@@ -506,19 +432,11 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
 
 
 def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: model.safetensors or pytorch_model.bin, whole or sharded (their headers
-    and bytes checked first by weight_shapes)."""
-    from safetensors.torch import load_file
+    """Every tensor of a checkpoint folder's weight files (their headers checked first by weight_shapes)."""
     state = {}
     for f in files or weight_files(folder):
-        if f.suffix == ".bin":
-            state.update(load_bin(f))
-            continue
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # SafetensorError, OSError: one line
-            raise UserError(f"cannot read {f} as safetensors: {_short(e)}; download or export it again"
-                            ) from None
+        with open_weights(f) as weights:
+            state.update({name: weights.get_tensor(name) for name in weights.keys()})  # noqa: SIM118
     return state
 
 
@@ -532,8 +450,7 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json",
-                                                               "pytorch_model*.bin"]))
+        return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json"]))
     except Exception as e:  # offline, unknown repository, gated model...
         raise UserError(f"{repo_id} is not a local folder and could not be fetched from the Hugging Face hub "
                         f"(offline?): {first_line(e)}") from None
@@ -581,10 +498,9 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     c = config_from_hf(json_file(config, doors.MAX_TEXT_BYTES, "config.json"), source)
     tokenizer = tokenizer_name(folder, source, hub)
     files = weight_files(folder)
-    shapes, state = weight_shapes(files)  # safetensors: headers only
-    check_shapes(shapes, c, source)  # before any allocation the config asks for
+    check_shapes(weight_shapes(files), c, source)  # from the headers, before any allocation the config asks for
     model = GPT(c)
-    model.load_state_dict(state_from_hf(state or read_hf_weights(folder, files), model, source))
+    model.load_state_dict(state_from_hf(read_hf_weights(folder, files), model, source))
     return model.eval(), tokenizer
 
 
@@ -782,7 +698,7 @@ def export(ckpt: str, out: str) -> Path:
 
 @dataclass
 class ExportConfig:
-    ckpt: str = "out/ckpt.pt"  # a train.py or finetune.py checkpoint
+    ckpt: str = "out/ckpt.safetensors"  # a train.py or finetune.py checkpoint
     out: str = ""  # the folder to write (must not exist, or be empty)
 
 

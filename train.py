@@ -77,7 +77,7 @@ class TrainConfig(ModelSettings, LossConfig):
     eval_batches: int = 20
     log_interval: int = 10
     out_dir: str = "out"
-    resume: bool | Literal["auto"] = False  # continue out_dir/ckpt.pt; auto: if there is one, else start
+    resume: bool | Literal["auto"] = False  # continue out_dir/ckpt.safetensors; auto: if there is one, else start
     overwrite: bool = False  # start over in an out_dir that holds another run
     tensorboard: bool = False  # also log every log.jsonl record to out_dir/tb (tracking.py)
     wandb: bool = False  # ... and to Weights & Biases, files under out_dir (tracking.py)
@@ -480,7 +480,8 @@ class Run:
         first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
         meta = first.meta
         self.out_dir = Path(cfg.out_dir)
-        cfg, model, self.state, start, resuming = starting_point(cfg, meta, self.out_dir / "ckpt.pt", self.device)
+        ckpt = self.out_dir / "ckpt.safetensors"
+        cfg, model, self.state, start, resuming = starting_point(cfg, meta, ckpt, self.device)
         self.cfg = cfg
         common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start["step"] if resuming else None
@@ -493,7 +494,7 @@ class Run:
             self.mask = Masking(meta, cfg.seed)
         self.objective = Objective(model, LossConfig.of(cfg), self.mask).to(self.device)
         if start is not None:  # its learned pieces: exactly on --resume; those that fit from another run
-            source = self.out_dir / "ckpt.pt" if resuming else cfg.init_from
+            source = self.out_dir / "ckpt.safetensors" if resuming else cfg.init_from
             self.objective.load_own_state(start.get("objective") or {}, source, exactly=resuming)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
@@ -526,14 +527,14 @@ class Run:
 
     def restore(self, resumed: dict) -> None:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
-        common.through_door(doors.resumable, self.out_dir / "ckpt.pt", resumed, self.optimizer.param_groups,
+        common.through_door(doors.resumable, self.out_dir / "ckpt.safetensors", resumed, self.optimizer.param_groups,
                             self.objective.named_parameters())  # its state fits the parameters it will drive
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(resumed["optimizer"])
         except (KeyError, ValueError):
-            raise UserError(f"{self.out_dir / 'ckpt.pt'} holds the optimizer of other trainable parameters; resume "
-                            "with the interrupted run's settings (--freeze_body, --loss)") from None
+            raise UserError(f"{self.out_dir / 'ckpt.safetensors'} holds the optimizer of other trainable parameters; "
+                            "resume with the interrupted run's settings (--freeze_body, --loss)") from None
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)  # this run's betas, decay and eps (the saved run's unless a flag changed them)
         if self.scaler.is_enabled() and resumed.get("scaler"):
@@ -576,7 +577,7 @@ class Run:
                       for name, v in self.val_splits.items()}
         val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
         if not math.isfinite(val["val_ce"]):
-            raise common.diverged("validation loss", val["val_ce"], self.state.step, self.out_dir / "ckpt.pt")
+            raise common.diverged("validation loss", val["val_ce"], self.state.step, self.out_dir / "ckpt.safetensors")
         note(f"step {self.state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
                                                       for k, v in val.items()))
         self.log(val)
@@ -641,7 +642,7 @@ class Run:
         totals = common.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
         state.loss = totals[0].item() / common.world_size()
         if not math.isfinite(state.loss):
-            raise common.diverged("loss", state.loss, state.step, self.out_dir / "ckpt.pt")
+            raise common.diverged("loss", state.loss, state.step, self.out_dir / "ckpt.safetensors")
         lr = lr_at(state.step - 1, cfg)
         tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
         eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
@@ -672,7 +673,7 @@ class Run:
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
         with stop.deferred():
-            common.save_checkpoint(self.out_dir / "ckpt.pt", payload)
+            common.save_checkpoint(self.out_dir / "ckpt.safetensors", payload)
 
 
 # The loop
@@ -721,7 +722,7 @@ def train_claimed(cfg: TrainConfig) -> dict[str, Any]:
         common.barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     stopping = stopping or stop.requested  # a signal at the run's very end still stops the whole command
     elapsed = time.time() - started
-    ckpt = run.out_dir / "ckpt.pt"
+    ckpt = run.out_dir / "ckpt.safetensors"
     note(f"stopped at step {state.step}; checkpoint saved to {ckpt}; continue with --resume" if stopping else
          f"done: {state.step} steps in {elapsed:.0f} s; checkpoint {ckpt}")
     return {"step": state.step, "first_val": state.first_val, "val": state.val, "loss": state.loss,

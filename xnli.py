@@ -1,9 +1,9 @@
 """Fine-tune an encoder checkpoint on XNLI and score every language's test set (the paper's multilingual table).
 
-    python xnli.py --ckpt=out-mlm/ckpt.pt                        # English fine-tune, all 15 test sets (zero-shot)
-    python xnli.py --ckpt=out-mlm/ckpt.pt --train_lang=fr        # fine-tune on French (translated), score French
-    python xnli.py --ckpt=out-mlm/ckpt.pt --train_lang=each --json=results/xnli.json  # each language in turn
-    python xnli.py --ckpt=out-mlm/ckpt.pt --data=xnli_dir        # offline, see --data
+    python xnli.py --ckpt=out-mlm/ckpt.safetensors                   # English fine-tune, all 15 test sets (zero-shot)
+    python xnli.py --ckpt=out-mlm/ckpt.safetensors --train_lang=fr   # fine-tune on French (translated), score French
+    python xnli.py --ckpt=out-mlm/ckpt.safetensors --train_lang=each --json=results/xnli.json  # each language in turn
+    python xnli.py --ckpt=out-mlm/ckpt.safetensors --data=xnli_dir   # offline, see --data
 
 Two settings, as the paper reports them (XNLI average, distilled-mBERT-shaped encoder):
   * --train_lang=en: fine-tune on the English training set (MultiNLI) and score every language's test
@@ -69,7 +69,7 @@ DATA_HINT = ("--data=DIR needs one folder per language holding train.jsonl and t
 
 @dataclass
 class XnliConfig:
-    ckpt: str = "out/ckpt.pt"  # an encoder checkpoint (train.py --objective=mlm)
+    ckpt: str = "out/ckpt.safetensors"  # an encoder checkpoint (train.py --objective=mlm)
     train_lang: str = "en"  # en: zero-shot transfer to every language; xx: fine-tune on xx; each: every xx in turn
     data: str | None = None  # a folder with one folder per language (train.jsonl, test.jsonl); default: hub
     langs: list[str] | None = None  # only these languages (comma separated): scored (en) or fine-tuned (each)

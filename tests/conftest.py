@@ -59,11 +59,11 @@ def one_thread():
 def refused_before_any_work(main, argv: list[str], message: str, root: Path) -> None:
     """main(argv) refuses in one line naming `message`, and writes nothing under root. In argv, OUT is root,
     CKPT a stand-in checkpoint and LATIN1 a file that is not UTF-8."""
-    import torch
+    from helpers import save_ckpt
 
     from common import UserError
 
-    torch.save({"model": {}, "model_config": {}, "train_config": {"batch_size": 8, "preset": "tiny"}},
+    save_ckpt({"model": {}, "model_config": {}, "train_config": {"batch_size": 8, "preset": "tiny"}},
                root / "base.pt")
     (root / "latin1.txt").write_bytes("café crème".encode("latin-1"))
     subs = {"OUT": str(root), "CKPT": str(root / "base.pt"), "LATIN1": str(root / "latin1.txt")}

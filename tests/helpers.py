@@ -287,3 +287,18 @@ def one_line_refusal(result: dict, words: str = "") -> str:
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and err.endswith(lines[0] + "\n") and words in lines[0], result
     return lines[0]
+
+
+def read_ckpt(path) -> dict:
+    """A checkpoint as its door reads it (doors.checkpoint: safetensors, its checksum, every field)."""
+    import doors
+    from model import GPTConfig
+    return doors.checkpoint(path, GPTConfig)
+
+
+def save_ckpt(payload: dict, path) -> None:
+    """Any payload written as a checkpoint file, unchecked (a hostile or damaged one, for its door to refuse)."""
+    import doors
+    with open(path, "wb") as f:
+        for piece in doors.checkpoint_bytes(payload):
+            f.write(piece)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import refused_before_any_work
-from helpers import run_cli, tiny_config
+from helpers import read_ckpt, run_cli, save_ckpt, tiny_config
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
+from safetensors.torch import save_file
 
 import analyze
 import common
@@ -171,16 +172,16 @@ def runs(tiny_data_dir, tmp_path_factory):
         with common.StopFlag() as stop:
             run.save(stop)
         (root / "step0").mkdir()
-        shutil.copy(root / "cwt" / "ckpt.pt", root / "step0" / "ckpt.pt")
+        shutil.copy(root / "cwt" / "ckpt.safetensors", root / "step0" / "ckpt.safetensors")
         train.train(tiny_config(tiny_data_dir, root / "cwt", resume=True, **fast))
-        finetune(FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.pt"), out_dir=str(root / "ft"), max_iters=2,
+        finetune(FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.safetensors"), out_dir=str(root / "ft"), max_iters=2,
                                 eval_interval=2, device="cpu"))
         train.train(tiny_config(tiny_data_dir, root / "ce", loss="ce", seed=1, **fast))
         train.train(tiny_config(tiny_data_dir, root / "mlm", objective="mlm", **fast))
-    old = torch.load(root / "ce" / "ckpt.pt", weights_only=True)
+    old = read_ckpt(root / "ce" / "ckpt.safetensors")
     del old["init"]
     (root / "old").mkdir()
-    torch.save(old, root / "old" / "ckpt.pt")
+    save_ckpt(old, root / "old" / "ckpt.safetensors")
     return root
 
 
@@ -189,12 +190,12 @@ def load(path):
 
 
 def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_with_its_lineage(runs):
-    step0 = load(runs / "step0" / "ckpt.pt")
+    step0 = load(runs / "step0" / "ckpt.safetensors")
     assert step0["step"] == 0 and step0["init"]["seed"] == 0
     rebuilt = analyze.initial_model(step0["init"]).state_dict()
     assert rebuilt.keys() == step0["model"].keys()
     assert all(torch.equal(rebuilt[k], step0["model"][k]) for k in rebuilt)  # exactly, every weight
-    cwt, ft, ce = (load(runs / name / "ckpt.pt") for name in ("cwt", "ft", "ce"))
+    cwt, ft, ce = (load(runs / name / "ckpt.safetensors") for name in ("cwt", "ft", "ce"))
     assert cwt["step"] == 2 and cwt["init"] == step0["init"]  # resumed from step 0: its lineage's
     assert ft["init"] == cwt["init"] and ft["model_config"]["lm_head"] and not ft["init"]["model_config"]["lm_head"]
     assert ce["init"]["seed"] == 1 and ce["init"]["model_config"] == {**cwt["init"]["model_config"]}
@@ -204,7 +205,7 @@ def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_wi
 def analysed(runs, tmp_path_factory):
     out = tmp_path_factory.mktemp("analysed")
     names = ("step0", "cwt", "ft", "ce", "mlm", "old")
-    flags = [f"--ckpts={','.join(str(runs / n / 'ckpt.pt') for n in names)}", "--tokens=100", "--device=cpu",
+    flags = [f"--ckpts={','.join(str(runs / n / 'ckpt.safetensors') for n in names)}", "--tokens=100", "--device=cpu",
              "--words=king,love,antidisestablishmentarianism", f"--json={out / 'analysis.json'}"]
     return dict(zip(names, analyze.main(flags))), out
 
@@ -217,7 +218,7 @@ ROW_KEYS = {"ckpt", "loss", "step", "tokens", "embedding_anisotropy", "embedding
 def test_rows_hold_every_measure(analysed, runs, tiny_data_dir):
     rows, out = analysed
     assert [r["ckpt"] for r in json.loads((out / "analysis.json").read_text())] == [
-        str(runs / n / "ckpt.pt") for n in rows]
+        str(runs / n / "ckpt.safetensors") for n in rows]
     counts = np.bincount(np.fromfile(tiny_data_dir / "train.bin", dtype=np.uint16), minlength=50257)
     for name, r in rows.items():
         assert r.keys() >= ROW_KEYS, name
@@ -244,7 +245,7 @@ def test_an_encoder_is_measured_with_masking_off(analysed):
 def test_drift_is_zero_at_step0_from_the_pretraining_init_after_a_finetune_and_null_without_an_init(analysed, runs):
     rows, _ = analysed
     assert all(b["mean_drift"] == 0.0 for b in rows["step0"]["frequency_bins"] if b["tokens"])
-    ft = load(runs / "ft" / "ckpt.pt")
+    ft = load(runs / "ft" / "ckpt.safetensors")
     start = analyze.initial_model(ft["init"]).wte.weight.detach().double()[:50257]
     drift = (ft["model"]["wte.weight"].double()[:50257] - start).norm(dim=1)
     counts = analyze.token_counts(np.fromfile(Path(rows["ft"]["dataset"]) / "train.bin", dtype=np.uint16), 50257)
@@ -280,10 +281,10 @@ def test_the_plot(analysed, tmp_path):
 
 def test_missing_or_non_checkpoint_files_are_one_line_before_any_work(runs, tmp_path, monkeypatch, capsys):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    good = runs / "cwt" / "ckpt.pt"
+    save_file({"weights": torch.zeros(2)}, tmp_path / "other.pt")  # safetensors, but no checkpoint's
+    good = runs / "cwt" / "ckpt.safetensors"
     for bad, message in [(tmp_path / "missing.pt", "missing.pt not found"),
-                         (tmp_path / "notes.txt", "is not a torch.save file"),
+                         (tmp_path / "notes.txt", "is not a safetensors file"),
                          (tmp_path / "other.pt", "is not a headless-lm checkpoint")]:
         code, out, err = run_cli(analyze.main, [f"--ckpts={good},{bad}", f"--json={tmp_path / 'a.json'}"],
                                  monkeypatch, capsys)
@@ -305,13 +306,13 @@ def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
 
 def test_optional_packages_missing_are_one_line(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    code, _, err = run_cli(analyze.main, [f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", f"--plot={tmp_path / 'a.png'}"],
-                           monkeypatch, capsys)
+    code, _, err = run_cli(analyze.main, [f"--ckpts={runs / 'cwt' / 'ckpt.safetensors'}",
+                                          f"--plot={tmp_path / 'a.png'}"], monkeypatch, capsys)
     assert code == 2 and err == "error: --plot needs matplotlib, an optional extra: pip install matplotlib"
     monkeypatch.setitem(sys.modules, "IsoScore", None)
     monkeypatch.setitem(sys.modules, "IsoScore.IsoScore", None)
     assert analyze.isoscore(torch.eye(3)) is None
-    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", "--tokens=40", "--device=cpu", "--words="])
+    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.safetensors'}", "--tokens=40", "--device=cpu", "--words="])
     assert rows[0]["embedding_isoscore"] is None and rows[0]["hidden_isoscore"] is None
     assert "pip install isoscore" in capsys.readouterr().err
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import save_ckpt
 
 import bpe
 import data
@@ -195,17 +196,15 @@ def test_the_export_command_carries_a_trained_tokenizer(trained, tmp_path):
     """`python hf.py export` as users run it (hf.py is then __main__) on a checkpoint of a bpe:N dataset."""
     import dataclasses
 
-    import torch
-
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=320, block_size=32, n_layer=1, n_head=2, d_model=16))
     tokenizer = HFTokenizer("bpe:300", trained[300])
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "bpe:300", "tokenizer_sha256": tokenizer.sha256, "eot_token": 299},
-                "tokenizer_json": tokenizer.json, "train_config": {"loss": "cwt"}}, tmp_path / "ckpt.pt")
+                "tokenizer_json": tokenizer.json, "train_config": {"loss": "cwt"}}, tmp_path / "ckpt.safetensors")
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, str(REPO / "hf.py"), "export", f"--ckpt={tmp_path / 'ckpt.pt'}",
+    proc = subprocess.run([sys.executable, str(REPO / "hf.py"), "export", f"--ckpt={tmp_path / 'ckpt.safetensors'}",
                            f"--out={out}"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr

@@ -9,9 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import refused_before_any_work
-from helpers import one_error_line, read_log, refusal, run_cli, snapshot, tree_state, without_timing
+from helpers import (
+    one_error_line,
+    read_ckpt,
+    read_log,
+    refusal,
+    run_cli,
+    save_ckpt,
+    snapshot,
+    tree_state,
+    without_timing,
+)
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import common
@@ -126,7 +135,7 @@ def test_an_interrupted_compare_continues_with_resume(tiny_data_dir, tmp_path, m
         compare.run_compare(dataclasses.replace(cfg, overwrite=True))
     assert stopped.value.signum == signal.SIGINT
     assert "compare.py stopped during cwt; continue it with the same settings and --resume" in capsys.readouterr().err
-    step = {name: torch.load(out / name / "ckpt.pt", weights_only=True)["step"] for name in compare.RUNS}
+    step = {name: read_ckpt(out / name / "ckpt.safetensors")["step"] for name in compare.RUNS}
     assert step == {"ce": planned["ce"], "cwt": 1, "cwt-ft": planned["cwt-ft"]}  # cwt-ft: the earlier compare's
     # --resume: CE finished (skipped), CWT continues where it stopped, its stale fine-tune starts over
     monkeypatch.setattr(train, "optimizer_step", real_step)
@@ -158,9 +167,9 @@ def test_a_run_stopped_before_its_last_validation_is_not_finished(tiny_data_dir,
     run_cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2)
     train.train(run_cfg)
     assert compare.finished_run(run_cfg)["step"] == 4
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
     ckpt["state"]["val_step"] = 2  # as a stop during step 4 leaves it
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+    save_ckpt(ckpt, tmp_path / "ckpt.safetensors")
     assert compare.finished_run(run_cfg) is None
 
 
@@ -247,7 +256,7 @@ def measured(result: dict) -> dict:
 
 def damage(out: Path, how: str, run: str, name: str, where: float) -> None:
     """One change to a run's file in out: deleted, its bytes cut at `where` (a share of its length), or a value of
-    a line (log.jsonl) or field (ckpt.pt) of the wrong type."""
+    a line (log.jsonl) or field (ckpt.safetensors) of the wrong type."""
     path = out / run / name
     if how == "delete":
         path.unlink()
@@ -262,17 +271,17 @@ def damage(out: Path, how: str, run: str, name: str, where: float) -> None:
         record[key] = [str(record[key])] if int(where * 10) % 2 else str(record[key])
         path.write_text("\n".join([*lines[:i], json.dumps(record), *lines[i + 1:]]) + "\n")
     else:
-        ckpt = torch.load(path, weights_only=True)
+        ckpt = read_ckpt(path)
         key = ("step", "val", "state", "loss", "tokens_seen")[int(where * 5)]
         ckpt[key] = "text"
-        torch.save(ckpt, path)
+        save_ckpt(ckpt, path)
 
 
 STATE_CASES = {  # the issue's cases (a traceback each): (run, file, how), what the one line says
     "a missing log.jsonl of a finished run": (("cwt", "log.jsonl", "delete"), "holds a finished run whose validation"),
     "a log.jsonl line of the wrong types": (("ce", "log.jsonl", "retype"), "log.jsonl line"),
     "a log.jsonl cut short": (("cwt-ft", "log.jsonl", "cut"), "holds a finished run whose validation"),
-    "a checkpoint cut short": (("ce", "ckpt.pt", "cut"), "is not a torch.save file"),
+    "a checkpoint cut short": (("ce", "ckpt.safetensors", "cut"), "is not a valid safetensors file"),
 }
 
 
@@ -289,7 +298,7 @@ def test_damaged_resume_state_is_one_line_before_any_run(case, finished_compare,
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(changes=st.lists(st.tuples(st.sampled_from(["delete", "cut", "retype"]), st.sampled_from(compare.RUNS),
-                                  st.sampled_from(["ckpt.pt", "log.jsonl"]), st.floats(0, 0.99)),
+                                  st.sampled_from(["ckpt.safetensors", "log.jsonl"]), st.floats(0, 0.99)),
                         min_size=1, max_size=2))
 def test_any_damage_to_the_resume_state_works_as_before_or_is_one_line(changes, finished_compare,
                                                                        tmp_path_factory, monkeypatch, capsys):

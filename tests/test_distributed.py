@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import read_ckpt
 
 import common
 import model
@@ -46,7 +47,7 @@ def run_config(data_dir, out_dir, **overrides) -> TrainConfig:
 
 
 def weights(out_dir) -> dict[str, torch.Tensor]:
-    return torch.load(Path(out_dir) / "ckpt.pt", weights_only=True)["model"]
+    return read_ckpt(Path(out_dir) / "ckpt.safetensors")["model"]
 
 
 def max_weight_difference(a, b) -> float:
@@ -129,7 +130,7 @@ def two_rank_runs(tiny_data_dir, tmp_path_factory):
 @pytest.mark.parametrize("loss", ["ce", "cwt"])
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs, loss):
     one, two = two_rank_runs / f"one-{loss}", two_rank_runs / f"two-{loss}"
-    assert torch.load(two / "ckpt.pt", weights_only=True)["step"] == 10
+    assert read_ckpt(two / "ckpt.safetensors")["step"] == 10
     assert max_weight_difference(one, two) < 1e-5
     losses = lambda d: [r["loss"] for r in read_log(d) if "loss" in r]  # noqa: E731
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)  # rank 0 logs the mean over ranks
@@ -140,7 +141,7 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs, 
 
 def test_single_process_checkpoint_continues_on_two_ranks(two_rank_runs):
     resumed = two_rank_runs / "two-cwt-resumed"
-    assert torch.load(resumed / "ckpt.pt", weights_only=True)["step"] == 10
+    assert read_ckpt(resumed / "ckpt.safetensors")["step"] == 10
     assert max_weight_difference(two_rank_runs / "one-cwt", resumed) < 1e-5
 
 
@@ -211,7 +212,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data
         proc.communicate(timeout=60)  # no hang: both ranks agree on the stop step
     finally:
         proc.kill()
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(out / "ckpt.safetensors")
     stopped = ckpt["step"]
     assert 2 <= stopped < 10_000 and not list(out.glob("*.tmp"))  # one checkpoint, nothing half-written
     stderr = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}

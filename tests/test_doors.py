@@ -1,6 +1,6 @@
 """The file doors (issue 27): each case of the fault-injection pass, grouped by door and table-driven. A case is
 checked as a user sees it where that is cheap: `python SCRIPT.py` run in-process, one `error:` line, exit code 2,
-no traceback, nothing changed or left behind. Large inputs are stand-ins (a sparse file, a zip directory that
+no traceback, nothing changed or left behind. Large inputs are stand-ins (a sparse file, a safetensors header that
 claims more than the file holds); what a refusal costs in memory and time is measured in one subprocess.
 Case numbers are issue 27's ("26.6": issue 26's sixth)."""
 from __future__ import annotations
@@ -9,18 +9,18 @@ import copy
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import DELETE, run_cli, snapshot
+from helpers import DELETE, run_cli, save_ckpt, snapshot
 from hypothesis import HealthCheck, given, settings, strategies as st
+from safetensors.torch import save_file
 
 import bpe
 import common
@@ -132,65 +132,51 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
                               for c, f, v, _ in CHECKPOINT_FIELDS])
 def test_the_checkpoint_door_refuses_each_bad_field(case, field, value, words, checkpoint_dict, tmp_path,
                                                     monkeypatch, capsys):
-    path = tmp_path / "ckpt.pt"
-    torch.save(edited(checkpoint_dict, field, value), path)
+    path = tmp_path / "ckpt.safetensors"
+    save_ckpt(edited(checkpoint_dict, field, value), path)
     refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
     with pytest.raises(ValueError, match="checkpoint"):  # the notebook API reads through the same door
         model.load_model(str(path))
 
 
-def compressed_pickle(path: Path, ckpt: dict) -> None:
-    """Case 3: a torch.save file whose data.pkl is DEFLATE-compressed, its directory claiming 2 GB inside."""
-    torch.save(ckpt, path)
-    with zipfile.ZipFile(path) as z:
-        entries = {i.filename: z.read(i) for i in z.infolist()}
-    with zipfile.ZipFile(path, "w") as z:
-        for name, payload in entries.items():
-            z.writestr(name, payload, zipfile.ZIP_DEFLATED if name.endswith("data.pkl") else zipfile.ZIP_STORED)
-    claim_size(path, "data.pkl", 2 << 30)
-
-
-def claim_size(path: Path, entry: str, size: int) -> None:
-    """Rewrite an entry's uncompressed size in the zip's central directory (the door reads only that)."""
-    raw = bytearray(path.read_bytes())
-    at = raw.rfind(b"PK\x01\x02" + b"", 0)
-    while at >= 0:
-        name_length = struct.unpack_from("<H", raw, at + 28)[0]
-        if raw[at + 46:at + 46 + name_length].decode().endswith(entry):
-            struct.pack_into("<I", raw, at + 24, size)
-        at = raw.rfind(b"PK\x01\x02", 0, at)
-    path.write_bytes(bytes(raw))
-
-
-def stored_but_huge(path: Path, ckpt: dict) -> None:
-    torch.save(ckpt, path)
-    claim_size(path, "data.pkl", 2 << 30)
-    with zipfile.ZipFile(path) as z:  # the directory now claims more than the file holds; nothing else changed
-        assert next(i for i in z.infolist() if i.filename.endswith("data.pkl")).file_size == 2 << 30
-
-
-CHECKPOINT_FILES = [  # (case, how the file is made, what the one line says)
-    ("3", compressed_pickle, "holds a compressed entry"),
-    ("3", stored_but_huge, "larger than the file"),
-    ("3", lambda p, c: p.write_bytes(os.urandom(4096)), "is not a torch.save file"),
-    ("3", lambda p, c: torch.save(c, p, _use_new_zipfile_serialization=False), "is not a torch.save file"),
+CHECKPOINT_FILES = [  # (case, how the file is made, what the one line says). Case 3's zips (a compressed data.pkl, a
+    # directory claiming more than the file) are moot: a checkpoint is safetensors, whose bytes the library checks
+    ("3", lambda p, c: p.write_bytes(os.urandom(4096)), "is not a safetensors file"),
+    ("3", lambda p, c: torch.save(c, p), "is a torch.save file (a zip), not safetensors; this project's checkpoints "
+     "before safetensors (ckpt.pt) are converted once"),
     ("5", lambda p, c: p.symlink_to("/dev/zero"), "is not a regular file"),
     ("5", lambda p, c: os.mkfifo(p), "is not a regular file"),
     ("5", lambda p, c: p.mkdir(), "is a folder"),
-    ("old", lambda p, c: torch.save([1, 2], p), "is not a headless-lm checkpoint"),
+    ("old", lambda p, c: save_file({"x": torch.zeros(2)}, p), "is not a headless-lm checkpoint"),
 ]
 
 
-@pytest.mark.parametrize("case, make, words", CHECKPOINT_FILES, ids=[f"{c}-{w}" for c, _, w in CHECKPOINT_FILES])
-def test_the_checkpoint_door_reads_the_zip_directory_before_anything_is_unpickled(case, make, words,
-                                                                                    checkpoint_dict, tmp_path,
-                                                                                    monkeypatch, capsys):
-    path = tmp_path / "ckpt.pt"
+@pytest.mark.parametrize("case, make, words", CHECKPOINT_FILES, ids=[f"{c}-{w[:40]}" for c, _, w in CHECKPOINT_FILES])
+def test_the_checkpoint_door_refuses_what_is_no_checkpoint_and_never_unpickles(case, make, words, checkpoint_dict,
+                                                                               tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ckpt.safetensors"
     make(path, checkpoint_dict)
     loaded = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(a) or {})
     refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
-    assert not loaded or words == "is not a headless-lm checkpoint"
+    assert not loaded
+
+
+def test_an_old_checkpoint_converts_with_the_command_its_refusal_names(checkpoint_dict, tmp_path):
+    """A ckpt.pt of this project before safetensors: refused in one line naming one command, which converts it (a
+    file its user vouches for) into a checkpoint the door takes whole."""
+    old = tmp_path / "ckpt.pt"
+    torch.save(checkpoint_dict, old)
+    with pytest.raises(doors.Refused) as e:
+        doors.checkpoint(old, model.GPTConfig)
+    command = str(e.value).split(": ", 1)[1].removeprefix("python -c ")
+    code, *paths = shlex.split(command)
+    assert paths == [str(old), str(tmp_path / "ckpt.safetensors")]
+    subprocess.run([sys.executable, "-c", code, *paths], cwd=ROOT, check=True)
+    ckpt = doors.checkpoint(tmp_path / "ckpt.safetensors", model.GPTConfig)
+    assert ckpt["state"] == checkpoint_dict["state"]
+    assert ckpt["optimizer"]["param_groups"][1]["params"] == checkpoint_dict["optimizer"]["param_groups"][1]["params"]
+    assert all(torch.equal(ckpt["model"][k], t) for k, t in checkpoint_dict["model"].items())
 
 
 # Any JSON-like value, the awkward ones often: huge, negative or non-finite numbers, strings of digits, nesting
@@ -216,22 +202,22 @@ def test_any_value_in_any_field_is_let_in_or_refused_in_one_line(checkpoint_dict
         assert isinstance(why, str) and "\n" not in why
         return
     try:
-        common.checkpoint_model(ckpt, "ckpt.pt")
+        common.checkpoint_model(ckpt, "ckpt.safetensors")
     except UserError as e:
         assert "\n" not in str(e) and "does not match this model code" in str(e)
 
 
 def test_a_checkpoint_written_by_todays_main_loads(checkpoint_dict, tmp_path):
     """Old files: today's checkpoints (every key train.py writes) go through the door as they are."""
-    path = tmp_path / "ckpt.pt"
-    torch.save(checkpoint_dict, path)
+    path = tmp_path / "ckpt.safetensors"
+    save_ckpt(checkpoint_dict, path)
     ckpt = common.load_checkpoint(path)
     assert set(ckpt) == set(checkpoint_dict) and ckpt["state"] == checkpoint_dict["state"]
     assert common.checkpoint_model(ckpt, path).config.block_size == 16
     assert model.load_model(str(path)).config == model.GPTConfig(**checkpoint_dict["model_config"])
     assert common.last_good_checkpoint(path) == f"the last good checkpoint is {path} (step 4)"
     hf_style = {k: checkpoint_dict[k] for k in ("model", "model_config")} | {"data_meta": {}, "train_config": {}}
-    torch.save(hf_style, path)  # the few keys an imported model has, and an older run's
+    save_ckpt(hf_style, path)  # the few keys an imported model has, and an older run's
     assert common.load_checkpoint(path)["train_config"] == {}
 
 
@@ -242,8 +228,8 @@ def test_a_tokenizer_that_would_be_downloaded_is_one_line(checkpoint_dict, tmp_p
         raise AssertionError("a tokenizer was fetched")
 
     monkeypatch.setattr(data.tiktoken, "get_encoding", fetched)
-    path = tmp_path / "ckpt.pt"
-    torch.save(edited(checkpoint_dict, "data_meta/tokenizer", "cl100k_base"), path)
+    path = tmp_path / "ckpt.safetensors"
+    save_ckpt(edited(checkpoint_dict, "data_meta/tokenizer", "cl100k_base"), path)
     refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], "unknown tokenizer 'cl100k_base'",
             monkeypatch, capsys)
     refused(data.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "hf:ORG/NAME",
@@ -334,7 +320,7 @@ def test_a_swapped_tokenizer_json_is_refused_and_never_carried(tmp_path, monkeyp
     bpe.save_tokenizer_json(bpe.train_bpe(["another text, another tokenizer"], 260), folder / "tokenizer.json")
     refused(train.main, [f"--dataset={folder}", f"--out_dir={tmp_path / 'o'}", *TRAIN],
             "tokenizer.json is not the tokenizer bpe:260 that meta.json records", monkeypatch, capsys, root)
-    assert not (tmp_path / "o" / "ckpt.pt").exists()
+    assert not (tmp_path / "o" / "ckpt.safetensors").exists()
 
 
 def test_a_dataset_written_by_todays_main_loads_and_an_older_one_names_its_fix(tiny_data_dir, tmp_path):
@@ -411,9 +397,10 @@ def test_bpe_sizes_no_vocabulary_has_are_refused_before_any_work(name, tmp_path,
 def test_finetune_refuses_a_block_size_beyond_the_checkpoints_before_preparing_data(checkpoint_dict, tmp_path,
                                                                                    monkeypatch, capsys):
     """Case 10: finetune.py's bad --block_size used to prepare the built-in dataset before refusing."""
-    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
-    refused(finetune.main, [f"--ckpt={tmp_path / 'ckpt.pt'}", "--block_size=1000", f"--data_root={tmp_path / 'd'}",
-                            f"--out_dir={tmp_path / 'o'}"], "--block_size must be in [2, 16], got 1000",
+    save_ckpt(checkpoint_dict, tmp_path / "ckpt.safetensors")
+    refused(finetune.main, [f"--ckpt={tmp_path / 'ckpt.safetensors'}", "--block_size=1000",
+                            f"--data_root={tmp_path / 'd'}", f"--out_dir={tmp_path / 'o'}"],
+            "--block_size must be in [2, 16], got 1000",
             monkeypatch, capsys, tmp_path)
 
 
@@ -422,7 +409,7 @@ def test_finetune_refuses_a_block_size_beyond_the_checkpoints_before_preparing_d
 
 def output_cases(tmp_path: Path) -> list[tuple]:
     """Case 7 and its relatives: (script, flags, what the one line says); CKPT is a checkpoint, an input."""
-    ckpt = tmp_path / "ckpt.pt"
+    ckpt = tmp_path / "ckpt.safetensors"
     (tmp_path / "notes.txt").write_text("a user's notes")
     (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
     (tmp_path / "plot.png").write_text("not an image")
@@ -434,17 +421,17 @@ def output_cases(tmp_path: Path) -> list[tuple]:
              "exists and is not results"),
             (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'link.json'}"], "is a symbolic link"),
             (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'pipe.json'}"], "exists and is not results"),
-            (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'ckpt.pt' / 'x.json'}"], "is a file")]
+            (evaluation.main, [f"--ckpt={ckpt}", f"--json={tmp_path / 'ckpt.safetensors' / 'x.json'}"], "is a file")]
 
 
 def test_an_output_is_never_an_input_a_link_or_another_kind_of_file(checkpoint_dict, tmp_path, monkeypatch, capsys):
-    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
+    save_ckpt(checkpoint_dict, tmp_path / "ckpt.safetensors")
     for main, flags, words in output_cases(tmp_path):
         refused(main, flags, words, monkeypatch, capsys, tmp_path)
     (tmp_path / "old.json").write_text('{\n "task": "val",\n "ce": 3.0\n}\n')  # as write_json lays it out
     (tmp_path / "empty.json").write_text("")
     for name in ("old.json", "empty.json", "new.json"):  # replaced
-        common.declare_io(reads={"--ckpt": str(tmp_path / "ckpt.pt")}, writes={"--json": tmp_path / name})
+        common.declare_io(reads={"--ckpt": str(tmp_path / "ckpt.safetensors")}, writes={"--json": tmp_path / name})
 
 
 # ------------------------------------------------------------------------------------------ files we write
@@ -462,7 +449,7 @@ def test_the_locks_info_is_never_written_through_a_planted_link(tmp_path):
 
 
 def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    """Case 2: links planted at `.ckpt.pt.headless-lm-<pid>.tmp` for a range of pids made the victim the
+    """Case 2: links planted at `.ckpt.safetensors.headless-lm-<pid>.tmp` for a range of pids made the victim the
     checkpoint. Names now carry a random part; even at a planted name the file is opened O_EXCL|O_NOFOLLOW.
     (And case 1 through train.py: a link planted as the out_dir's .lock.)"""
     victim = tmp_path / "victim"
@@ -470,10 +457,11 @@ def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, t
     out = tmp_path / "o"
     out.mkdir()
     for pid in range(os.getpid() - 50, os.getpid() + 50):
-        (out / f".ckpt.pt{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
+        (out / f".ckpt.safetensors{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
     (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py
     train.main([f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN])
-    assert victim.read_text() == "precious" and (out / "ckpt.pt").is_file() and not (out / "ckpt.pt").is_symlink()
+    ckpt = out / "ckpt.safetensors"
+    assert victim.read_text() == "precious" and ckpt.is_file() and not ckpt.is_symlink()
     assert not os.path.lexists(out / ".lock")
     monkeypatch.setattr(common.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
     planted = common.temp_path(tmp_path / "results.json")
@@ -581,15 +569,15 @@ def test_a_killed_exports_temp_folder_is_removed_by_the_next(checkpoint_dict, tm
     the pid, which the sweep checks. `hf.py --help` exits 0."""
     stale = tmp_path / f".hf{common.TEMP_MARK}999999999-0123456789abcdef.tmp"  # pid 999999999: long dead
     (stale / "part").mkdir(parents=True)
-    torch.save(checkpoint_dict, tmp_path / "ckpt.pt")
+    save_ckpt(checkpoint_dict, tmp_path / "ckpt.safetensors")
 
     def fails(*args):
         raise UserError("stopped while writing the tokenizer")
 
     monkeypatch.setattr(hf, "save_tokenizer", fails)
     with pytest.raises(UserError, match="stopped while writing"):
-        hf.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "hf"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # the stale folder and its own, removed
+        hf.export(str(tmp_path / "ckpt.safetensors"), str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]  # the stale folder and its own, removed
     monkeypatch.setattr(sys, "argv", ["hf.py", "--help"])
     with pytest.raises(SystemExit) as e:
         common.run_main(hf.main)
@@ -633,7 +621,7 @@ def test_two_tokenizers_of_one_folder_name_never_replace_each_others_dataset(tmp
 # ------------------------------------------------------------------------------------------ cost of a refusal
 
 COSTLY = r"""
-import json, os, resource, sys, time, zipfile
+import json, os, resource, sys, time
 sys.path.insert(0, ROOT)
 import torch
 import common, data, doors, model
@@ -657,12 +645,13 @@ timed("6: a 2 GB sparse --config", config(2 << 30, ".json"))
 net = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16))
 ckpt = {"model": net.state_dict(), "model_config": {"vocab_size": 64, "block_size": 10**10, "n_layer": 1,
         "n_head": 2, "d_model": 16}}
-torch.save(ckpt, os.path.join(tmp, "long.pt"))
-timed("4: block_size 1e10", lambda: common.checkpoint_model(common.load_checkpoint(os.path.join(tmp, "long.pt")), "x"))
-with zipfile.ZipFile(os.path.join(tmp, "bomb.pt"), "w", zipfile.ZIP_DEFLATED) as z, z.open("bomb/data.pkl", "w") as f:
-    for _ in range(512):  # a 512 MB string that compresses to half a MB, written a MB at a time
-        f.write(b"\0" * (1 << 20))
-timed("3: a DEFLATE data.pkl of 512 MB", lambda: common.load_checkpoint(os.path.join(tmp, "bomb.pt")))
+with open(os.path.join(tmp, "long.safetensors"), "wb") as f:
+    f.writelines(doors.checkpoint_bytes(ckpt))
+timed("4: block_size 1e10", lambda: common.checkpoint_model(common.load_checkpoint(f.name), "x"))
+header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]}}).encode()
+with open(os.path.join(tmp, "claim.safetensors"), "wb") as f:  # 10 kB claiming a 4 GiB tensor
+    f.write(len(header).to_bytes(8, "little") + header + bytes(10_000))
+timed("3: a 10 kB file claiming a 4 GiB tensor", lambda: common.load_checkpoint(f.name))
 folder = os.path.join(tmp, "books")
 os.makedirs(folder)
 meta = {"format": 3, "tokenizer": "gpt2", "vocab_size": 10**12, "dtype": "uint32", "eot_token": 0,
@@ -690,7 +679,9 @@ def test_a_refused_input_costs_little_memory_and_time(tmp_path):
 
 
 def test_a_missing_checkpoint_names_the_step_that_writes_it(tmp_path):
-    """`generate.py --ckpt=out-ft/ckpt.pt` before the fine-tune: the answer names finetune.py, not only train.py."""
-    with pytest.raises(doors.Refused, match=r"out-ft/ckpt.pt not found; train.py writes out/ckpt.pt and `finetune.py "
-                                            r"--ckpt=out/ckpt.pt` writes out-ft/ckpt.pt: run the step that makes it"):
-        doors.checkpoint(tmp_path / "out-ft" / "ckpt.pt", model.GPTConfig)
+    """`generate.py --ckpt=out-ft/ckpt.safetensors` before the fine-tune: the answer names finetune.py, not only
+    train.py."""
+    with pytest.raises(doors.Refused, match=r"out-ft/ckpt.safetensors not found; train.py writes out/ckpt.safetensors "
+                                            r"and `finetune.py --ckpt=out/ckpt.safetensors` writes "
+                                            r"out-ft/ckpt.safetensors: run the step that makes it"):
+        doors.checkpoint(tmp_path / "out-ft" / "ckpt.safetensors", model.GPTConfig)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
-from helpers import io_pairs, read_log, refusal, tiny_config, tree_state
+from helpers import io_pairs, read_ckpt, read_log, refusal, save_ckpt, tiny_config, tree_state
 from hypothesis import given, settings, strategies as st
 
 import eval as evaluation
@@ -179,7 +179,7 @@ def test_any_model_returning_logits():
 
 
 def save_checkpoint(model, path, train_config=None):
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257},
                 "train_config": train_config or {}}, path)
     return str(path)
@@ -195,7 +195,7 @@ GPT2_TEXTS = ["The cat sat on the mat", "She opened the door and said hello", "G
 def test_cli_lambada_json(tmp_path, lm_head):
     model = tiny_model(vocab_size=50304, lm_head=lm_head, std=0.02, d_model=8, n_layer=1, n_head=1,
                        block_size=32)
-    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt")
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.safetensors")
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": t, "domain": None}) + "\n" for t in GPT2_TEXTS) + "\n")
     out = tmp_path / "results" / "lambada.json"
@@ -212,7 +212,7 @@ def test_cli_lambada_json(tmp_path, lm_head):
 
 def test_cli_val(tiny_data_dir, tmp_path):
     model = tiny_model(vocab_size=50304, std=0.02, d_model=16, n_layer=1, n_head=1, block_size=32)
-    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.safetensors", {"dataset": str(tiny_data_dir), "loss": "ce"})
     result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4",
                               f"--data_root={tiny_data_dir.parent}"])
     tokens = open_split(tiny_data_dir, "val", 50304)
@@ -223,7 +223,7 @@ def test_cli_val(tiny_data_dir, tmp_path):
 
 
 def bad_inputs(tmp_path):
-    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.pt")
+    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.safetensors")
     files = {"no_text.jsonl": '{"text": "a b"}\n{"txt": "c d"}\n', "broken.jsonl": '{"text": "a b"\n',
              "empty.jsonl": "\n"}
     for name, content in files.items():
@@ -284,16 +284,16 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, batch_size=4, eval_batches=3)
     train.train(cfg)
     logged = [r for r in read_log(tmp_path) if "val_cwt" in r][-1]
-    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.pt'}", "--task=val", "--max_batches=3",
+    result = evaluation.main([f"--ckpt={tmp_path / 'ckpt.safetensors'}", "--task=val", "--max_batches=3",
                               "--device=cpu", f"--data_root={tiny_data_dir.parent}"])
     assert result["batch_size"] == 4 and result["dtype"] == "float32"
     for key in ("val_ce", "val_cwt", "val_acc"):
         assert result[key] == pytest.approx(logged[key], rel=1e-6), key
     assert evaluation.EvalConfig().dtype == "float32"
     # a mixed run's checkpoint: each source is scored by name (here, the run's own dataset under another name)
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
     ckpt["train_config"]["dataset"] = f"{tiny_data_dir},other"
-    torch.save(ckpt, tmp_path / "mixed.pt")
+    save_ckpt(ckpt, tmp_path / "mixed.pt")
     with pytest.raises(UserError, match="was trained on a mix .*; pass --dataset=NAME for one of its sources"):
         evaluation.main([f"--ckpt={tmp_path / 'mixed.pt'}", "--task=val", "--device=cpu"])
     one = evaluation.main([f"--ckpt={tmp_path / 'mixed.pt'}", "--task=val", "--max_batches=3", "--device=cpu",
@@ -312,8 +312,8 @@ def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
 def test_val_on_a_dataset_of_another_tokenizer_is_refused(tiny_data_dir, tmp_path):
     """bpe:512 ids scored as GPT-2's gave val_bpb 8.06 and exit 0; the tokenizers are compared first."""
     model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
-    ckpt = tmp_path / "ckpt.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    ckpt = tmp_path / "ckpt.safetensors"
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "bpe:512", "tokenizer_sha256": "0" * 64, "vocab_size": 512},
                 "train_config": {"dataset": "elsewhere"}}, ckpt)
     with pytest.raises(UserError, match=f"trained with tokenizer 'bpe:512' but {tiny_data_dir} uses 'gpt2'"):
@@ -328,7 +328,7 @@ def test_every_metric_printed_or_written_is_finite_or_the_command_fails(tiny_dat
     model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
     with torch.no_grad():
         model.wte.weight.mul_(scale)
-    ckpt = save_checkpoint(model, out / "ckpt.pt", {"dataset": str(tiny_data_dir), "loss": "ce"})
+    ckpt = save_checkpoint(model, out / "ckpt.safetensors", {"dataset": str(tiny_data_dir), "loss": "ce"})
     (out / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in GPT2_TEXTS[:2]))
     of_task = {"val": ["--max_batches=1", f"--data_root={tiny_data_dir.parent}"],  # each task's own settings only
                "lambada": [f"--data={out / 'lambada.jsonl'}"]}[task]
@@ -365,7 +365,7 @@ def test_lambada_from_an_unreachable_hub_is_one_line_at_once(monkeypatch):
         evaluation.load_lambada(None)
     assert tried == [("huggingface.co", 443)] and "\n" not in str(e.value)
     with pytest.raises(UserError, match="^cannot reach the Hugging Face hub"):  # before reading the checkpoint
-        evaluation.main(["--ckpt=no-such/ckpt.pt"])
+        evaluation.main(["--ckpt=no-such/ckpt.safetensors"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="could not load EleutherAI/lambada_openai"):  # the cache: here, none
         evaluation.load_lambada(None)
@@ -422,7 +422,7 @@ EVAL_CASES = {  # case: (flags given tmp_path, the checkpoint, the test dataset;
 @pytest.mark.parametrize("case", EVAL_CASES)
 def test_eval_refuses_each_case_in_one_line_and_changes_nothing(case, tiny_data_dir, tmp_path, monkeypatch,
                                                                 capsys):
-    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.pt",
+    ckpt = save_checkpoint(tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1), tmp_path / "ckpt.safetensors",
                            {"dataset": str(tiny_data_dir), "loss": "ce"})
     flags, words = EVAL_CASES[case]
     argv = [*flags(tmp_path, ckpt, tiny_data_dir), "--device=cpu"]
@@ -454,7 +454,7 @@ def test_a_dataset_path_inside_a_checkpoint_is_never_opened(tiny_data_dir, tmp_p
     where data is read: its dataset is looked for by its folder's name under --data_root."""
     elsewhere = Path(shutil.copytree(tiny_data_dir, tmp_path / "elsewhere" / "books"))
     model = tiny_model(vocab_size=50304, d_model=8, n_layer=1, n_head=1, block_size=32)
-    ckpt = save_checkpoint(model, tmp_path / "ckpt.pt", {"dataset": str(elsewhere), "loss": "ce"})
+    ckpt = save_checkpoint(model, tmp_path / "ckpt.safetensors", {"dataset": str(elsewhere), "loss": "ce"})
     with pytest.raises(UserError) as e:
         evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=1", f"--data_root={tmp_path / 'data'}"])
     assert f"looked for as {tmp_path / 'data' / 'books'}" in str(e.value) and "never opened" in str(e.value)
@@ -471,8 +471,8 @@ def test_an_encoders_damaged_mask_spec_is_one_line(spec, words, tmp_path):
     """Issue 33: eval.py --task=val on an encoder whose mask_spec was null or held an unknown key raised TypeError
     (MaskSpec(**spec)) with a traceback; the checkpoint's door refuses it."""
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
-    path = tmp_path / "ckpt.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "mask_spec": spec,
+    path = tmp_path / "ckpt.safetensors"
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "mask_spec": spec,
                 "data_meta": {"tokenizer": "gpt2"}, "train_config": {"objective": "mlm", "dataset": "x"}}, path)
     with pytest.raises(UserError) as e:
         evaluation.main([f"--ckpt={path}", "--task=val", f"--data_root={tmp_path}"])

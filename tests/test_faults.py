@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_log, run_cli, snapshot, without_timing
+from helpers import read_ckpt, read_log, run_cli, save_ckpt, snapshot, without_timing
 
 import bench
 import common
@@ -49,7 +49,7 @@ def finished(tiny_data_dir, tmp_path_factory, small_tiny_preset) -> Path:
     """The out_dir of a finished 4-step run (`python train.py --max_iters=4 --out_dir=o`): trained once,
     never changed; tests work on copies (see `copy_of`)."""
     out = tmp_path_factory.getbasetemp() / "faults-finished"
-    if not (out / "ckpt.pt").exists():
+    if not (out / "ckpt.safetensors").exists():
         train.main(train_flags(tiny_data_dir, out))
     return out
 
@@ -73,8 +73,8 @@ def test_a_fresh_run_into_a_finished_runs_out_dir_is_refused(tiny_data_dir, fini
     before = snapshot(out)
     code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
                            monkeypatch, capsys)
-    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.pt")
-    assert snapshot(out) == before  # ckpt.pt and log.jsonl byte-identical, no .lock, no temp file
+    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.safetensors")
+    assert snapshot(out) == before  # ckpt.safetensors and log.jsonl byte-identical, no .lock, no temp file
 
 
 @pytest.mark.parametrize("during, flags", [("ensure_dataset", ["--resume", "--max_iters=6"]),
@@ -108,7 +108,7 @@ def test_a_refused_run_is_refused_before_anything_is_built(tiny_data_dir, finish
     monkeypatch.setattr(train, "ensure_dataset", lambda *a: pytest.fail("built before the refusal"))
     code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
                            monkeypatch, capsys)
-    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.pt")
+    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.safetensors")
 
 
 def test_overwrite_starts_over(tiny_data_dir, finished, tmp_path):
@@ -116,22 +116,22 @@ def test_overwrite_starts_over(tiny_data_dir, finished, tmp_path):
     train.main(train_flags(tiny_data_dir, out, "--overwrite", "--max_iters=2"))
     train.main(train_flags(tiny_data_dir, tmp_path / "fresh", "--max_iters=2"))  # the same run, in a new folder
     assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / "fresh"))  # the old log is gone
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
+    assert read_ckpt(out / "ckpt.safetensors")["step"] == 2
 
 
 def test_resume_continues(tiny_data_dir, finished, tmp_path):
     out = copy_of(finished, tmp_path / "o")
     old_log = (out / "log.jsonl").read_bytes()
     train.main(train_flags(tiny_data_dir, out, "--resume", "--max_iters=6"))
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 6
+    assert read_ckpt(out / "ckpt.safetensors")["step"] == 6
     assert (out / "log.jsonl").read_bytes().startswith(old_log)
     assert [r["step"] for r in read_log(out)][-3:] == [5, 6, 6]  # steps 5 and 6, then the last validation
 
 
 @pytest.mark.parametrize("holds, resume, refused", [
-    (["ckpt.pt"], False, "ckpt.pt"),
+    (["ckpt.safetensors"], False, "ckpt.safetensors"),
     (["log.jsonl"], False, "log.jsonl"),  # a run that crashed before its first checkpoint
-    (["ckpt.pt", "log.jsonl"], False, "ckpt.pt"),
+    (["ckpt.safetensors", "log.jsonl"], False, "ckpt.safetensors"),
     (["log.jsonl"], "auto", None),  # a scheduler's relaunch of that run: it starts (--resume=auto)
     (["notes.txt"], False, None),  # the user's own files are no run
 ])
@@ -151,7 +151,7 @@ def test_what_a_fresh_run_finds_in_out_dir(holds, resume, refused, tiny_data_dir
     else:
         assert train.train(cfg)["step"] == 1
         assert read_log(out)[0]["step"] == 0  # a log of this run alone
-        assert all((out / n).read_bytes() == before[n] for n in holds if n not in ("ckpt.pt", "log.jsonl"))
+        assert all((out / n).read_bytes() == before[n] for n in holds if n not in ("ckpt.safetensors", "log.jsonl"))
 
 
 def test_an_out_dir_that_is_a_file(tiny_data_dir, tmp_path, monkeypatch, capsys):
@@ -165,12 +165,12 @@ def test_an_out_dir_that_is_a_file(tiny_data_dir, tmp_path, monkeypatch, capsys)
 def test_finetune_refuses_an_out_dir_holding_another_run(finished, tmp_path, monkeypatch, capsys):
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    flags = [f"--ckpt={finished / 'ckpt.pt'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1"]
+    flags = [f"--ckpt={finished / 'ckpt.safetensors'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1"]
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
-    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.pt")
+    assert code == 2 and err == REFUSED.format(out=out, what="ckpt.safetensors")
     assert snapshot(out) == before
     finetune.main([*flags, "--overwrite"])
-    tuned = torch.load(out / "ckpt.pt", weights_only=True)
+    tuned = read_ckpt(out / "ckpt.safetensors")
     assert tuned["step"] == 1 and "lm_head.weight" in tuned["model"]
 
 
@@ -218,8 +218,8 @@ def test_a_failed_log_append_is_one_line_and_resume_continues(code, tiny_data_di
     assert exit_code == 2
     assert err == (f"error: cannot append to {out / 'log.jsonl'} ({os.strerror(code)}); free some space or fix the "
                    "folder, then continue with --resume")
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "log.jsonl"]  # no .lock, no temp file
+    assert read_ckpt(out / "ckpt.safetensors")["step"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.safetensors", "log.jsonl"]  # no .lock, no temp file
     if code == errno.ENOSPC:  # space freed: the half line is dropped and the run ends as if never stopped
         monkeypatch.delattr(common, "open")
         train.main(train_flags(tiny_data_dir, out, "--resume"))
@@ -236,10 +236,10 @@ def recorded_elsewhere(finished, tmp_path) -> tuple[Path, Path]:
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "shakespeare").mkdir(parents=True)
     (elsewhere / "shakespeare" / "train.bin").write_bytes(b"someone else's data")
-    ckpt = torch.load(finished / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(finished / "ckpt.safetensors")
     ckpt["train_config"].update(dataset="shakespeare", data_root=str(elsewhere))
-    torch.save(ckpt, tmp_path / "ckpt.pt")
-    return tmp_path / "ckpt.pt", elsewhere
+    save_ckpt(ckpt, tmp_path / "ckpt.safetensors")
+    return tmp_path / "ckpt.safetensors", elsewhere
 
 
 @pytest.mark.parametrize("given", ["--data_root", "the default (data)", "an empty --data_root"])
@@ -270,7 +270,7 @@ def test_finetune_never_reads_or_writes_the_checkpoints_data_root(recorded_elsew
     assert (cfg.dataset, cfg.data_root) == ("shakespeare", "data")  # the dataset is inherited, never its root
     finetune.main([f"--ckpt={ckpt}", f"--data_root={tiny_data_dir.parent}", f"--out_dir={tmp_path / 'ft'}",
                    "--max_iters=1", "--eval_interval=1"])
-    tuned = torch.load(tmp_path / "ft" / "ckpt.pt", weights_only=True)["train_config"]
+    tuned = read_ckpt(tmp_path / "ft" / "ckpt.safetensors")["train_config"]
     assert (tuned["dataset"], tuned["data_root"]) == ("shakespeare", str(tiny_data_dir.parent))
     assert snapshot(elsewhere) == before
 
@@ -321,7 +321,7 @@ def gen_ckpts(tmp_path_factory) -> dict[str, str]:
         if bad is not None:
             state["blocks.0.mlp.up.weight"][0, 0] = bad  # every position's scores go non-finite
         paths[kind] = str(folder / f"{kind}.pt")
-        torch.save({"model": state, "model_config": dataclasses.asdict(m.config),
+        save_ckpt({"model": state, "model_config": dataclasses.asdict(m.config),
                     "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257}, "train_config": {"loss": "ce"}},
                    paths[kind])
     return paths

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_log, refusal, tree_state
+from helpers import read_ckpt, read_log, refusal, tree_state
 
 import common
 import train
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 @pytest.fixture
 def cwt_checkpoint(tiny_data_dir, tmp_path_factory, small_tiny_preset):
     """A briefly pre-trained headless (CWT) model (made once, reused by every test here)."""
-    path = tmp_path_factory.getbasetemp() / "cwt" / "ckpt.pt"
+    path = tmp_path_factory.getbasetemp() / "cwt" / "ckpt.safetensors"
     if path.exists():
         return path
     out = path.parent
@@ -62,9 +62,9 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
     expected_raw = evaluate(Objective(raw, LossConfig("ce")), *_val_args(cwt_checkpoint))["val_ce"]
     assert before == pytest.approx(expected_raw, rel=1e-5)
     assert after < before - 0.5, (before, after)
-    tuned = load_model(str(tmp_path / "ckpt.pt"))
+    tuned = load_model(str(tmp_path / "ckpt.safetensors"))
     assert tuned.lm_head is not None
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
     assert ckpt["base_tokens"] == 40 * 8 * 32 and ckpt["tokens_seen"] == 20 * 8 * 32
     # the paper's warmup share (20% of the steps); a cosine schedule would decay to lr / 10
     assert ckpt["train_config"]["warmup_iters"] == 4 and ckpt["train_config"]["min_lr"] == pytest.approx(1e-4)
@@ -77,7 +77,7 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path)
 
 
 def _val_args(ckpt_path):
-    ckpt = torch.load(ckpt_path, weights_only=True)
+    ckpt = read_ckpt(ckpt_path)
     from data import open_split
     cfg = ckpt["train_config"]
     tokens = open_split(cfg["dataset"], "val")
@@ -89,7 +89,7 @@ def test_freeze_body_trains_only_the_head(cwt_checkpoint, tmp_path):
                           "--freeze_body", "--eval_batches=1"])
     finetune(cfg)
     before = load_model(str(cwt_checkpoint)).state_dict()
-    after = load_model(str(tmp_path / "ckpt.pt")).state_dict()
+    after = load_model(str(tmp_path / "ckpt.safetensors")).state_dict()
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
     assert not torch.equal(after["lm_head.weight"], before["wte.weight"])
@@ -131,19 +131,23 @@ def test_bad_input(flags, message, cwt_checkpoint, tmp_path):
 # ------------------------------------------------------------- issue 33: contracts 1, 5 (docs/failures.md)
 
 FINETUNE_CASES = {  # case: (flags, given tmp_path and a run folder holding a checkpoint; what the one line says)
-    "--ckpt=D/ckpt.pt --out_dir=D --overwrite": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--out_dir={run}",
-                                                                 "--overwrite"],
-                                                 "--out_dir={run}/ckpt.pt is also an input of this command"),
-    "--ckpt of a run still training": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--out_dir={t / 'ft'}"],
-                                       "--ckpt={run}/ckpt.pt is the checkpoint of a run still training in {run}"),
-    "--init_from": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", f"--init_from={t / 'x.pt'}", f"--out_dir={t / 'ft'}"],
-                    "changes nothing in finetune.py (it starts from --ckpt)"),
-    "--budget_fraction with --max_iters": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", "--budget_fraction=0.1",
-                                                           "--max_iters=3", f"--out_dir={t / 'ft'}"],
-                                           "--budget_fraction=0.1 changes nothing with --max_iters or --tokens"),
-    "--tokens with --max_iters": (lambda t, run: [f"--ckpt={run / 'ckpt.pt'}", "--tokens=1000", "--max_iters=3",
-                                                  f"--out_dir={t / 'ft'}"],
-                                  "--tokens=1000 changes nothing with --max_iters"),
+    "--ckpt=D/ckpt.safetensors --out_dir=D --overwrite": (
+        lambda t, run: [f"--ckpt={run / 'ckpt.safetensors'}", f"--out_dir={run}", "--overwrite"],
+        "--out_dir={run}/ckpt.safetensors is also an input of this command"),
+    "--ckpt of a run still training": (
+        lambda t, run: [f"--ckpt={run / 'ckpt.safetensors'}", f"--out_dir={t / 'ft'}"],
+        "--ckpt={run}/ckpt.safetensors is the checkpoint of a run still training in {run}"),
+    "--init_from": (
+        lambda t, run: [f"--ckpt={run / 'ckpt.safetensors'}", f"--init_from={t / 'x.pt'}", f"--out_dir={t / 'ft'}"],
+        "changes nothing in finetune.py (it starts from --ckpt)"),
+    "--budget_fraction with --max_iters": (
+        lambda t, run: [f"--ckpt={run / 'ckpt.safetensors'}", "--budget_fraction=0.1", "--max_iters=3",
+                        f"--out_dir={t / 'ft'}"],
+        "--budget_fraction=0.1 changes nothing with --max_iters or --tokens"),
+    "--tokens with --max_iters": (
+        lambda t, run: [f"--ckpt={run / 'ckpt.safetensors'}", "--tokens=1000", "--max_iters=3",
+                        f"--out_dir={t / 'ft'}"],
+        "--tokens=1000 changes nothing with --max_iters"),
 }
 
 
@@ -151,7 +155,7 @@ FINETUNE_CASES = {  # case: (flags, given tmp_path and a run folder holding a ch
 def test_finetune_refuses_each_case_in_one_line_and_changes_nothing(case, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "ckpt.pt").write_bytes(b"a checkpoint: never read, the refusal comes first")
+    (run / "ckpt.safetensors").write_bytes(b"a checkpoint: never read, the refusal comes first")
     flags, words = FINETUNE_CASES[case]
     with common.hold_lock(run, "training run") if "still training" in case else contextlib.nullcontext():
         before = tree_state(tmp_path)

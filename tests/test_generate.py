@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import refusal
+from helpers import refusal, save_ckpt
 
 from common import run_main
 from data import load_tokenizer
@@ -169,8 +169,8 @@ def test_stream_never_prints_half_a_character():
 def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     m = build_model("tiny", 50304, d_model=32, n_layer=1, n_head=2, block_size=64)
-    path = tmp_path_factory.mktemp("gen") / "ckpt.pt"
-    torch.save({"model": m.state_dict(), "model_config": dataclasses.asdict(m.config),
+    path = tmp_path_factory.mktemp("gen") / "ckpt.safetensors"
+    save_ckpt({"model": m.state_dict(), "model_config": dataclasses.asdict(m.config),
                 "data_meta": {"tokenizer": "gpt2", "vocab_size": 50257},
                 "train_config": {"loss": "cwt"}}, path)
     return str(path)

@@ -82,7 +82,7 @@ def test_mlm_pretraining_then_glue_well_above_chance(tiny_data_dir, tmp_path, mo
                             max_iters=20, warmup_iters=2, eval_interval=20, eval_batches=1,
                             out_dir=str(tmp_path / "mlm"), device="cpu", seed=0))
     data = keyword_task(tmp_path / "sst2")
-    result = glue.main([f"--ckpt={tmp_path / 'mlm' / 'ckpt.pt'}", "--task=sst2", f"--data={data}",
+    result = glue.main([f"--ckpt={tmp_path / 'mlm' / 'ckpt.safetensors'}", "--task=sst2", f"--data={data}",
                         "--epochs=2", "--batch_size=16", "--lr=2e-3", f"--json={tmp_path / 'r.json'}",
                         "--device=cpu"])
     assert result["accuracy"] > 0.85 and result["score"] == result["accuracy"]  # chance is 0.5

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_log, tiny_config
+from helpers import read_ckpt, read_log, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import common
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 
 def saved(out_dir: Path) -> dict:
-    return torch.load(Path(out_dir) / "ckpt.pt", weights_only=True)
+    return read_ckpt(Path(out_dir) / "ckpt.safetensors")
 
 
 # ------------------------------------------------------------------------------------------ the model's settings
@@ -79,7 +79,7 @@ def base_run(tiny_data_dir, tmp_path_factory):
 ])
 def test_a_run_from_a_checkpoint_refuses_a_model_flag_that_contradicts_it(base_run, tiny_data_dir, tmp_path, flag,
                                                                            value, message):
-    ckpt = base_run / "ckpt.pt"
+    ckpt = base_run / "ckpt.safetensors"
     runs = [(train.train, tiny_config(tiny_data_dir, tmp_path / "a", init_from=str(ckpt), **{flag: value}))]
     if flag != "block_size":  # finetune.py refuses a longer block before it looks at any data, in its own words
         runs.append((finetune.finetune, finetune.FinetuneConfig(ckpt=str(ckpt), out_dir=str(tmp_path / "b"),
@@ -92,7 +92,7 @@ def test_a_run_from_a_checkpoint_refuses_a_model_flag_that_contradicts_it(base_r
 
 def test_a_run_from_a_checkpoint_keeps_its_model_and_may_change_dropout_and_shorten_the_block(base_run, tiny_data_dir,
                                                                                               tmp_path):
-    ckpt = base_run / "ckpt.pt"
+    ckpt = base_run / "ckpt.safetensors"
     train.train(tiny_config(tiny_data_dir, tmp_path / "same", init_from=str(ckpt), max_iters=1, eval_interval=1,
                             n_layer=2, block_size=None))
     same = saved(tmp_path / "same")
@@ -165,11 +165,11 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
         return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
                               env=env, timeout=300)
     assert run("--mlp=swiglu", "--out_dir=a").returncode == 0
-    assert torch.load(fork / "a" / "ckpt.pt", weights_only=True)["model_config"]["mlp"] == "swiglu"
+    assert read_ckpt(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
     bad = run("--mlp=relu", "--out_dir=b")
     assert bad.returncode == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad.stderr
-    other = run("--mlp=gelu", "--init_from=a/ckpt.pt", "--out_dir=c")
-    assert other.returncode == 2 and "--mlp=gelu but a/ckpt.pt holds a model with mlp=swiglu" in other.stderr
+    other = run("--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c")
+    assert other.returncode == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other.stderr
 
 
 # ------------------------------------------------------------------------------------------ the objective
@@ -227,7 +227,7 @@ def test_a_learned_piece_of_the_objective_trains_saves_resumes_and_is_scored_wit
     assert read_log(tmp_path / "resumed")[-1]["val_cwt"] == read_log(tmp_path / "straight")[-1]["val_cwt"]
     # eval.py and compare.py score through objective_of: the checkpoint's learned temperature, no edit there
     import eval as evaluation
-    result = evaluation.main([f"--ckpt={tmp_path / 'straight' / 'ckpt.pt'}", "--task=val", "--max_batches=2",
+    result = evaluation.main([f"--ckpt={tmp_path / 'straight' / 'ckpt.safetensors'}", "--task=val", "--max_batches=2",
                               "--batch_size=8", f"--data_root={tiny_data_dir.parent}"])
     assert result["val_cwt"] == pytest.approx(read_log(tmp_path / "straight")[-1]["val_cwt"], rel=1e-6)
 
@@ -243,7 +243,7 @@ def test_a_resume_from_a_checkpoint_without_the_declared_piece_is_refused_in_one
     assert "its objective holds 'nothing', not the 'log_temperature [] float32' this run's objective declares" in \
         message and "\n" not in message and "--init_from=" in message
     # from another run's weights, a piece the source lacks starts fresh
-    train.train(tiny_config(tiny_data_dir, tmp_path / "new", init_from=str(out / "ckpt.pt"), max_iters=1,
+    train.train(tiny_config(tiny_data_dir, tmp_path / "new", init_from=str(out / "ckpt.safetensors"), max_iters=1,
                             eval_interval=1))
     assert "log_temperature" in saved(tmp_path / "new")["objective"]
 
@@ -261,8 +261,8 @@ def test_a_finetune_reads_on_in_its_pretrainings_stream(tiny_data_dir, tmp_path,
     train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=4, grad_accum=2, eval_interval=4, **small))
     assert read == list(range(8))
     read.clear()
-    finetune.finetune(finetune.FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.pt"), out_dir=str(tmp_path / "ft"),
-                                              device="cpu", max_iters=3, eval_interval=3))
+    finetune.finetune(finetune.FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.safetensors"),
+                                              out_dir=str(tmp_path / "ft"), device="cpu", max_iters=3, eval_interval=3))
     assert read == list(range(8, 14))
     assert saved(tmp_path / "ft")["state"]["micro_batches"] == 14
     assert saved(tmp_path / "ft")["train_config"]["seed"] == 0 == saved(tmp_path / "cwt")["train_config"]["seed"]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import read_ckpt, save_ckpt
 
 import hf
 import train
@@ -71,8 +72,8 @@ def checkpoints(tiny_data_dir, tmp_path_factory):
         for loss in ("cwt", "ce"):
             train.train(train.TrainConfig(**common, loss=loss, out_dir=str(root / loss)))
         ft = {**common, "max_iters": 2, "lr": 1e-3}
-        finetune(FinetuneConfig(**ft, ckpt=str(root / "cwt/ckpt.pt"), out_dir=str(root / "ft")))
-    return {name: root / name / "ckpt.pt" for name in ("cwt", "ce", "ft")}
+        finetune(FinetuneConfig(**ft, ckpt=str(root / "cwt/ckpt.safetensors"), out_dir=str(root / "ft")))
+    return {name: root / name / "ckpt.safetensors" for name in ("cwt", "ce", "ft")}
 
 
 @pytest.mark.parametrize("name", ["cwt", "ce", "ft"])
@@ -141,13 +142,13 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     expected = train.evaluate(train.Objective(ours, train.LossConfig("cwt")), tokens, 4, 32, torch.device("cpu"),
                               max_batches=1)
     assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
-    continued = torch.load(tmp_path / "cont" / "ckpt.pt", weights_only=True)["train_config"]
+    continued = read_ckpt(tmp_path / "cont" / "ckpt.safetensors")["train_config"]
     assert continued["preset"] == "tiny"  # the source model's shape, and so its recipe
     with pytest.raises(UserError, match="holds a tiny model; start from it with --preset=tiny"):
         train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", preset="pythia-70m", max_iters=1,
                                       out_dir=str(tmp_path / "other")))
     tuned = finetune(FinetuneConfig(**settings, ckpt=f"hf:{out}", max_iters=1, out_dir=str(tmp_path / "ft")))
-    assert tuned["step"] == 1 and load_model(str(tmp_path / "ft" / "ckpt.pt")).lm_head is not None
+    assert tuned["step"] == 1 and load_model(str(tmp_path / "ft" / "ckpt.safetensors")).lm_head is not None
 
 
 def test_architectures_without_a_transformers_class_are_refused(tmp_path):
@@ -155,8 +156,8 @@ def test_architectures_without_a_transformers_class_are_refused(tmp_path):
     with pytest.raises(UserError, match="masked-LM encoder .* has no exact transformers"):
         hf.hf_config(encoder, 0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16, norm="rmsnorm"))
-    ckpt = tmp_path / "ckpt.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    ckpt = tmp_path / "ckpt.safetensors"
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2"}}, ckpt)
     with pytest.raises(UserError, match="no exact transformers class"):
         hf.export(str(ckpt), str(tmp_path / "hf"))
@@ -168,8 +169,8 @@ def test_no_bias_and_tanh_gelu_export_exactly(tmp_path):
     model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=2, n_head=2, d_model=16, bias=False,
                           gelu="tanh", parallel_residual=False, rotary_pct=1.0, lm_head=True))
     perturb_(model)
-    ckpt = tmp_path / "ckpt.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    ckpt = tmp_path / "ckpt.safetensors"
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2"}}, ckpt)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf.export(str(ckpt), str(tmp_path / "hf")))
     idx = torch.randint(0, 50257, (1, 16))
@@ -213,9 +214,9 @@ def test_export_command_line(checkpoints, tmp_path, capsys):
 
 
 def test_a_model_with_non_finite_weights_is_not_exported(checkpoints, tmp_path):
-    ckpt = torch.load(checkpoints["ce"], weights_only=True)
+    ckpt = read_ckpt(checkpoints["ce"])
     ckpt["model"]["blocks.0.mlp.up.weight"][0, 0] = float("nan")
-    torch.save(ckpt, tmp_path / "nan.pt")
+    save_ckpt(ckpt, tmp_path / "nan.pt")
     with pytest.raises(UserError, match="weight blocks.0.mlp.up.weight is not finite") as e:
         hf.export(str(tmp_path / "nan.pt"), str(tmp_path / "hf"))
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()

@@ -383,7 +383,7 @@ def test_tokenizer_file_faults_are_one_line(folder, fault):
 def small_ckpt(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16))
-    path = tmp_path_factory.mktemp("export") / "ckpt.pt"
+    path = tmp_path_factory.mktemp("export") / "ckpt.safetensors"
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2"}}, path)
     return path
@@ -514,7 +514,7 @@ def glue_ckpt(tmp_path_factory) -> Path:
     """A tiny encoder over GPT-2's vocabulary."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=2, d_model=16, causal=False))
-    path = tmp_path_factory.mktemp("glue") / "ckpt.pt"
+    path = tmp_path_factory.mktemp("glue") / "ckpt.safetensors"
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2"}}, path)
     return path
@@ -699,11 +699,11 @@ def test_export_never_reads_a_tokenizer_file_a_checkpoint_names(small_ckpt, tmp_
     (tmp_path / "theirs").mkdir()
     bpe.save_tokenizer_json(bpe.train_bpe(["someone else's text"], 260), tmp_path / "theirs" / "tokenizer.json")
     ckpt["data_meta"] = {"tokenizer": str(tmp_path / "theirs" / "tokenizer.json")}
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+    torch.save(ckpt, tmp_path / "ckpt.safetensors")
     with pytest.raises(UserError) as e:
-        hf.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "hf"))
+        hf.export(str(tmp_path / "ckpt.safetensors"), str(tmp_path / "hf"))
     one_line(e, "data_meta names its tokenizer by a file", "never opened")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "theirs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors", "theirs"]
 
 
 # ----------------------------------------------------------------------------------------------

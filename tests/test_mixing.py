@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import read_ckpt
 from hypothesis import given, settings, strategies as st
 
 import data
@@ -77,7 +78,7 @@ def test_a_mixed_run_validates_each_source_and_resumes_exactly(languages, tmp_pa
     val = straight["val"]
     assert val["val_ce"] == pytest.approx((val["val_ce_big"] + val["val_ce_small"]) / 2)  # unweighted mean
     assert {"val_cwt_big", "val_acc_small", "val_bpb_big"} <= set(val)
-    ckpt = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "a" / "ckpt.safetensors")
     assert set(ckpt["mix"]) == {"big", "small"} and sum(ckpt["mix"].values()) == pytest.approx(1.0)
     train.train(config(root, tmp_path / "b", max_iters=3))
     train.train(config(root, tmp_path / "b", resume=True))
@@ -129,7 +130,7 @@ def test_an_encoder_on_a_wordpiece_mix_masks_with_its_own_mask_id(tmp_path):
         dataset="xx,yy", data_root=str(tmp_path / "data"), objective="mlm", preset="tiny", block_size=16,
         batch_size=4, max_iters=3, eval_interval=3, eval_batches=1, out_dir=str(tmp_path / "mlm"), device="cpu"))
     assert summary["step"] == 3 and "val_ce_xx" in summary["val"]
-    ckpt = torch.load(tmp_path / "mlm" / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "mlm" / "ckpt.safetensors")
     assert ckpt["mask_spec"]["mask_token"] == 4 and ckpt["tokenizer_json"]  # its own [MASK], carried along
     assert list(ckpt["mask_spec"]["special_tokens"]) == [0, 1, 2, 3, 4]
 
@@ -157,8 +158,8 @@ def test_the_fine_tune_draws_its_sources_as_the_pre_training_did(languages, alph
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(__import__("model").PRESETS, "tiny", dict(n_layer=1, n_head=2, d_model=32, block_size=64))
         train.train(config(root, out / "pre", max_iters=1, eval_interval=1, eval_batches=1, mix_alpha=alpha))
-        finetune(FinetuneConfig(ckpt=str(out / "pre" / "ckpt.pt"), data_root=str(root), out_dir=str(out / "ft"),
-                                max_iters=1, eval_batches=1, device="cpu"))
+        finetune(FinetuneConfig(ckpt=str(out / "pre" / "ckpt.safetensors"), data_root=str(root),
+                                out_dir=str(out / "ft"), max_iters=1, eval_batches=1, device="cpu"))
     for run in ("pre", "ft"):
-        mix = torch.load(out / run / "ckpt.pt", weights_only=True)["mix"]
+        mix = read_ckpt(out / run / "ckpt.safetensors")["mix"]
         assert [mix[n] for n in names] == pytest.approx(list(expected / expected.sum()), rel=1e-9), run

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import save_ckpt
 
 from model import GPT, PRESETS, GPTConfig, KVCache, adamw, build_model, load_model, padded_vocab_size
 
@@ -149,15 +150,15 @@ def test_weight_decay_groups():
 
 def test_load_model_round_trip(tmp_path):
     model = small_model(lm_head=True)
-    path = tmp_path / "ckpt.pt"
+    path = tmp_path / "ckpt.safetensors"
     # compiled models prefix their weights with _orig_mod.; load_model must accept both
     state = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
-    torch.save({"model": state, "model_config": dataclasses.asdict(model.config)}, path)
+    save_ckpt({"model": state, "model_config": dataclasses.asdict(model.config)}, path)
     loaded = load_model(str(path))
     assert not loaded.training and loaded.lm_head is not None
     idx = torch.randint(0, 97, (1, 6))
     torch.testing.assert_close(loaded(idx), model(idx))
-    torch.save({"weights": state}, path)
+    save_ckpt({"weights": state}, path)
     with pytest.raises(ValueError, match="not a headless-lm checkpoint"):
         load_model(str(path))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import read_log, run_cli, tiny_config
+from helpers import read_ckpt, read_log, run_cli, tiny_config
 from hypothesis import example, given, settings, strategies as st
 
 import data
@@ -35,7 +35,7 @@ def without_timing(records: list[dict]) -> list[dict]:
 
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out_dir / "ckpt.pt", weights_only=True)["model"]
+    return read_ckpt(out_dir / "ckpt.safetensors")["model"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_a_stop_in_the_last_step_is_not_done(tiny_data_dir, tmp_path):
         mp.setattr(data.BatchSampler, "get", lambda self, i: (signal.raise_signal(signal.SIGINT) if i == 11
                                                               else None) or real_get(self, i))
         stopped = train.train(cfg)
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["state"]
+    state = read_ckpt(tmp_path / "ckpt.safetensors")["state"]
     assert stopped["interrupted"] and stopped["step"] == 6 and state["val_step"] == 3
     resumed = train.train(dataclasses.replace(cfg, resume=True))
     assert not resumed["interrupted"] and resumed["val"] != stopped["val"]
@@ -117,17 +117,17 @@ def test_a_stopped_training_exits_with_the_signals_code_after_its_save(name, tin
              "--eval_batches=2", f"--out_dir={tmp_path}", "--device=cpu"]
     code, _, err = run_cli(train.main, flags, monkeypatch, capsys)
     assert code == SIGNALS[name] and "continue with --resume" in err
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 3
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 3
 
 
 def test_a_stopped_finetune_exits_143(tiny_data_dir, straight, tmp_path, monkeypatch, capsys):
     real_get = data.BatchSampler.get
-    second = torch.load(straight[0] / "ckpt.pt", weights_only=True)["state"]["micro_batches"] + 1  # reads on there
+    second = read_ckpt(straight[0] / "ckpt.safetensors")["state"]["micro_batches"] + 1  # reads on there
     monkeypatch.setattr(data.BatchSampler, "get", lambda self, i: (signal.raise_signal(signal.SIGTERM) if i == second
                                                                    else None) or real_get(self, i))
-    flags = [f"--ckpt={straight[0] / 'ckpt.pt'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1"]
+    flags = [f"--ckpt={straight[0] / 'ckpt.safetensors'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1"]
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
-    assert code == 143 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert code == 143 and read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
 
 
 def test_a_frozen_body_is_charged_its_forward_and_the_heads_gradient(tiny_data_dir, straight, tmp_path):
@@ -135,8 +135,8 @@ def test_a_frozen_body_is_charged_its_forward_and_the_heads_gradient(tiny_data_d
     n, d, layers, v, t = model.num_params(False), 64, 2, 50304, 32
     assert model.flops_per_token(t, v, body_backward=False) == 2 * n + 4 * layers * d * t + 4 * d * v
     assert model.flops_per_token(t, v) == 6 * n + 12 * layers * d * t + 6 * d * v
-    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, eval_interval=2, init_from=str(straight[0] / "ckpt.pt"),
-                      add_lm_head=True, freeze_body=True, loss="ce")
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, eval_interval=2,
+                      init_from=str(straight[0] / "ckpt.safetensors"), add_lm_head=True, freeze_body=True, loss="ce")
     summary = train.train(cfg)
     spent = summary["flops"] - straight[1]["flops"]
     assert spent == pytest.approx(2 * 8 * 32 * model.flops_per_token(32, 50304, body_backward=False), rel=1e-12)

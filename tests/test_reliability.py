@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import refused_before_any_work
-from helpers import read_log, tiny_config as train_tiny_config
+from helpers import read_ckpt, read_log, tiny_config as train_tiny_config
 
 import common
 import data
@@ -49,7 +49,7 @@ def without_timing(records: list[dict]) -> list[dict]:
 def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir, tmp_path, monkeypatch):
     cfg = tiny_config(tiny_data_dir, tmp_path)
     train.train(cfg)
-    good = (tmp_path / "ckpt.pt").read_bytes()
+    good = (tmp_path / "ckpt.safetensors").read_bytes()
     # The issue's reproduction: `--resume --lr=inf`, Ctrl-C during the first step. That step's loss is
     # finite (computed before the update) but the update makes every weight non-finite.
     real_lr, real_step = train.lr_at, train.optimizer_step
@@ -60,10 +60,10 @@ def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir,
         signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(train, "optimizer_step", step_then_interrupt)
-    with pytest.raises(UserError, match=r"not saving .*ckpt.pt: weight \S+ is not finite at step 5; the last "
-                                        r"good checkpoint is .*ckpt.pt \(step 4\)"):
+    with pytest.raises(UserError, match=r"not saving .*ckpt.safetensors: weight \S+ is not finite at step 5; the last "
+                                        r"good checkpoint is .*ckpt.safetensors \(step 4\)"):
         train.train(resumed(cfg, max_iters=8))
-    assert (tmp_path / "ckpt.pt").read_bytes() == good
+    assert (tmp_path / "ckpt.safetensors").read_bytes() == good
     assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / ".lock").exists()
 
 
@@ -73,10 +73,10 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
                          ({"val": {"val_ce": math.inf}}, "val_ce is inf"),
                          ({"model": {"w": torch.tensor([1.0, math.nan])}}, "weight w is not finite")]:
         with pytest.raises(UserError, match=message):
-            common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, **bad})
+            common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, **bad})
         assert not list(tmp_path.iterdir())
-    common.save_checkpoint(tmp_path / "ckpt.pt", {"model": weights, "step": 3, "loss": 1.5})
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["loss"] == 1.5
+    common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, "loss": 1.5})
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["loss"] == 1.5
 
 
 # ------------------------------------------------------------------------------ 2. one run per folder
@@ -91,7 +91,7 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
     assert "in use by another training run" in message
     assert f"pid {os.getpid()} on {socket.gethostname()}" in message
     assert re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", message) and "\n" not in message
-    assert not (tmp_path / "log.jsonl").exists() and not (tmp_path / "ckpt.pt").exists()
+    assert not (tmp_path / "log.jsonl").exists() and not (tmp_path / "ckpt.safetensors").exists()
 
 
 def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
@@ -163,10 +163,10 @@ def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch
         common.run_main(train.main)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2
-    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.pt; the partial file was "
-                        r"removed and \S+ckpt.pt is unchanged; the last good checkpoint is \S+ckpt.pt \(step 2\)"
-                        r"\. Free some space, then continue with --resume", err), err
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.safetensors; the partial file was "
+                        r"removed and \S+ckpt.safetensors is unchanged; the last good checkpoint is "
+                        r"\S+ckpt.safetensors \(step 2\)\. Free some space, then continue with --resume", err), err
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -204,7 +204,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     with pytest.raises(RuntimeError, match="killed"):
         train.train(cfg)
     monkeypatch.setattr(train, "append_log", real_log)
-    dead = crashed / ".ckpt.pt.headless-lm-999999999.tmp"  # a save interrupted by kill -9 (no such process)
+    dead = crashed / ".ckpt.safetensors.headless-lm-999999999.tmp"  # a save interrupted by kill -9 (no such process)
     live = crashed / f".results.json.headless-lm-{os.getpid()}.tmp"  # another save in progress
     users = crashed / "draft.4242424.tmp"  # a user's own file that only looks like a temp file
     dead.write_bytes(b"partial")
@@ -264,7 +264,7 @@ def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_pat
     with pytest.raises(SystemExit) as e:
         common.run_main(lambda argv: train.train(cfg))
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2  # the save completed
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2  # the save completed
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -274,7 +274,7 @@ def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_pat
 def test_resume_refuses_another_preset_and_explains_a_longer_schedule(tiny_data_dir, tmp_path, capsys):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2)
     train.train(cfg)
-    with pytest.raises(UserError, match="--preset=pythia-70m but .*ckpt.pt holds a tiny model; resume with "
+    with pytest.raises(UserError, match="--preset=pythia-70m but .*ckpt.safetensors holds a tiny model; resume with "
                                         "--preset=tiny"):
         train.train(resumed(cfg, preset="pythia-70m", max_iters=4))
     capsys.readouterr()
@@ -287,23 +287,23 @@ def test_resume_refuses_another_preset_and_explains_a_longer_schedule(tiny_data_
 def test_resume_keeps_the_runs_schedule_and_refuses_another_experiment(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=20, warmup_iters=None, eval_interval=20)
     train.train(dataclasses.replace(cfg, max_iters=10))
-    recorded = lambda: torch.load(tmp_path / "ckpt.pt", weights_only=True)["train_config"]  # noqa: E731
+    recorded = lambda: read_ckpt(tmp_path / "ckpt.safetensors")["train_config"]  # noqa: E731
     assert (recorded()["warmup_iters"], recorded()["min_lr"]) == (1, 1e-4)  # tiny's recipe: 10%, lr / 10
     train.train(resumed(cfg))  # extended to 20 steps: the warmup stays 1 step, not 10% of 20
     assert (recorded()["warmup_iters"], recorded()["max_iters"]) == (1, 20)
     for change in (dict(loss="ce"), dict(batch_size=2), dict(block_size=16), dict(init_from="other.pt")):
         key = next(iter(change))
-        with pytest.raises(UserError, match=f"--{key}=.* but .*ckpt.pt was trained with --{key}="):
+        with pytest.raises(UserError, match=f"--{key}=.* but .*ckpt.safetensors was trained with --{key}="):
             train.train(resumed(cfg, max_iters=30, **change))
 
 
 def test_resuming_a_finished_run_adds_nothing(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path)
     train.train(cfg)
-    log, ckpt = (tmp_path / "log.jsonl").read_bytes(), (tmp_path / "ckpt.pt").read_bytes()
+    log, ckpt = (tmp_path / "log.jsonl").read_bytes(), (tmp_path / "ckpt.safetensors").read_bytes()
     summary = train.train(dataclasses.replace(cfg, resume="auto"))  # e.g. a scheduler's relaunch
     assert summary["step"] == 4 and summary["val"] is not None
-    assert (tmp_path / "log.jsonl").read_bytes() == log and (tmp_path / "ckpt.pt").read_bytes() == ckpt
+    assert (tmp_path / "log.jsonl").read_bytes() == log and (tmp_path / "ckpt.safetensors").read_bytes() == ckpt
 
 
 def test_finetune_recipe_of_a_shape_without_one():
@@ -327,19 +327,19 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     model = build_model("tiny", 64, d_model=32, n_layer=1, n_head=2, block_size=16)
     config = dataclasses.asdict(model.config)
     wider = {"model": model.state_dict(), "model_config": {**config, "d_model": 64}}
-    with pytest.raises(UserError, match=r"ckpt.pt does not match this model code: tensor wte.weight has "
+    with pytest.raises(UserError, match=r"ckpt.safetensors does not match this model code: tensor wte.weight has "
                                         r"shape \[64, 32\] in the weights but \[64, 64\] in the model"):
-        common.checkpoint_model(wider, "ckpt.pt")
+        common.checkpoint_model(wider, "ckpt.safetensors")
     deeper = {"model": model.state_dict(), "model_config": {**config, "n_layer": 2}}
     with pytest.raises(UserError, match=r"the weights hold 1 layers but the config says 2"):
-        common.checkpoint_model(deeper, "ckpt.pt")
+        common.checkpoint_model(deeper, "ckpt.safetensors")
     missing = {"model": {k: v for k, v in model.state_dict().items() if "mlp" not in k}, "model_config": config}
     with pytest.raises(UserError, match=r"tensor blocks.0.mlp.\S+ \(and 3 more\) missing from the weights"):
-        common.checkpoint_model(missing, "ckpt.pt")
+        common.checkpoint_model(missing, "ckpt.safetensors")
     # a config's sizes are never trusted: a million layers costs nothing before the weights are compared
     huge = {"model": model.state_dict(), "model_config": {**config, "n_layer": 10**6, "d_model": 10**6}}
     with pytest.raises(UserError, match="the weights hold 1 layers but the config says 1000000"):
-        common.checkpoint_model(huge, "ckpt.pt")
+        common.checkpoint_model(huge, "ckpt.safetensors")
 
 
 # ---------------------------------------------------------------------- issue 33, contract 5: one line means one line
@@ -382,4 +382,4 @@ def test_a_signal_at_a_runs_very_end_stops_the_whole_command(tiny_data_dir, tmp_
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2)
     summary = train.train(cfg)
     assert summary["interrupted"] and summary["signal"] == signal.SIGTERM and summary["step"] == 2
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import read_ckpt, save_ckpt, tiny_config
 
 import data
 import finetune
@@ -28,40 +28,40 @@ def untied_ce(tiny_data_dir, tmp_path_factory):
         import model
         mp.setitem(model.PRESETS, "tiny", dict(n_layer=2, n_head=2, d_model=64, block_size=64))
         train.train(tiny_config(tiny_data_dir, out, loss="ce", untied_head=True, max_iters=4, eval_interval=4))
-    return out / "ckpt.pt"
+    return out / "ckpt.safetensors"
 
 
 def test_cwt_from_a_checkpoint_with_a_head_drops_it_and_says_so(untied_ce, tiny_data_dir, tmp_path, capsys):
     train.train(tiny_config(tiny_data_dir, tmp_path, loss="cwt", init_from=str(untied_ce), max_iters=2))
     assert "has an untied LM head, but --loss=cwt trains a headless model: the head is dropped" in \
         capsys.readouterr().err
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
     assert "lm_head.weight" not in ckpt["model"] and ckpt["model_config"]["lm_head"] is False
 
 
 def test_ce_from_a_checkpoint_with_a_head_keeps_and_trains_it(untied_ce, tiny_data_dir, tmp_path):
-    before = torch.load(untied_ce, weights_only=True)["model"]["lm_head.weight"]
+    before = read_ckpt(untied_ce)["model"]["lm_head.weight"]
     train.train(tiny_config(tiny_data_dir, tmp_path, loss="ce", init_from=str(untied_ce), max_iters=2))
-    after = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]["lm_head.weight"]
+    after = read_ckpt(tmp_path / "ckpt.safetensors")["model"]["lm_head.weight"]
     assert not torch.equal(before, after)
 
 
 def test_untied_head_with_init_from_makes_a_head_from_the_embeddings(tiny_data_dir, tmp_path):
     train.train(tiny_config(tiny_data_dir, tmp_path / "tied", loss="ce", max_iters=2))
-    tied = torch.load(tmp_path / "tied" / "ckpt.pt", weights_only=True)["model"]
+    tied = read_ckpt(tmp_path / "tied" / "ckpt.safetensors")["model"]
     cfg = tiny_config(tiny_data_dir, tmp_path / "untied", loss="ce", untied_head=True, max_iters=1, lr=1e-9,
-                      init_from=str(tmp_path / "tied" / "ckpt.pt"))
+                      init_from=str(tmp_path / "tied" / "ckpt.safetensors"))
     train.train(cfg)
-    head = torch.load(tmp_path / "untied" / "ckpt.pt", weights_only=True)["model"]["lm_head.weight"]
+    head = read_ckpt(tmp_path / "untied" / "ckpt.safetensors")["model"]["lm_head.weight"]
     torch.testing.assert_close(head, tied["wte.weight"], rtol=0, atol=1e-6)  # E, barely moved by lr 1e-9
 
 
 def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_dir, tmp_path, capsys):
     train.train(tiny_config(tiny_data_dir, tmp_path / "base", max_iters=2))
-    ckpt = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "base" / "ckpt.safetensors")
     for key in ("tokens_seen", "base_tokens", "flops", "base_flops", "state"):  # an imported (hf:) model's none
         ckpt.pop(key)
-    torch.save(ckpt, tmp_path / "imported.pt")
+    save_ckpt(ckpt, tmp_path / "imported.pt")
     cfg = finetune.FinetuneConfig(ckpt=str(tmp_path / "imported.pt"), out_dir=str(tmp_path / "ft"))
     with pytest.raises(UserError, match=r"records no pre-training tokens .* pass --tokens=N or --max_iters=N "
                                         r"\(Pythia: 2% of 300B is --tokens=6e9\)"):
@@ -144,18 +144,18 @@ def test_resuming_with_another_grad_accum_continues_with_the_next_unseen_batch(t
     summary = train.train(dataclasses.replace(cfg, grad_accum=1, max_iters=5, resume=True))
     assert seen == [6, 7]  # not 3, 4: the data position is the count of micro-batches consumed
     assert summary["tokens"] == (6 + 2) * 8 * 32  # summed as spent, not steps x today's tokens per step
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["state"]
+    state = read_ckpt(tmp_path / "ckpt.safetensors")["state"]
     assert (state["micro_batches"], state["tokens"]) == (8, 8 * 8 * 32)
 
 
 def test_a_checkpoint_from_before_the_count_is_refused_for_resume_and_starts_a_run(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path / "old", grad_accum=2, max_iters=3, eval_interval=10)
     train.train(cfg)
-    ckpt = torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "old" / "ckpt.safetensors")
     del ckpt["state"]  # as written before the data position was counted
-    torch.save(ckpt, tmp_path / "old" / "ckpt.pt")
+    save_ckpt(ckpt, tmp_path / "old" / "ckpt.safetensors")
     with pytest.raises(UserError, match="cannot resume exactly; start a new run from its weights with --init_from="):
         train.train(dataclasses.replace(cfg, max_iters=4, resume=True))
     summary = train.train(dataclasses.replace(cfg, out_dir=str(tmp_path / "new"), init_from=str(tmp_path / "old" /
-                                                                                              "ckpt.pt")))
+                                                                                              "ckpt.safetensors")))
     assert summary["step"] == 3 and summary["tokens"] == 2 * 3 * 2 * 8 * 32

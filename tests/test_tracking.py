@@ -62,7 +62,7 @@ def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(t
     # resumed, the steps after its checkpoint are purged, and the curves are the finished run's, each step once.
     early = tmp_path / "early"
     train.train(tiny_config(tiny_data_dir, early, **{**SMALL, "max_iters": 2}))
-    shutil.copy(early / "ckpt.pt", out / "ckpt.pt")
+    shutil.copy(early / "ckpt.safetensors", out / "ckpt.safetensors")
     train.train(tiny_config(tiny_data_dir, out, tensorboard=True, resume=True, **SMALL))
     resumed = read_log(out)
     assert [r["step"] for r in resumed] == [r["step"] for r in records]
@@ -75,7 +75,7 @@ def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(t
     assert max(step for points in tensorboard_curves(out / "tb").values() for step, _ in points) == 2
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1 and (out / "tb" / "notes.txt").exists()
     # finetune.py takes the flag as train.py does (its runs are train.py's loop)
-    finetune.finetune(finetune.FinetuneConfig(ckpt=str(out / "ckpt.pt"), max_iters=1, eval_interval=1,
+    finetune.finetune(finetune.FinetuneConfig(ckpt=str(out / "ckpt.safetensors"), max_iters=1, eval_interval=1,
                                               log_interval=1, out_dir=str(tmp_path / "ft"), tensorboard=True))
     assert_same_curves(tensorboard_curves(tmp_path / "ft" / "tb"), expected_curves(read_log(tmp_path / "ft")))
 
@@ -174,7 +174,7 @@ def test_compare_passes_the_flags_to_each_of_its_runs(tmp_path):
     cfg = compare.CompareConfig(out_dir=str(tmp_path), tensorboard=True, wandb=True, wandb_project="p",
                                 wandb_run_name="study")
     runs = [compare.pretrain_config(cfg, "ce", 4, tmp_path / "ce"),
-            compare.finetune_config(cfg, tmp_path / "cwt" / "ckpt.pt", 1, tmp_path / "b2-cwt-s7" / "cwt-ft")]
+            compare.finetune_config(cfg, tmp_path / "cwt" / "ckpt.safetensors", 1, tmp_path / "b2-cwt-s7" / "cwt-ft")]
     assert [(r.tensorboard, r.wandb, r.wandb_project, r.wandb_run_name) for r in runs] == [
         (True, True, "p", "study/ce"), (True, True, "p", "study/b2-cwt-s7/cwt-ft")]
     unnamed = compare.pretrain_config(compare.CompareConfig(out_dir=str(tmp_path)), "ce", 4, tmp_path / "ce")

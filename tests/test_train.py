@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import io_pairs, read_log, refusal, tiny_config, tree_state
+from helpers import io_pairs, read_ckpt, read_log, refusal, tiny_config, tree_state
 
 import common
 import data
@@ -37,9 +37,9 @@ def test_training_reduces_validation_ce(tiny_data_dir, tmp_path, loss):
         assert last["val_ce"] < first["val_ce"] - 0.2, (first, last)
         assert last["val_cwt"] < first["val_cwt"] - 0.15 and last["val_acc"] > first["val_acc"] + 0.05
     # the checkpoint is usable through the public contract
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
     assert ckpt["step"] == 30 and ckpt["data_meta"]["tokenizer"] == "gpt2"
-    model = load_model(str(tmp_path / "ckpt.pt"))
+    model = load_model(str(tmp_path / "ckpt.safetensors"))
     assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 50304)
 
 
@@ -47,7 +47,7 @@ def test_training_reduces_validation_ce(tiny_data_dir, tmp_path, loss):
 def test_ablation_losses_train(tiny_data_dir, tmp_path, loss):
     summary = train.train(tiny_config(tiny_data_dir, tmp_path, loss=loss, max_iters=5, eval_interval=5))
     assert summary["step"] == 5 and torch.isfinite(torch.tensor(summary["loss"]))
-    assert (load_model(str(tmp_path / "ckpt.pt")).lm_head is not None) == (loss == "nce")
+    assert (load_model(str(tmp_path / "ckpt.safetensors")).lm_head is not None) == (loss == "nce")
 
 
 def test_interrupt_then_resume_is_exact(tiny_data_dir, tmp_path, monkeypatch):
@@ -92,19 +92,19 @@ def test_a_resume_naming_no_optimizer_setting_continues_the_run_with_its_own(tin
     def steps(d):
         return {r["step"]: (r["loss"], r["lr"]) for r in read_log(d) if "loss" in r}
     assert steps(resumed) == steps(straight)
-    saved = torch.load(resumed / "ckpt.pt", weights_only=True)
+    saved = read_ckpt(resumed / "ckpt.safetensors")
     assert {k: saved["train_config"][k] for k in OWN_OPTIMIZER} == OWN_OPTIMIZER
     decayed, plain = saved["optimizer"]["param_groups"]
     assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"], decayed["eps"]) == (
-        0.01, 0.0, (0.8, 0.99), 1e-6)
+        0.01, 0.0, [0.8, 0.99], 1e-6)  # the tuple saved as JSON: a list
 
 
 def test_an_optimizer_setting_given_on_resume_applies_from_there_on(tiny_data_dir, tmp_path):
     train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=3, **OWN_OPTIMIZER))
     train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=4, resume=True, weight_decay=0.05, beta2=0.9))
-    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    saved = read_ckpt(tmp_path / "ckpt.safetensors")
     decayed, plain = saved["optimizer"]["param_groups"]
-    assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"]) == (0.05, 0.0, (0.8, 0.9))
+    assert (decayed["weight_decay"], plain["weight_decay"], decayed["betas"]) == (0.05, 0.0, [0.8, 0.9])
     assert (saved["train_config"]["weight_decay"], saved["train_config"]["lr"]) == (0.05, 5e-4)
 
 
@@ -129,11 +129,11 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
                                                   message):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2, log_interval=log_interval)
     train.train(cfg)
-    good = (tmp_path / "ckpt.pt").read_bytes()
+    good = (tmp_path / "ckpt.safetensors").read_bytes()
     make_loss_nan_from_call(monkeypatch, 2)
     with pytest.raises(UserError, match=message):
         train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8, "overwrite": True}))
-    assert (tmp_path / "ckpt.pt").read_bytes() == good
+    assert (tmp_path / "ckpt.safetensors").read_bytes() == good
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -185,7 +185,7 @@ def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
                       f'eval_batches = 1\ndevice = "cpu"\nout_dir = "{tmp_path / "out"}"\n')
     result = run_train(f"--config={config}", "--loss=ce")
     assert result.returncode == 0, result.stderr
-    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["train_config"]["loss"] == "ce"
+    assert read_ckpt(tmp_path / "out" / "ckpt.safetensors")["train_config"]["loss"] == "ce"
     assert "tok/s" in result.stderr and "ETA" in result.stderr
     result = run_train(f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}")
     assert result.returncode == 2 and "not found" in result.stderr
@@ -228,9 +228,9 @@ def test_docs_training_table_gives_the_default_help_prints_for_each_flag_it_list
 
 
 def a_run(tmp_path: Path) -> Path:
-    """A folder holding what a run writes (a stand-in ckpt.pt: every case here is refused before it is read)."""
+    """A folder holding what a run writes (a stand-in checkpoint: every case here is refused before it is read)."""
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "ckpt.pt").write_bytes(b"a checkpoint")
+    (tmp_path / "run" / "ckpt.safetensors").write_bytes(b"a checkpoint")
     (tmp_path / "run" / "log.jsonl").write_text('{"step": 0, "tokens": 0}\n')
     return tmp_path / "run"
 
@@ -248,16 +248,16 @@ def evil_dataset(data_dir: Path, tmp_path: Path, source: str) -> Path:
 
 FLAGS = ["--preset=tiny", "--block_size=32", "--batch_size=4", "--max_iters=2", "--eval_batches=1", "--device=cpu"]
 TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test dataset; what the one line says)
-    "init_from its own out_dir's ckpt.pt, --overwrite": (
-        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.pt'}", f"--out_dir={t / 'run'}", "--overwrite"],
-        "--out_dir={t}/run/ckpt.pt is also an input of this command (--init_from={t}/run/ckpt.pt)"),
-    "--overwrite over a ckpt.pt that is a folder": (
-        lambda t, d: (t / "o" / "ckpt.pt").mkdir(parents=True) or [f"--out_dir={t / 'o'}", "--overwrite"],
-        "{t}/o/ckpt.pt is a folder or not a regular file, not a run's checkpoint"),
-    "--overwrite over a ckpt.pt that is not a run's": (
-        lambda t, d: (t / "o").mkdir() or (t / "o" / "ckpt.pt").write_text("a user's file") and
+    "init_from its own out_dir's ckpt.safetensors, --overwrite": (
+        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.safetensors'}", f"--out_dir={t / 'run'}", "--overwrite"],
+        "--out_dir={t}/run/ckpt.safetensors is also an input of this command (--init_from={t}/run/ckpt.safetensors)"),
+    "--overwrite over a ckpt.safetensors that is a folder": (
+        lambda t, d: (t / "o" / "ckpt.safetensors").mkdir(parents=True) or [f"--out_dir={t / 'o'}", "--overwrite"],
+        "{t}/o/ckpt.safetensors is a folder or not a regular file, not a run's checkpoint"),
+    "--overwrite over a ckpt.safetensors that is not a run's": (
+        lambda t, d: (t / "o").mkdir() or (t / "o" / "ckpt.safetensors").write_text("a user's file") and
         [f"--out_dir={t / 'o'}", "--overwrite"],
-        "{t}/o/ckpt.pt is not a torch.save file (it has no zip directory): it is not a run's checkpoint"),
+        "{t}/o/ckpt.safetensors is not a run's checkpoint (a safetensors file holding a checkpoint's document)"),
     "--overwrite over a log.jsonl that is not a run's": (
         lambda t, d: (t / "o").mkdir() or (t / "o" / "log.jsonl").write_text("a user's notes\n") and
         [f"--out_dir={t / 'o'}", "--overwrite"], "{t}/o/log.jsonl line 1 is not valid JSON"),
@@ -277,8 +277,8 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
         lambda t, d: [f"--dataset={d}", f"--out_dir={t / ('a' * 300)}"],
         "is too long for a file system: a name of 300 bytes (at most 255)"),
     "--init_from the checkpoint of a run still training": (
-        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.pt'}", f"--dataset={d}", f"--out_dir={t / 'o'}"],
-        "--init_from={t}/run/ckpt.pt is the checkpoint of a run still training in {t}/run (pid "),
+        lambda t, d: [f"--init_from={a_run(t) / 'ckpt.safetensors'}", f"--dataset={d}", f"--out_dir={t / 'o'}"],
+        "--init_from={t}/run/ckpt.safetensors is the checkpoint of a run still training in {t}/run (pid "),
     "meta.json text with newlines that would forge lines": (
         lambda t, d: [f"--dataset={evil_dataset(d, t, 'x' + chr(10) + 'Traceback (most recent call last):')}",
                       f"--out_dir={t / 'o'}"],
@@ -304,9 +304,9 @@ def test_train_refuses_each_case_in_one_line_and_changes_nothing(case, tiny_data
 
 
 CORE_IO = {  # script: (main, its input's kind, the relations that apply, the name of what it writes, argv)
-    "train --init_from": (train.main, "file", ("same", "link", "link_parent", "hardlink"), "ckpt.pt",
+    "train --init_from": (train.main, "file", ("same", "link", "link_parent", "hardlink"), "ckpt.safetensors",
                           lambda i, o: [*FLAGS, f"--init_from={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
-    "train --dataset": (train.main, "dataset", ("inside", "link"), "ckpt.pt",
+    "train --dataset": (train.main, "dataset", ("inside", "link"), "ckpt.safetensors",
                         lambda i, o: [*FLAGS, f"--dataset={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
     "finetune --ckpt": (finetune.main, "file", ("same", "link", "link_parent", "hardlink"), "log.jsonl",
                         lambda i, o: [f"--ckpt={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from helpers import io_pairs, refusal, tree_state
+from helpers import io_pairs, read_ckpt, refusal, save_ckpt, tree_state
 
 import xnli
 from common import UserError
@@ -62,7 +62,7 @@ def encoder_ckpt(tmp_path_factory):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50304, block_size=32, n_layer=1, n_head=2, d_model=32, causal=False))
     path = tmp_path_factory.mktemp("ckpt") / "enc.pt"
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+    save_ckpt({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "data_meta": {"tokenizer": "gpt2"}}, path)
     return path
 
@@ -144,9 +144,9 @@ def test_one_line_errors(encoder_ckpt, languages, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("eot", [60000, -1, "5"])
 def test_a_separator_outside_the_vocabulary_is_one_line(encoder_ckpt, languages, tmp_path, eot):
-    ckpt = torch.load(encoder_ckpt, weights_only=True)
+    ckpt = read_ckpt(encoder_ckpt)
     ckpt["data_meta"]["eot_token"] = eot
-    torch.save(ckpt, tmp_path / "bad.pt")
+    save_ckpt(ckpt, tmp_path / "bad.pt")
     with pytest.raises(UserError, match=r"data_meta.eot_token (60000 is not a token id of the model's vocabulary|"
                                         r"is -1, outside|is '5', not int)"):  # the last two at the checkpoint's door
         xnli.main([f"--ckpt={tmp_path / 'bad.pt'}", f"--data={languages}", "--train_lang=xx", "--device=cpu"])
