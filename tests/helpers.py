@@ -297,8 +297,12 @@ def read_ckpt(path) -> dict:
 
 
 def save_ckpt(payload: dict, path) -> None:
-    """Any payload written as a checkpoint file, unchecked (a hostile or damaged one, for its door to refuse)."""
+    """Any payload written as a checkpoint file, unchecked (a hostile or damaged one, for its door to refuse).
+    Written beside it and renamed, as common.save_checkpoint does: a payload read from `path` is memory-mapped
+    from it, and writing over that file in place would truncate the pages still to be read (SIGBUS)."""
     import doors
-    with open(path, "wb") as f:
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
         for piece in doors.checkpoint_bytes(payload):
             f.write(piece)
+    os.replace(tmp, path)

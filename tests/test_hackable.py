@@ -21,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 import common
 import data
+import doors
 import finetune
 import train
 from common import UserError
@@ -165,7 +166,7 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
         return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
                               env=env, timeout=300)
     assert run("--mlp=swiglu", "--out_dir=a").returncode == 0
-    assert read_ckpt(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
+    assert doors.checkpoint_file(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
     bad = run("--mlp=relu", "--out_dir=b")
     assert bad.returncode == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad.stderr
     other = run("--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c")

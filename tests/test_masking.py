@@ -126,7 +126,7 @@ def test_mlm_training_resumes_exactly_and_records_the_mask(tiny_data_dir, tmp_pa
         return {r["step"]: r["loss"] for r in records(d) if "loss" in r}
     assert losses(tmp_path / "b") == losses(tmp_path / "a")  # masks and batches depend on (seed, step) only
     ckpt = read_ckpt(tmp_path / "a" / "ckpt.safetensors")
-    assert ckpt["mask_spec"] == {"mask_token": 50257, "vocab_size": 50257, "special_tokens": (50256,)}
+    assert ckpt["mask_spec"] == {"mask_token": 50257, "vocab_size": 50257, "special_tokens": [50256]}  # JSON: a list
     assert ckpt["model_config"]["causal"] is False and ckpt["model_config"]["vocab_size"] == 50304
     with pytest.raises(UserError, match="encoder"):  # a decoder objective on an encoder: one line
         train.train(mlm_config(tiny_data_dir, tmp_path / "c", objective="causal",

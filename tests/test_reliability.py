@@ -20,6 +20,7 @@ from helpers import read_ckpt, read_log, tiny_config as train_tiny_config
 
 import common
 import data
+import doors
 import finetune
 import generate
 import train
@@ -76,7 +77,7 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
             common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, **bad})
         assert not list(tmp_path.iterdir())
     common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, "loss": 1.5})
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["loss"] == 1.5
+    assert doors.checkpoint_file(tmp_path / "ckpt.safetensors")["loss"] == 1.5  # its bytes (no config: no run)
 
 
 # ------------------------------------------------------------------------------ 2. one run per folder
@@ -246,19 +247,21 @@ def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_pat
 
 
 def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    real_save, real_log = torch.save, train.append_log
+    real_bytes, real_log = doors.checkpoint_bytes, train.append_log
 
     def first_ctrl_c_at_step_2(out_dir, record):
         real_log(out_dir, record)
         if record["step"] == 2 and "loss" in record:
             signal.raise_signal(signal.SIGINT)
 
-    def save_with_second_ctrl_c(obj, f):
-        signal.raise_signal(signal.SIGINT)  # arrives mid-save
-        real_save(obj, f)
+    def bytes_with_second_ctrl_c(payload):
+        for i, piece in enumerate(real_bytes(payload)):
+            if i == 1:
+                signal.raise_signal(signal.SIGINT)  # arrives mid-save, the header written
+            yield piece
 
     monkeypatch.setattr(train, "append_log", first_ctrl_c_at_step_2)
-    monkeypatch.setattr(torch, "save", save_with_second_ctrl_c)
+    monkeypatch.setattr(doors, "checkpoint_bytes", bytes_with_second_ctrl_c)
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=10)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     with pytest.raises(SystemExit) as e:
