@@ -23,6 +23,7 @@ import common
 import data
 import doors
 import finetune
+import model as model_module
 import train
 from common import UserError
 from loss import LossConfig
@@ -171,6 +172,52 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
     assert bad.returncode == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad.stderr
     other = run("--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c")
     assert other.returncode == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other.stderr
+
+
+# ------------------------------------------------------------------------------------------ the optimizer
+
+# A fork's optimizer, built where train.py builds AdamW (model.adamw's one line): its state_dict holds other names
+# (RMSprop: square_avg, momentum_buffer, grad_avg; SGD: momentum_buffer and no step), which the doors never name
+FORKED_OPTIMIZERS = {
+    "RMSprop": lambda groups, lr: torch.optim.RMSprop(groups, lr=lr, momentum=0.9, centered=True),
+    "SGD momentum": lambda groups, lr: torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("name", FORKED_OPTIMIZERS)
+def test_a_forked_optimizer_trains_saves_and_resumes_exactly_with_no_edit_to_the_doors(tiny_data_dir, tmp_path,
+                                                                                        monkeypatch, name):
+    """Issue 40: the optimizer's state is checked for what any torch optimizer keeps, so swapping AdamW in the one
+    place it is built resumes bit-exact (losses, lrs, weights, every state tensor); a checkpoint of it given to
+    the unforked code (AdamW) is refused in one line before anything is loaded."""
+    def forked(module, lr, weight_decay, betas, eps=1e-8):
+        params = [p for p in module.parameters() if p.requires_grad]
+        return FORKED_OPTIMIZERS[name]([{"params": [p for p in params if p.dim() >= 2]},
+                                        {"params": [p for p in params if p.dim() < 2]}], lr)
+
+    monkeypatch.setattr(train, "adamw", forked)
+    run = dict(max_iters=6, warmup_iters=2, eval_interval=3, lr_schedule="cosine")
+    train.train(tiny_config(tiny_data_dir, tmp_path / "straight", **run))
+    train.train(tiny_config(tiny_data_dir, tmp_path / "resumed", **{**run, "max_iters": 3}))
+    train.train(tiny_config(tiny_data_dir, tmp_path / "resumed", max_iters=6, warmup_iters=None, resume=True))
+
+    def steps(d):
+        return {r["step"]: (r["loss"], r["lr"]) for r in read_log(d) if "loss" in r}
+    assert len(steps(tmp_path / "straight")) == 6 and steps(tmp_path / "resumed") == steps(tmp_path / "straight")
+    straight, resumed = saved(tmp_path / "straight"), saved(tmp_path / "resumed")
+    assert all(torch.equal(resumed["model"][k], t) for k, t in straight["model"].items())
+    state, other = straight["optimizer"]["state"], resumed["optimizer"]["state"]
+    assert state.keys() == other.keys() and len(state) > 0
+    for pid, entry in state.items():
+        assert entry.keys() == other[pid].keys() and "exp_avg" not in entry
+        assert all(torch.equal(t, other[pid][k]) if isinstance(t, torch.Tensor) else t == other[pid][k]
+                   for k, t in entry.items())
+    assert "momentum_buffer" in state[0]
+    monkeypatch.setattr(train, "adamw", model_module.adamw)  # the unforked code: AdamW, which cannot take this state
+    with pytest.raises(UserError) as e:
+        train.train(tiny_config(tiny_data_dir, tmp_path / "resumed", max_iters=8, warmup_iters=None, resume=True))
+    assert "the state of another optimizer" in str(e.value) and "\n" not in str(e.value)
+    assert steps(tmp_path / "resumed") == steps(tmp_path / "straight")  # nothing was run or written
 
 
 # ------------------------------------------------------------------------------------------ the objective
