@@ -13,6 +13,7 @@
     python bench.py --vocab_sweep=8192,32768,65536,131072,262144 --quick   # tiny shape: minutes on a CPU
     python bench.py --negatives_sweep=64,256,unique,all --quick            # CWT's cost as its negatives grow
     python bench.py --mode=val --preset=pythia-70m --vocab=50304 --step_tokens=16384 --block_size=2048
+    python bench.py --mode=checkpoint   # loading a pythia-70m checkpoint (weights + AdamW) vs plain torch.load
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
@@ -34,6 +35,10 @@ position (all), CE beside; loss and step rows at each --vocab and --step_tokens,
 --json writes a list of rows, --plot time and memory per entry (docs/negatives.md).
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
+--mode=checkpoint: the time to load a checkpoint of --preset (50304 tokens) with its AdamW state, through its
+door (common.load_checkpoint: safetensors, the checksum, every field) and with the resume check of its optimizer
+state (doors.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only, mmap: what
+the door of a torch.save checkpoint called after its checks), interleaved, --repeats times, from the page cache.
 --chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
 interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
 """
@@ -101,7 +106,7 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val"] = "both"  # both: loss, step and mlm rows
+    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val", "checkpoint"] = "both"  # both: loss, step, mlm
     preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
@@ -445,6 +450,65 @@ def bench_data() -> str:
     lines = ["| benchmark | rate | tokens/s |", "|---|---|---|"]
     return "\n".join(lines + [f"| {name} | {rate} | {tokens_per_s:,.0f} |"
                               for name, rate, tokens_per_s in rows])
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a checkpoint
+
+
+def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
+    """What train.py saves of a run of the preset after one AdamW step: weights, optimizer state, settings, counts."""
+    from train import TrainConfig
+    torch.manual_seed(0)
+    model = build_model(preset, vocab, block_size=64)
+    optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
+    x = torch.randint(0, vocab, (1, 17))
+    logits = model(x[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+    optimizer_step(optimizer, model.parameters())
+    state = {"step": 1, "micro_batches": 1, "tokens": 16, "flops": 1.0, "earlier_tokens": 0, "earlier_flops": 0.0,
+             "loss": 10.0, "first_val": None, "val": None, "val_step": None}
+    return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "objective": {},
+            "optimizer": optimizer.state_dict(), "scaler": None,
+            "train_config": dataclasses.asdict(TrainConfig(preset=preset, block_size=64, lr=1e-4)), "state": state,
+            "step": 1, "loss": 10.0, "val": None, "first_val": None, "tokens_seen": 16, "flops": 1.0,
+            "base_tokens": 0, "base_flops": 0.0, "data_meta": {}, "rng": {"torch": torch.get_rng_state()}}
+
+
+def bench_checkpoint(cfg: BenchConfig) -> str:
+    """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
+    import common
+    import doors
+    payload = checkpoint_payload(cfg.preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, pt = Path(tmp) / "ckpt.safetensors", Path(tmp) / "ckpt.pt"
+        common.save_checkpoint(ours, payload)
+        torch.save(payload, pt)
+        del payload
+
+        def resume() -> None:
+            doors.resumable(ours, common.load_checkpoint(ours))
+
+        def checksum() -> None:
+            from safetensors import safe_open
+            with safe_open(str(ours), framework="pt") as f:
+                doors.checksum(f.metadata()[doors.CHECKPOINT_KEY], {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+        steps = {"torch.load(weights_only, mmap) of ckpt.pt, no checks": lambda: torch.load(
+                     pt, map_location="cpu", weights_only=True, mmap=True),
+                 "torch.load(weights_only) of ckpt.pt, no checks": lambda: torch.load(
+                     pt, map_location="cpu", weights_only=True),
+                 "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: common.load_checkpoint(ours),
+                 "  the same + doors.resumable (finite optimizer state)": resume,
+                 "  of which the checksum (read + CRC-32 of every tensor)": checksum}
+        times = time_interleaved(steps, cfg.warmup, cfg.repeats, torch.device("cpu"))
+        sizes = (ours.stat().st_size, pt.stat().st_size)
+    base = statistics.median(times[next(iter(times))])
+    lines = [f"checkpoint of {cfg.preset} (50304 tokens) with its AdamW state: ckpt.safetensors "
+             f"{sizes[0] / 1e6:,.0f} MB, ckpt.pt {sizes[1] / 1e6:,.0f} MB; median of {cfg.repeats}, interleaved, from "
+             "the page cache", "", "| load | seconds | x torch.load(mmap) |", "|---|---|---|"]
+    lines += [f"| {name} | {statistics.median(t):.3f} | {statistics.median(t) / base:.2f} |"
+              for name, t in times.items()]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1214,6 +1278,9 @@ def idle_settings(cfg: BenchConfig) -> dict[str, str]:
     if cfg.mode == "data":
         return {**idle, **{n: "with --mode=data (it times the built-in tokeniser and batches)" for n in names
                            if n not in ("mode", "gpu_check")}}
+    if cfg.mode == "checkpoint":
+        return {**idle, **{n: "with --mode=checkpoint (it times loading one checkpoint of --preset on the CPU)"
+                           for n in names if n not in ("mode", "gpu_check", "preset", "warmup", "repeats", "quick")}}
     loss_rows = cfg.mode in ("both", "loss") and not (cfg.vocab_sweep or cfg.negatives_sweep)
     without = {"val_chunk": cfg.mode != "val", "max_logits": cfg.mode in ("val", "ddp"),
                "tokens": not loss_rows, "variants": not loss_rows or cfg.negatives_sweep,
@@ -1246,6 +1313,9 @@ def main(argv: list[str]) -> None:
     check_config(cfg)
     if cfg.mode == "data":
         print(bench_data())
+        return
+    if cfg.mode == "checkpoint":
+        print(bench_checkpoint(cfg))
         return
     if cfg.mode == "ddp":
         table = bench_ddp(cfg)

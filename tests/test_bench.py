@@ -157,3 +157,24 @@ def test_bench_never_writes_over_into_or_around_its_inputs(tmp_path_factory, mon
               "bench --config": (bench.main, "config", ("same", "link", "link_parent", "hardlink"), "c.json",
                                  lambda i, o: [*SMALL, f"--config={i}", f"--json={o}"])})(
         tmp_path_factory, monkeypatch, capsys)
+
+
+def test_the_checkpoint_mode_loads_one_payload_both_ways(tmp_path, monkeypatch):
+    """--mode=checkpoint compares like with like: what its door gives back from ckpt.safetensors is what plain
+    torch.load gives back from the torch.save file of the same payload (weights, every AdamW state tensor)."""
+    import torch
+
+    import doors
+    monkeypatch.setitem(bench.PRESETS, "tiny", dict(n_layer=1, n_head=2, d_model=16, block_size=64))
+    payload = bench.checkpoint_payload("tiny", vocab=64)
+    common.save_checkpoint(tmp_path / "ckpt.safetensors", payload)
+    torch.save(payload, tmp_path / "ckpt.pt")
+    ours = common.load_checkpoint(tmp_path / "ckpt.safetensors")
+    doors.resumable(tmp_path / "ckpt.safetensors", ours)
+    plain = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ours["model"].keys() == plain["model"].keys() and len(plain["optimizer"]["state"]) > 0
+    assert all(torch.equal(ours["model"][k], t) for k, t in plain["model"].items())
+    for pid, entry in plain["optimizer"]["state"].items():
+        assert all(torch.equal(ours["optimizer"]["state"][pid][k], t) for k, t in entry.items())
+    with pytest.raises(UserError, match="--vocab=.* changes nothing with --mode=checkpoint"):
+        bench.main(["--mode=checkpoint", "--vocab=64"])
