@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: zero-shot LAMBADA (OpenAI version) accuracy and perplexity, or validation loss.
 
-    python eval.py --ckpt=out/ckpt.safetensors                               # lambada_openai test split (5153 texts)
-    python eval.py --ckpt=out/ckpt.safetensors --data=lambada_test.jsonl     # offline: one {"text": ...} per line
-    python eval.py --ckpt=out/ckpt.safetensors --task=val --json=val.json    # loss/perplexity on the checkpoint's data
+    python eval.py --ckpt=out/ckpt.safetensors                             # lambada_openai test split (5153 texts)
+    python eval.py --ckpt=out/ckpt.safetensors --data=lambada_test.jsonl   # offline: one {"text": ...} per line
+    python eval.py --ckpt=out/ckpt.safetensors --task=val --json=val.json  # loss/perplexity on the checkpoint's data
 
 Every kind of checkpoint is scored the way `model(idx)` scores it: through the LM head if it has one
 (fine-tuned headless, the `nce` ablation), else against the tied input embeddings (CE, raw headless).

@@ -1,6 +1,6 @@
 """Turn a headless model into a generator: add an LM head and train it briefly with cross-entropy.
 
-    python finetune.py --ckpt=out/ckpt.safetensors               # ~2% of the pre-training tokens, into out-ft/
+    python finetune.py --ckpt=out/ckpt.safetensors    # ~2% of the pre-training tokens, into out-ft/
 
 The head is an untied Linear(d, V), a copy of the input embeddings: fine-tuning starts from the raw model's
 tied scores; the whole model trains (--freeze_body: the head alone). It is train.py's loop: every flag works,

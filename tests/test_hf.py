@@ -59,6 +59,21 @@ def test_import_gives_transformers_logits(tmp_path, parallel, tied):
         torch.testing.assert_close(model(idx), reference(idx).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_a_sharded_folder_loads_as_the_whole_one(tmp_path):
+    """model.safetensors.index.json and its shards, as transformers saves a large model, read through the same
+    safetensors door; a shard the index names that is missing is one line."""
+    reference = random_neox(tmp_path / "whole")
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    whole, _ = hf.load_hf(str(tmp_path / "whole"))
+    sharded, _ = hf.load_hf(str(tmp_path / "sharded"))
+    assert all(torch.equal(t, whole.state_dict()[k]) for k, t in sharded.state_dict().items())
+    (tmp_path / "sharded" / shards[-1]).unlink()
+    with pytest.raises(UserError, match=f"has no {shards[-1]}"):
+        hf.load_hf(str(tmp_path / "sharded"))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_data_dir, tmp_path_factory):
     """Briefly trained tiny NeoX checkpoints: raw CWT, CE (tied), and the CWT one fine-tuned with a head."""
