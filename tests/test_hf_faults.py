@@ -703,8 +703,8 @@ def test_export_never_reads_a_tokenizer_file_a_checkpoint_names(small_ckpt, tmp_
 # Generated variations of a folder: config.json, the safetensors header, any byte, or the weights as a .bin whose
 # tensors changed (never read since issue 40: refused in one line, whatever its tensors). generate.py
 # --ckpt=hf:FOLDER works, or refuses in one line (exit 2), in a worker whose memory may grow by 1 GiB only, leaving
-# the folder as it was. (safetensors has no checksum: a changed tensor byte is
-# another model, so only a refusal or a run is asked of it.)
+# the folder as it was. (safetensors has no checksum: a changed tensor byte is another model, so only a refusal or
+# a run is asked of it.)
 
 
 @pytest.fixture(scope="module")
