@@ -309,7 +309,7 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
 
 
 def write_error(e: BaseException, path: Path, what: str) -> BaseException:
-    """A failed write as one line when an OSError caused it (torch.save wraps it in a RuntimeError), else `e`."""
+    """A failed write as one line when an OSError caused it (a library may wrap it in its own error), else `e`."""
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
