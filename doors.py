@@ -826,6 +826,13 @@ def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
         for name, t in entry.items():
             if isinstance(t, torch.Tensor) and not finite(t):
                 raise refuse(f"optimizer.state.{key}.{name} is not finite")
+            if isinstance(t, torch.Tensor) and SQUARES.search(name) and t.numel() and not bool(t.min() >= 0):
+                raise refuse(f"optimizer.state.{key}.{name} is negative, which a mean of squares never is")
+
+
+# The state tensors torch's optimizers keep as means of squares, by their names (AdamW's exp_avg_sq and
+# max_exp_avg_sq, RMSprop's and Adadelta's square_avg): never negative, or the update takes a square root of one
+SQUARES = re.compile(r"_sq$|^square_")
 
 
 def finite(t: torch.Tensor) -> bool:

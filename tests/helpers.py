@@ -299,10 +299,20 @@ def read_ckpt(path) -> dict:
 def save_ckpt(payload: dict, path) -> None:
     """Any payload written as a checkpoint file, unchecked (a hostile or damaged one, for its door to refuse).
     Written beside it and renamed, as common.save_checkpoint does: a payload read from `path` is memory-mapped
-    from it, and writing over that file in place would truncate the pages still to be read (SIGBUS)."""
+    from it, and writing over that file in place would truncate the pages still to be read (SIGBUS).
+    A non-finite number is written as JSON's NaN or Infinity token, as a hostile writer may (json.loads reads it),
+    where common.save_checkpoint refuses it."""
+    import types
+
     import doors
+    real = doors.json
+    doors.json = types.SimpleNamespace(**vars(real))
+    doors.json.dumps = lambda *args, **kwargs: real.dumps(*args, **{**kwargs, "allow_nan": True})
     tmp = Path(f"{path}.tmp")
-    with open(tmp, "wb") as f:
-        for piece in doors.checkpoint_bytes(payload):
-            f.write(piece)
+    try:
+        with open(tmp, "wb") as f:
+            for piece in doors.checkpoint_bytes(payload):
+                f.write(piece)
+    finally:
+        doors.json = real
     os.replace(tmp, path)
