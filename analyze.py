@@ -15,6 +15,9 @@ argument predicts a difference, and a study: docs/analysis.md.
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 import sys

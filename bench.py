@@ -44,6 +44,9 @@ interleaved with this one's: side-by-side figures for a change to the memory-fla
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import contextlib
 import dataclasses
 import functools

@@ -18,6 +18,9 @@ large corpus (sample_documents), not billions of words.
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import contextlib
 import hashlib
 import itertools

@@ -24,10 +24,33 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
-import torch
+# A signal before run_main takes over (a script imports this file first, before the seconds of imports below) or
+# after it is done: nothing is half-written then, so the command ends at once, in one line, exit 128 + the signal.
+STOP_LINES = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 
-import doors
-from doors import first_line  # noqa: F401 (common.first_line: a library's error, in a one-line message)
+
+def stop_at_once(signum: int, frame: Any) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, f"{STOP_LINES[signum]}\n".encode())
+    os._exit(128 + signum)
+
+
+def stop_at_once_outside_main() -> None:
+    """Install stop_at_once when a script of this project runs as a command (never in a notebook or a test
+    process, which import these files); a signal the shell set to be ignored (`cmd &`) stays ignored."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script and Path(script).resolve().parent == Path(__file__).resolve().parent:
+        for s in STOP_LINES:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                signal.signal(s, stop_at_once)
+
+
+stop_at_once_outside_main()
+
+import torch  # noqa: E402 (after the handlers: importing torch takes seconds)
+
+import doors  # noqa: E402
+from doors import first_line  # noqa: E402, F401 (common.first_line: a library's error, in a one-line message)
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
@@ -37,38 +60,117 @@ class UserError(Exception):
     """A mistake the user can fix: scripts print its one-line message, no traceback, and exit 2."""
 
 
-class Interrupted(BaseException):
+class Interrupted(KeyboardInterrupt):
     """Raised by a script's main once a signal's stop has been saved, or by SIGTERM outside a training loop: it
-    exits 128 + the signal's number. Like KeyboardInterrupt, it passes through `except Exception`."""
+    exits 128 + the signal's number. A KeyboardInterrupt: it passes through `except Exception`, and through what
+    lets Ctrl-C through (a library's `except BaseException` that re-raises KeyboardInterrupt)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+class StdoutFailed(Exception):
+    """A write to stdout that failed (a closed pipe, a full device, a character the terminal's encoding lacks):
+    the command's output stream's fault, never a file's or a checkpoint's. `error` is what the stream raised."""
+
+    def __init__(self, error: OSError | UnicodeEncodeError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class GuardedStdout:
+    """sys.stdout while run_main runs a command: its write errors are StdoutFailed (known to be stdout's)."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, UnicodeEncodeError) as e:
+            raise StdoutFailed(e) from e
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            raise StdoutFailed(e) from e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+MEMORY_FIXES = {  # by script: the settings to lower when memory runs out
+    "train": "lower --batch_size (raise --grad_accum to keep a step's tokens) or --block_size",
+    "finetune": "lower --batch_size (raise --grad_accum to keep a step's tokens) or --block_size",
+    "compare": "lower --batch_size or --block_size", "eval": "lower --batch_size",
+    "glue": "lower --batch_size or --max_length", "xnli": "lower --batch_size or --max_length",
+    "generate": "lower --max_new_tokens, or pass --dtype=bfloat16", "analyze": "lower --tokens",
+    "bench": "lower --tokens or --vocab", "data": "lower --num_proc"}
+
+
 def run_main(main: Callable[[list[str]], Any]) -> None:
     """Run a script's main(argv): a user mistake is one line on stderr (one_line: escaped, bounded, after any
     progress bar is closed) and exit code 2; a stop by Ctrl-C or SIGTERM (saved first where there is something
-    to save) exits 130 or 143, as a shell expects; SIGTERM unwinds as Ctrl-C does, so that what was
-    half-written is removed."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    to save) is one line and exit 130 or 143, as a shell expects (SIGTERM unwinds as Ctrl-C does, so that what
+    was half-written is removed); a closed stdout (`| head`) ends quietly with 0, another stdout failure, out of
+    memory, or a rank whose peer failed in one line."""
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
+    if signal.getsignal(signal.SIGINT) is stop_at_once:  # Ctrl-C unwinds as KeyboardInterrupt while main runs
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    stdout = sys.stdout
+    sys.stdout = GuardedStdout(stdout)
     try:
         main(sys.argv[1:])
+        sys.stdout.flush()  # what is still buffered fails here, not at the interpreter's exit
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     except UserError as e:
+        fail(str(e))
+    except StdoutFailed as e:
+        stdout_failed(e.error, stdout)
+    except KeyboardInterrupt as e:  # Ctrl-C, or Interrupted (a signal's number)
         close_progress_bars()
-        print(one_line(f"error{f' (rank {rank()})' if world_size() > 1 else ''}: {e}"), file=sys.stderr)
-        sys.exit(2)
-    except Interrupted as e:
-        close_progress_bars()
-        sys.exit(128 + e.signum)
-    except KeyboardInterrupt:
-        close_progress_bars()
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(STOP_LINES.get(signum, "interrupted"), file=sys.stderr)
+        sys.exit(128 + signum)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(e):
+            raise
+        script = Path(getattr(main, "__globals__", {}).get("__file__") or "").stem
+        fail(f"out of memory ({first_line(e)[:200]}); "
+             f"{MEMORY_FIXES.get(script, 'use a smaller model or batch')}, then run again")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        sys.stdout = stdout
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def fail(message: str) -> None:
+    """Exit 2 with one error line (of this rank, under torchrun)."""
+    close_progress_bars()
+    print(one_line(f"error{f' (rank {rank()})' if world_size() > 1 else ''}: {message}"), file=sys.stderr)
+    sys.exit(2)
+
+
+def stdout_failed(error: OSError | UnicodeEncodeError, stdout: Any) -> None:
+    """A closed pipe (`| head -1`) ends quietly with 0, as head's users expect; a full device or an encoding the
+    terminal lacks is one line. stdout is pointed at /dev/null first: nothing more fails at exit."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    if isinstance(error, BrokenPipeError):
+        sys.exit(0)
+    if isinstance(error, UnicodeEncodeError):
+        fail(f"the terminal's encoding ({error.encoding}) cannot show the character "
+             f"{ascii(error.object[error.start:error.end])} of the output; set PYTHONIOENCODING=utf-8 (or a UTF-8 "
+             "locale, LANG=C.UTF-8), or redirect the output to a file")
+    fail(f"cannot write the output to stdout ({error.strerror or error}); free some space or write it elsewhere")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """torch's and Python's out of memory, and the CPU allocator's RuntimeError."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 MAX_ERROR_CHARS = 2000  # an error line; a longer one keeps its start and its end (the fix)
@@ -272,17 +374,38 @@ def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     if path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents):
         raise UserError(f"cannot write {path}: it is a folder, or a folder above it is a file")
     tmp = temp_path(path)
+    recorder = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, mode, opener=no_link) as f:
-            yield f
+            recorder = WriteRecorder(f)
+            yield recorder
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):  # a read-only folder must not hide the first error behind a second
             tmp.unlink(missing_ok=True)
-        raise write_error(e, path, "file") from None
+        raise write_error(e, path, "file", recorder and recorder.failed) from None
+
+
+class WriteRecorder:
+    """The file atomic_file yields: it keeps a failed write's OSError, which a library may hide behind an error of
+    its own (torch.save raises a RuntimeError while handling it), so that the error names the write."""
+
+    def __init__(self, file: IO):
+        self.file = file
+        self.failed: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
 
 
 @contextlib.contextmanager
@@ -308,11 +431,16 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def write_error(e: BaseException, path: Path, what: str) -> BaseException:
-    """A failed write as one line when an OSError caused it (a library may wrap it in its own error), else `e`."""
+def write_error(e: BaseException, path: Path, what: str, failed: OSError | None = None) -> BaseException:
+    """A failed write as one line when an OSError caused it, by an explicit `raise ... from` chain or as the
+    write that `failed` (WriteRecorder), else `e`: an error or a signal raised while an OSError was handled (the
+    built-in dataset is prepared when its meta.json is missing) is not caused by it."""
+    if not isinstance(e, Exception):  # a signal, or SystemExit
+        return e
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+        cause = cause.__cause__
+    cause = cause or failed
     if cause is None:
         return e
     kept = f"{path} is unchanged" if path.exists() else f"no {path} was written"
@@ -651,15 +779,15 @@ class StopFlag:
     def __enter__(self):
         self.requested = False
         self.saving = False
-        self.pending = False
+        self.pending = None  # a second signal during a save: its number
         self.signal = None  # the first signal's number
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def handle(self, signum, frame):
         if self.requested and not self.saving:
-            raise KeyboardInterrupt
-        self.pending = self.requested  # a second one during a save: once it is done
+            raise Interrupted(signum)
+        self.pending = self.pending or (signum if self.requested else None)  # a second one during a save: after it
         self.requested = True
         if not self.pending:
             self.signal = signum
@@ -673,7 +801,7 @@ class StopFlag:
         finally:
             self.saving = False
         if self.pending:
-            raise KeyboardInterrupt
+            raise Interrupted(self.pending)
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():

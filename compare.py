@@ -33,6 +33,9 @@ out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 import os

@@ -9,6 +9,9 @@ stands for) and meta.json, which vouches for them (read through doors.dataset). 
 documents, the source's own val split or those whose text hashes below --val_fraction; end-of-text follows each."""
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import contextlib
 import dataclasses
 import functools
@@ -28,7 +31,6 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-import common
 import doors
 from common import UserError
 from doors import DATA_FORMAT, Shard, same_tokenizer, shard_dtypes, special_ids, token_dtype  # noqa: F401 (data.X)

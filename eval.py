@@ -23,6 +23,9 @@ vocabulary. Batches are right-padded: under causal attention pads never reach a 
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 import os

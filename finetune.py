@@ -7,12 +7,14 @@ tied scores; the whole model trains (--freeze_body: the head alone). It is train
 data, shape, batch and device come from the checkpoint's run, the learning rate from FINETUNE_RECIPES."""
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import common
 import doors
 from common import DeviceName, DtypeName, UserError, note
 from loss import LossName

@@ -8,6 +8,9 @@ CE checkpoints, fine-tuned headless ones (their LM head) and raw headless ones (
 calibrated: finetune.py gives better text)."""
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import itertools
 import re
 import sys
@@ -17,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import common
 import doors
 from common import DeviceName, DtypeName, UserError
 from data import dataset_tokenizer
@@ -107,7 +109,8 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
         fix = "pass --prompt_file=PATH to a text file"
         data = common.through_door(doors.read_small, cfg.prompt_file, doors.MAX_TEXT_BYTES, "prompt file", fix)
         try:
-            prompts += [p.strip() for p in re.split(r"\n[ \t]*\n", data.decode("utf-8")) if p.strip()]
+            text = data.decode("utf-8").replace("\r\n", "\n")  # a file saved on Windows: its blank lines too
+            prompts += [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
         except UnicodeDecodeError as e:
             raise UserError(f"prompt file {cfg.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     if not prompts:

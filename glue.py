@@ -21,6 +21,9 @@ task `score` is their mean, as on the GLUE leaderboard. Fractions in --json, per
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 import sys

@@ -17,6 +17,9 @@ GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py p
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import errno
 import hashlib
@@ -159,7 +162,7 @@ def tokenizer_from_json(text: str, name: str) -> HFTokenizer:
     from tokenizers import Tokenizer
     try:
         return HFTokenizer(name, Tokenizer.from_str(text))
-    except UserError:
+    except (UserError, KeyboardInterrupt):  # a signal (common.Interrupted too) is not the checkpoint's fault
         raise
     except BaseException as e:  # the Rust library's errors
         raise UserError(f"the checkpoint's tokenizer ({name}) cannot be read: {_short(e)}") from None
@@ -613,7 +616,7 @@ def _os_error(e: BaseException) -> int | None:
     while chained is not None:
         if isinstance(chained, OSError) and chained.errno:
             return chained.errno
-        chained = chained.__cause__ or chained.__context__
+        chained = chained.__cause__  # an explicit chain only (common.write_error)
     m = re.search(r"os error (\d+)|code: (\d+)", str(e))
     return int(m[1] or m[2]) if m else None
 

@@ -8,6 +8,9 @@ of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import json
 import math

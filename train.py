@@ -11,6 +11,9 @@ which finetune.py and compare.py call too. Plumbing (processes, files, signals) 
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import contextlib
 import dataclasses
 import math
@@ -22,7 +25,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-import common
 import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import (

@@ -26,6 +26,9 @@ one folder per language (its name is the language code) holding train.jsonl and 
 """
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import dataclasses
 import math
 import sys
