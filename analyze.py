@@ -3,14 +3,16 @@
     python analyze.py --ckpts=out/ckpt.safetensors,out-ft/ckpt.safetensors,out-ce/ckpt.safetensors
     python analyze.py --ckpts=... --words=king,love,night --json=results/analysis.json --plot=results/analysis.png
 
-Each checkpoint is measured on its own dataset (under --data_root): token counts from its training split, final
-hidden states of the first --tokens positions of its validation split. Per checkpoint: the anisotropy (mean cosine
-over all pairs, exact) and effective rank (Roy and Vetterli, 2007) of E's rows of the tokens seen in training, of
-every id of the tokenizer, and of the hidden states; IsoScore when the optional isoscore package is installed; by
-frequency bin of the training counts, the mean norm of E's rows, their mean distance from the initial weights
-(rebuilt from the seed and shape the checkpoint records) and the validation cross-entropy of the positions whose
-target is in the bin; the nearest neighbours in E of --words. An encoder is measured with masking off: hidden states
-of the plain text, and the cross-entropy of each position's own token. What each measure means, why the paper's
+Each checkpoint is measured on its own dataset (under --data_root): how often its lineage read each token (the
+micro-batches of its data stream replayed: batch i is a function of the seed and i), and how often each occurs in
+the training split; final hidden states of the first --tokens positions of its validation split. Per checkpoint: the
+anisotropy (mean cosine over all pairs, exact) and effective rank (Roy and Vetterli, 2007) of E's rows of the tokens
+seen in training (read at least once), of every id of the tokenizer, and of the hidden states; IsoScore when the
+optional isoscore package is installed; by frequency bin of the read counts, the mean norm of E's rows, their mean
+distance from the initial weights (rebuilt from the seed and shape the checkpoint records) and the validation
+cross-entropy of the positions whose target is in the bin (and the same bins by the split's counts); the nearest
+neighbours in E of --words. An encoder is measured with masking off: hidden states of the plain text, and the
+cross-entropy of each position's own token. What each measure means, why the paper's
 argument predicts a difference, and a study: docs/analysis.md.
 """
 from __future__ import annotations
@@ -44,7 +46,15 @@ from common import (
     pick_device,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, same_tokenizer, sequential_batches
+from data import (
+    BatchSampler,
+    dataset_tokenizer,
+    ensure_dataset,
+    load_meta,
+    open_split,
+    same_tokenizer,
+    sequential_batches,
+)
 from model import GPT, GPTConfig
 from results import format_metric, import_pyplot, save_figure, write_json
 
@@ -123,6 +133,54 @@ def token_counts(tokens: np.ndarray, vocab_size: int, chunk: int = COUNT_CHUNK, 
                       file=sys.stderr, mininterval=2):
         counts += np.bincount(tokens[start:start + chunk], minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def read_counts(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, width: int, chunk: int = COUNT_CHUNK,
+                progress: bool = False) -> np.ndarray:
+    """How often each id below vocab_size was read by windows of `width` tokens starting at `starts` (a token read by
+    two windows counts twice): each position's coverage, a pass over `tokens` chunk by chunk (bounded memory)."""
+    starts = np.sort(starts)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunks = range(0, len(tokens), chunk)
+    for start in tqdm(chunks, desc="counting reads", unit="chunk", disable=not progress or len(chunks) < 2,
+                      file=sys.stderr, mininterval=2):
+        positions = np.arange(start, min(start + chunk, len(tokens)))
+        cover = np.searchsorted(starts, positions, "right") - np.searchsorted(starts, positions - width, "right")
+        if cover.any():  # float64 weights: exact counts up to 2^53
+            part = np.asarray(tokens[start:start + chunk])
+            counts += np.rint(np.bincount(part, weights=cover, minlength=vocab_size)[:vocab_size]).astype(np.int64)
+    return counts
+
+
+def lineage_windows(ckpt: dict, tokens: np.ndarray) -> tuple[np.ndarray | None, str | None]:
+    """Where every training window the checkpoint's lineage read starts, replayed from its seed, batch and block and
+    the micro-batches it consumed (train.py's BatchSampler draws batch i from (seed, i) alone); or None and why not.
+    Exact when the lineage kept one seed, batch_size and block_size (a resume and a fine-tune do, unless told
+    otherwise): checked against the seed of its first weights and the tokens it counted."""
+    cfg = ckpt.get("train_config") or {}
+    micro_batches = (ckpt.get("state") or {}).get("micro_batches")
+    seed, batch, block = cfg.get("seed"), cfg.get("batch_size"), cfg.get("block_size")
+    if None in (micro_batches, seed, batch, block):
+        return None, "the checkpoint does not record its data position (written before runs counted it)"
+    init_seed = (ckpt.get("init") or {}).get("seed", seed)
+    tokens_read = ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0)
+    if init_seed != seed or micro_batches * batch * block != tokens_read:
+        return None, (f"its lineage changed seed, batch_size or block_size ({micro_batches:,} micro-batches of "
+                      f"{batch} x {block} against {tokens_read:,} tokens read, seed {seed} against its init's "
+                      f"{init_seed}), so its reads cannot be replayed")
+    sampler = BatchSampler(tokens, batch, block, seed)
+    return np.concatenate([sampler.window_starts(i) for i in range(micro_batches)] or [np.zeros(0, np.int64)]), None
+
+
+def lineage_read_counts(ckpt: dict, tokens: np.ndarray, vocab_size: int,
+                        causal: bool) -> tuple[np.ndarray | None, str | None]:
+    """How often the checkpoint's lineage read each id of its training split `tokens`, or None and why not. A window
+    is block_size inputs, and for a decoder the last target too (an encoder's targets are its inputs)."""
+    starts, why = lineage_windows(ckpt, tokens)
+    if starts is None:
+        return None, why
+    width = ckpt["train_config"]["block_size"] + causal
+    return read_counts(tokens, vocab_size, starts, width, progress=True), None
 
 
 def count_edges(largest: int) -> list[int]:
@@ -243,7 +301,10 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
     model = checkpoint_model(ckpt, subject.path).to(device).eval()
     vocab = meta["vocab_size"]  # the tokenizer's ids; the rows past them are padding (and an encoder's [MASK])
     note(f"{subject.path}: counting the training split of {subject.data_dir}")
-    counts = token_counts(open_split(subject.data_dir, "train", model.config.vocab_size), vocab, progress=True)
+    train_split = open_split(subject.data_dir, "train", model.config.vocab_size)
+    split_counts = token_counts(train_split, vocab, progress=True)
+    read, counts_note = lineage_read_counts(ckpt, train_split, vocab, model.config.causal)
+    counts = split_counts if read is None else read
     states, targets, row_ce = validation_states(model, open_split(subject.data_dir, "val", model.config.vocab_size),
                                                 cfg.tokens, train_cfg.get("block_size") or model.config.block_size,
                                                 device)
@@ -256,8 +317,10 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
             "objective": objective_label(train_cfg), "encoder": not model.config.causal,
             "masking": "off" if not model.config.causal else None, "dataset": str(subject.data_dir),
             "tokenizer": meta["tokenizer"], "tokenizer_sha256": meta.get("tokenizer_sha256"), "vocab_size": vocab,
-            "train_tokens": int(counts.sum()),
-            "seen_tokens": len(seen), "positions": len(states),
+            "counts_from": "the training split" if read is None else "tokens read in training",
+            "counts_note": counts_note, "train_tokens": int(split_counts.sum()),
+            "read_tokens": None if read is None else int(read.sum()), "split_ids": int(np.count_nonzero(split_counts)),
+            "read_ids": None if read is None else int(np.count_nonzero(read)), "positions": len(states),
             "embedding_anisotropy": anisotropy(table[seen]), "embedding_anisotropy_all": anisotropy(table),
             "hidden_anisotropy": anisotropy(states),
             "embedding_effective_rank": effective_rank(e_values),
@@ -268,6 +331,7 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
             "ce_target": "next token" if model.config.causal else "own token (masking off)",
             "drift_from": drift_from, "drift_note": drift_note,
             "frequency_bins": frequency_bins(counts, table.norm(dim=1), drift, targets, row_ce),
+            "split_frequency_bins": frequency_bins(split_counts, table.norm(dim=1), drift, targets, row_ce),
             "neighbours": neighbours_of(cfg.words, ckpt, table, counts),
             "embedding_singular_values": e_values.tolist(), "hidden_singular_values": h_values.tolist()}
 
@@ -318,7 +382,8 @@ def neighbours_of(words: list[str], ckpt: dict, table: torch.Tensor, counts: np.
 
 
 MEASURES = [("loss", "training loss"), ("step", "step"), ("tokens", "tokens"), ("val_ce", "val CE (its positions)"),
-            ("ce_through", "CE through"), ("seen_tokens", "tokens seen in training"),
+            ("ce_through", "CE through"), ("split_ids", "ids in the training split"),
+            ("read_ids", "ids read in training"),
             ("embedding_anisotropy", "anisotropy E (seen)"), ("embedding_anisotropy_all", "anisotropy E (all ids)"),
             ("hidden_anisotropy", "anisotropy hidden"), ("embedding_effective_rank", "eff. rank E (seen)"),
             ("embedding_effective_rank_all", "eff. rank E (all ids)"), ("hidden_effective_rank", "eff. rank hidden"),
@@ -358,12 +423,14 @@ def table_lines(rows: list[dict]) -> Iterator[str]:
     for name, r in zip(names, rows):
         if r["drift_note"]:
             yield f"  note: {name}: {r['drift_note']}"
+        if r["counts_note"]:
+            yield f"  note: {name}: its bins count the training split: {r['counts_note']}"
     bins = max(rows, key=lambda r: len(r["frequency_bins"]))["frequency_bins"]
     for what, label in (("tokens", "tokens"), ("mean_norm", "mean norm of E's rows"),
                         ("mean_drift", "mean distance of E's rows from init"), ("val_positions", "validation targets"),
                         ("val_ce", "validation CE of those targets")):
         yield ""
-        yield f"{label}, by the token's count in the training split"
+        yield f"{label}, by the token's count ({' / '.join(sorted({r['counts_from'] for r in rows}))})"
         for i, b in enumerate(bins):
             yield line(f"  {bin_label(b)}", [cell(r["frequency_bins"][i][what]) if i < len(r["frequency_bins"])
                                               else "-" for r in rows])
@@ -413,6 +480,8 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, (key, title) in zip(axes[0], panels):
         for r, name, style in zip(rows, names, styles):
             values = np.array(r[key])
+            if not len(values):  # no token read yet (a checkpoint at step 0): no spectrum of E's seen rows
+                continue
             ax.plot(np.arange(1, len(values) + 1), values / values[0], label=name, **style)
         ax.set(yscale="log", title=title, xlabel="index k", ylabel="sigma_k / sigma_1")
     by_bin = [("mean_norm", "mean norm of E's rows", axes[0][2]), ("mean_drift", "mean distance from init", axes[1][0]),
@@ -422,7 +491,7 @@ def plot(rows: list[dict], path: str) -> None:
             values = [b[key] if b[key] is not None else np.nan for b in r["frequency_bins"]]
             ax.plot(range(len(values)), values, marker="o", label=name, **style)
         ax.set_xticks(range(len(bins)), bins, rotation=30)
-        ax.set(title=title, xlabel="training count of the token")
+        ax.set(title=title, xlabel="times the token was read in training")
     axes[1][0].set_yscale("log")  # unseen rows move by weight decay alone: orders of magnitude below the rest
     if all(r["drift_from"] is None for r in rows):
         axes[1][0].text(0.02, 0.95, "no checkpoint records its initialisation", transform=axes[1][0].transAxes,

@@ -386,10 +386,13 @@ class BatchSampler:
         self.seed = seed
         self.device = device
 
-    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_starts(self, index: int) -> np.ndarray:
+        """Where batch `index`'s windows of block_size + 1 tokens start (analyze.py replays them to count reads)."""
         rng = np.random.default_rng([self.seed, index])
-        windows = _windows(self.tokens, rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size),
-                           self.block_size + 1, self.device)
+        return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
+
+    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = _windows(self.tokens, self.window_starts(index), self.block_size + 1, self.device)
         return windows[:, :-1], windows[:, 1:]
 
 

@@ -12,6 +12,12 @@ A resumed run (--resume) continues the same curves: TensorBoard's are purged of 
 (as log.jsonl is), and W&B goes on with the same run id. A new run in out_dir (--overwrite, say) starts them over:
 the files tracking wrote there are removed first, and nothing else. W&B logs offline when WANDB_MODE=offline or
 its server cannot be reached (a quick check); `wandb sync` uploads such a run later.
+
+What each keeps when a run stops: TensorBoard's event file is flushed at every record. W&B's records go through
+its own process (wandb-core), which writes the run's .wandb file every WANDB_FLUSH_SECONDS (its default is 15 s:
+a run killed then kept none of its history): a run killed outright (SIGKILL, the machine lost) keeps every record
+but those of its last fraction of a second. Ctrl-C and SIGTERM stop the loop, which finishes the W&B run: it keeps
+every record, as an uninterrupted run does (tests/test_tracking.py kills runs both ways).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import common
 from common import UserError, note
 
 WANDB_SERVER = "https://api.wandb.ai"  # or WANDB_BASE_URL: a W&B server of your own
+WANDB_FLUSH_SECONDS = 0.2  # how often W&B writes its .wandb file (a killed run loses what came since)
 TENSORBOARD_FILES = ("events.out.tfevents.*",)  # in out_dir/tb: what SummaryWriter writes
 WANDB_FILES = ("offline-run-*", "run-*", "latest-run", "debug.log", "debug-internal.log", "debug-cli.*.log")
 
@@ -115,10 +122,18 @@ def start_wandb(cfg: Any, out_dir: Path, resumed: int | None):
     try:
         return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or cfg.out_dir, dir=str(out_dir),
                           config=dataclasses.asdict(cfg), mode=mode, id=run_id, resume="allow" if run_id else None,
-                          reinit="create_new")
+                          reinit="create_new", settings=wandb_settings(wandb))
     except Exception as e:  # not logged in, a refused key or project...: wandb's own words, in one line
         raise UserError(f"--wandb could not start a W&B run ({common.first_line(e)}); log in with `wandb login`, "
                         "or log offline with WANDB_MODE=offline") from None
+
+
+def wandb_settings(wandb: Any):
+    """The .wandb file written every WANDB_FLUSH_SECONDS, where this wandb can be told so (0.2x's Settings forbid
+    unknown fields; one without the setting writes when its buffer fills and when the run finishes)."""
+    if "x_transaction_log_flush_interval" not in getattr(wandb.Settings, "model_fields", {}):
+        return None
+    return wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_SECONDS)
 
 
 def earlier_wandb_id(out_dir: Path) -> str | None:

@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 
 import analyze
 import common
+import data
 import train
-from data import load_tokenizer
+from data import load_tokenizer, open_split
 from finetune import FinetuneConfig, finetune
 from model import GPT, PRESETS, GPTConfig
 
@@ -95,6 +96,20 @@ def test_token_counts_in_chunks_are_a_plain_count(tmp_path):
     expected = np.array([int((values == i).sum()) for i in range(60)])
     for chunk in (1, 7, 1000, 1 << 20):
         assert analyze.token_counts(tokens, 60, chunk).tolist() == expected.tolist()
+
+
+def plain_read_counts(tokens: np.ndarray, vocab: int, starts, width: int) -> np.ndarray:
+    return np.bincount(np.concatenate([tokens[s:s + width] for s in starts] or [tokens[:0]]), minlength=vocab)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 99), windows=st.integers(0, 30), width=st.integers(1, 40), chunk=st.integers(1, 300))
+def test_read_counts_in_chunks_are_a_count_over_every_window(seed, windows, width, chunk):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50, size=257).astype(np.uint16)
+    starts = rng.integers(0, len(tokens) - width + 1, size=windows)  # overlapping and repeated windows count twice
+    got = analyze.read_counts(tokens, 60, starts, width, chunk)
+    assert got.tolist() == plain_read_counts(tokens, 60, starts, width).tolist()
 
 
 def test_frequency_bins_by_hand():
@@ -222,15 +237,22 @@ def test_rows_hold_every_measure(analysed, runs, tiny_data_dir):
     counts = np.bincount(np.fromfile(tiny_data_dir / "train.bin", dtype=np.uint16), minlength=50257)
     for name, r in rows.items():
         assert r.keys() >= ROW_KEYS, name
-        assert r["positions"] == 100 and r["seen_tokens"] == int((counts > 0).sum()), name
-        assert [b["tokens"] for b in r["frequency_bins"]][0] == int((counts == 0).sum())
-        assert sum(b["tokens"] for b in r["frequency_bins"]) == 50257  # every id of the tokenizer, no padding
+        assert r["positions"] == 100 and r["split_ids"] == int((counts > 0).sum()), name
+        assert r["train_tokens"] == int(counts.sum()) and r["counts_from"] == "tokens read in training", name
+        assert [b["tokens"] for b in r["split_frequency_bins"]][0] == int((counts == 0).sum())
+        assert r["read_ids"] == 50257 - r["frequency_bins"][0]["tokens"] and r["read_ids"] < r["split_ids"], name
+        for bins in (r["frequency_bins"], r["split_frequency_bins"]):
+            assert sum(b["tokens"] for b in bins) == 50257  # every id of the tokenizer, no padding
         assert sum(b["val_positions"] for b in r["frequency_bins"]) == 100
         weighted = sum(b["val_ce"] * b["val_positions"] for b in r["frequency_bins"] if b["val_positions"]) / 100
         assert weighted == pytest.approx(r["val_ce"], rel=1e-9)  # the bins split the positions
-        assert 1 <= r["embedding_effective_rank"] <= 64 and 1 <= r["hidden_effective_rank"] <= 64
-        assert -1 <= r["hidden_anisotropy"] <= 1 and len(r["embedding_singular_values"]) == 64
+        assert name == "step0" or 1 <= r["embedding_effective_rank"] <= 64  # step 0 read no token
+        assert 1 <= r["hidden_effective_rank"] <= 64
+        assert -1 <= r["hidden_anisotropy"] <= 1
+        assert len(r["embedding_singular_values"]) == min(64, r["read_ids"])
     assert rows["cwt"]["step"] == 2 and rows["cwt"]["tokens"] == 2 * 4 * 32
+    assert rows["cwt"]["read_tokens"] == 2 * 4 * 33 and rows["mlm"]["read_tokens"] == 2 * 4 * 32  # + last target
+    assert rows["step0"]["read_ids"] == 0 and rows["step0"]["embedding_anisotropy"] is None  # nothing read yet
     assert rows["ft"]["tokens"] == 4 * 4 * 32 and rows["ft"]["objective"] == "ce head fine-tune"
     assert [rows[n]["ce_through"] for n in ("cwt", "ft", "ce")] == ["tied E", "lm_head", "tied E"]
 
@@ -249,7 +271,7 @@ def test_drift_is_zero_at_step0_from_the_pretraining_init_after_a_finetune_and_n
     start = analyze.initial_model(ft["init"]).wte.weight.detach().double()[:50257]
     drift = (ft["model"]["wte.weight"].double()[:50257] - start).norm(dim=1)
     counts = analyze.token_counts(np.fromfile(Path(rows["ft"]["dataset"]) / "train.bin", dtype=np.uint16), 50257)
-    for b in rows["ft"]["frequency_bins"]:
+    for b in rows["ft"]["split_frequency_bins"]:
         in_bin = (counts >= b["min_count"]) & (counts <= b["max_count"])
         assert b["mean_drift"] == pytest.approx(drift[torch.from_numpy(in_bin)].mean().item(), rel=1e-9)
     assert rows["ft"]["drift_from"] == "seed 0" and rows["ft"]["frequency_bins"][-1]["mean_drift"] > 0
@@ -264,8 +286,9 @@ def test_the_table_puts_checkpoints_side_by_side(analysed, capsys):
     header = next(line for line in lines if line.split() == list(rows))
     assert header and "anisotropy E (seen)" in text and "unseen" in text
     assert "'antidisestablishmentarianism' is not one token seen in training for step0, cwt" in text
-    king = lines.index(next(line for line in lines if line.split() == ["king"]))
-    assert len(lines[king + 1].split()) == 1 + len(rows)  # rank, then one neighbour per checkpoint
+    assert "'king' is not one token seen in training for step0, cwt, ft, ce, mlm, old" in text  # never read
+    love = lines.index(next(line for line in lines if line.split() == ["love"]))
+    assert len(lines[love + 1].split()) == 1 + len(rows)  # rank, then one neighbour per checkpoint
     assert "records no initialisation" in text and "different tokenizers" not in text
     other = [dict(rows["cwt"]), dict(rows["ce"], tokenizer="bpe:512", vocab_size=512)]
     assert "different tokenizers (bpe:512, gpt2): their measures are not over the same ids" in "\n".join(
@@ -320,4 +343,36 @@ def test_optional_packages_missing_are_one_line(runs, tmp_path, monkeypatch, cap
 def test_every_row_is_valid_json_without_nan(analysed):
     _, out = analysed
     for row in json.loads((out / "analysis.json").read_text(), parse_constant=lambda c: pytest.fail(c)):
-        assert math.isfinite(row["embedding_anisotropy"]) and math.isfinite(row["hidden_effective_rank"])
+        assert row["read_ids"] == 0 or math.isfinite(row["embedding_anisotropy"])  # none at step 0: nothing read
+        assert math.isfinite(row["hidden_effective_rank"])
+
+
+def test_the_read_counts_are_the_tokens_training_read(tiny_data_dir, tmp_path, monkeypatch):
+    """Every batch the real sampler hands the loop, recorded while a run trains (two micro-batches a step), is
+    resumed with more steps, and fine-tuned: the counts analyze.py rebuilds from each checkpoint are those."""
+    monkeypatch.setitem(PRESETS, "tiny", dict(n_layer=1, n_head=2, d_model=32, block_size=64))
+    read = []
+    real_get = data.BatchSampler.get
+
+    def recording(sampler, index):
+        x, y = real_get(sampler, index)
+        read.append(torch.cat([x, y[:, -1:]], dim=1).flatten().numpy())  # the inputs, and the last target
+        return x, y
+
+    monkeypatch.setattr(data.BatchSampler, "get", recording)
+    fast = dict(eval_interval=10, eval_batches=1, batch_size=3, block_size=16, grad_accum=2, seed=5)
+    train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=2, **fast))
+    train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=3, resume=True, **fast))
+    after_pretraining = len(read)
+    finetune(FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.pt"), out_dir=str(tmp_path / "ft"), max_iters=2,
+                            eval_interval=2, device="cpu"))
+    tokens = open_split(tiny_data_dir, "train", 50304)
+    for name, batches in (("cwt", read[:after_pretraining]), ("ft", read)):
+        recorded = np.bincount(np.concatenate(batches), minlength=50257)
+        got, why = analyze.lineage_read_counts(load(tmp_path / name / "ckpt.pt"), tokens, 50257, causal=True)
+        assert why is None and got.tolist() == recorded.tolist(), name
+    assert after_pretraining == 6 and len(read) == 10  # 3 steps of 2 micro-batches, then 2 more steps
+    other_seed = load(tmp_path / "ft" / "ckpt.pt")
+    other_seed["train_config"]["seed"] = 6  # as after a --seed=6 fine-tune: its reads are not one stream
+    got, why = analyze.lineage_read_counts(other_seed, tokens, 50257, causal=True)
+    assert got is None and "its lineage changed seed" in why

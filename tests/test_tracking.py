@@ -3,11 +3,16 @@ same curves with no repeated step, a new run starts them over. Read back as a us
 EventAccumulator, and the offline W&B run's own file under out_dir. Never the network: W&B runs offline."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +20,13 @@ from helpers import read_log, tiny_config
 
 import common
 import compare
+import data
 import finetune
 import train
 from common import UserError
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(block_size=16, batch_size=2, max_iters=4, warmup_iters=1, eval_interval=2, eval_batches=1)
 
 
@@ -179,3 +186,70 @@ def test_compare_passes_the_flags_to_each_of_its_runs(tmp_path):
         (True, True, "p", "study/ce"), (True, True, "p", "study/b2-cwt-s7/cwt-ft")]
     unnamed = compare.pretrain_config(compare.CompareConfig(out_dir=str(tmp_path)), "ce", 4, tmp_path / "ce")
     assert (unnamed.tensorboard, unnamed.wandb, unnamed.wandb_run_name) == (False, False, "")  # named by out_dir
+
+
+def offline_wandb_env(tmp_path: Path) -> dict[str, str]:
+    home = str(tmp_path / "wandb-home")
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
+            "WANDB_CONFIG_DIR": home, "WANDB_CACHE_DIR": home, "WANDB_DATA_DIR": home}
+
+
+def wait_for_record(out: Path, ready, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            if any(ready(r) for r in read_log(out)):
+                return
+        time.sleep(0.1)
+    pytest.fail(f"no such record in {out / 'log.jsonl'} (exit {proc.poll()}): {proc.stderr.read()[-2000:]}")
+
+
+def test_a_run_killed_outright_keeps_its_wandb_history_but_its_last_fraction_of_a_second(tiny_data_dir, tmp_path):
+    """As the review killed one (SIGKILL to the run and its W&B process, 2 s after a validation): W&B's file holds
+    the records log.jsonl holds, in order, up to within WANDB_FLUSH_SECONDS of the kill (before, W&B's 15 s buffer
+    left its file empty: a 7-byte header)."""
+    pytest.importorskip("wandb")
+    import tracking
+
+    out = tmp_path / "out"
+    flags = [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu", "--wandb", "--n_layer=1", "--n_head=2",
+             "--d_model=32", "--block_size=16", "--batch_size=2", "--max_iters=100000", "--eval_interval=2",
+             "--eval_batches=1", "--log_interval=1", "--warmup_iters=1"]
+    env = {**os.environ, **offline_wandb_env(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_record(out, lambda r: r["step"] >= 3, proc)  # step 2's validation logged, and W&B's row of step 2
+        time.sleep(10 * tracking.WANDB_FLUSH_SECONDS)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its wandb-core: nothing gets to flush
+        proc.wait()
+    got, want = wandb_curves(wandb_history(out)), expected_curves(read_log(out))
+    assert "val/val_ce" in got and set(got) <= set(want), f"W&B's file holds {sorted(got)}"
+    assert [step for step, _ in got["val/val_ce"]][:2] == [0, 2]  # the validations before the kill
+    for tag, points in got.items():  # every record W&B holds is log.jsonl's, in order: none lost but the last
+        assert [step for step, _ in points] == [step for step, _ in want[tag][:len(points)]], tag
+        assert [v for _, v in points] == pytest.approx([v for _, v in want[tag][:len(points)]], rel=1e-6), tag
+
+
+def test_a_run_stopped_by_a_signal_keeps_every_wandb_record(tiny_data_dir, tmp_path, monkeypatch):
+    """SIGTERM (as Ctrl-C) stops the loop, which finishes the W&B run: its file holds every record of log.jsonl."""
+    pytest.importorskip("wandb")
+    for name, value in offline_wandb_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WANDB_MODE")  # read once a process by wandb: offline as no server answers, said to init
+    monkeypatch.setattr(common, "reachable", lambda url: False)
+    real_get = data.BatchSampler.get
+
+    def terminated_at_step_3(sampler, index):
+        if index == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real_get(sampler, index)
+
+    monkeypatch.setattr(data.BatchSampler, "get", terminated_at_step_3)
+    out = tmp_path / "out"
+    summary = train.train(tiny_config(tiny_data_dir, out, wandb=True, **{**SMALL, "max_iters": 10}))
+    assert summary["interrupted"] and summary["signal"] == signal.SIGTERM and summary["step"] == 4
+    records = read_log(out)
+    assert records[-1]["step"] == 4
+    assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(records))
