@@ -180,20 +180,36 @@ def prepare(cfg: PrepareConfig) -> dict:
                              source if os.path.exists(source) else None,
                              "--tokenizer": cfg.tokenizer if cfg.tokenizer.endswith(".json") else None},
                       writes={"the dataset folder": out})
-    check_replaceable(out)
     enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
-        from bpe import parse_bpe_name, train_for_dataset
+        from bpe import parse_bpe_name
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
     else:
         enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
-    with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
+    with hold_dataset(out):  # from before the first read of the folder until the new one is in its place
+        common.recover_folder(out)  # a data.py killed mid-swap: its earlier dataset back in place
+        check_replaceable(out)
+        return write_dataset(cfg, out, enc, source, items, total)
+
+
+def hold_dataset(out: Path) -> contextlib.AbstractContextManager:
+    """The dataset folder `out` for this command alone (common.hold_lock): its lock file lies beside it, as the
+    folder itself is replaced whole."""
+    return common.hold_lock(out.parent, "data.py preparing it", f".{out.name}.lock")
+
+
+def write_dataset(cfg: PrepareConfig, out: Path, enc: Any, source: str, items: Iterable[tuple[str, str, bool]],
+                  total: int | None) -> dict:
+    """The dataset built beside `out` and swapped into its place (prepare, holding its lock)."""
+    with common.atomic_folder(out) as tmp:
         getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
         if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
             from hf import check_same_tokenizer
             check_same_tokenizer(out, enc)
+        if not enc:
+            from bpe import train_for_dataset
         tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
         enc = enc or load_tokenizer(tokenizer)
         if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
@@ -318,6 +334,9 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN: a BPE of N tokens) is
     prepared on first use, and again when its door refuses it: by rank 0 under torchrun, while the others wait."""
     out = dataset_dir(dataset, data_root)
+    if common.is_main_process() and not os.path.lexists(out) and common.set_aside(out):
+        with hold_dataset(out):  # a data.py killed mid-swap: its earlier dataset back in place, before any read
+            common.recover_folder(out)
     builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
         load_meta(out)

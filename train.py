@@ -484,6 +484,7 @@ class Run:
         self.cfg = cfg
         common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start["step"] if resuming else None
+        self.run_id = start.get("run_id") if resuming else common.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -513,7 +514,7 @@ class Run:
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
-            "tokenizer_json": first.tokenizer_json,
+            "tokenizer_json": first.tokenizer_json, "run_id": self.run_id,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None,
             "init": lineage_init(cfg, model, start)}
         self.saved_step = None
@@ -555,9 +556,9 @@ class Run:
              f"{self.device.type}{ranks} {dtype} | {self.tokens_per_step:,} tokens/step")
 
     def log(self, record: dict) -> None:
-        """The one writer of log.jsonl: every record carries the step and the tokens seen."""
+        """The one writer of log.jsonl: every record carries the step, the tokens seen and the run's id."""
         if common.is_main_process():
-            record = {"step": self.state.step, "tokens": self.state.tokens, **record}
+            record = {"step": self.state.step, "tokens": self.state.tokens, **record, "run_id": self.run_id}
             append_log(self.out_dir, record)
             if self.tracker:
                 self.tracker.log(record)
@@ -700,7 +701,7 @@ def train_claimed(cfg: TrainConfig) -> dict[str, Any]:
     since = (started, state.step)  # tokens/s counts training time only: validation restarts the clock
     stopping = False
     run.model.train()
-    common.start_log(run.out_dir, run.resumed_step)
+    common.start_log(run.out_dir, run.resumed_step, run.run_id)
     with common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():

@@ -36,12 +36,14 @@ def read_log(out_dir) -> list[dict]:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "run_id")} for r in records]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` (hidden ones too), by relative path: equal snapshots, nothing changed."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file under `folder` (hidden ones too), by relative path: equal snapshots, nothing changed. A released
+    lock file (empty: common.hold_lock never unlinks it) holds nothing."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not (p.name.endswith(".lock") and p.stat().st_size == 0)}
 
 
 def run_cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
