@@ -41,7 +41,15 @@ from common import (
     pick_device,
     run_main,
 )
-from data import dataset_tokenizer, ensure_dataset, load_meta, open_split, same_tokenizer, sequential_batches
+from data import (
+    dataset_tokenizer,
+    ensure_dataset,
+    load_meta,
+    open_split,
+    recorded_dataset,
+    same_tokenizer,
+    sequential_batches,
+)
 from model import GPT, GPTConfig
 from results import format_metric, import_pyplot, save_figure, write_json
 
@@ -200,7 +208,7 @@ def dataset_of(path: str, ckpt: dict, data_root: str) -> tuple[Path, dict]:
     if "," in dataset:
         raise UserError(f"{path} was trained on a mix ({dataset}); analyze.py counts tokens on one dataset: "
                         "analyse checkpoints trained on one")
-    data_dir = ensure_dataset(dataset, data_root)
+    data_dir = ensure_dataset(recorded_dataset(dataset, data_root, path), data_root)  # never the path as written
     meta = load_meta(data_dir)
     theirs = ckpt.get("data_meta") or {}
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):

@@ -351,6 +351,34 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     return out
 
 
+def check_same_data(meta: dict, ckpt: dict, source: str | Path, dataset: str) -> None:
+    """A checkpoint goes on (resumed, or a run started from it) on a dataset of its own's name only as that dataset
+    was: prepared again since (shards other than the checksums its data_meta recorded), it is refused; the same
+    data under another name is for the user to choose."""
+    recorded = (ckpt.get("train_config") or {}).get("dataset")
+    theirs = (ckpt.get("data_meta") or {}).get("checksums")
+    name = dataset_dir(dataset.split(",")[0]).name  # a mix records its first source's meta
+    if recorded and theirs and dataset_dir(recorded.split(",")[0]).name == name and theirs != meta.get("checksums"):
+        raise UserError(f"{source} was trained on {name} as it was then, and {name} was prepared again since (its "
+                        "shards differ from the checksums the checkpoint recorded): a run goes on only on its own "
+                        "data; prepare the new data under another name (data.py --name=NAME), or start over with "
+                        "--overwrite")
+
+
+def recorded_dataset(recorded: str, data_root: str, ckpt: str | Path) -> str:
+    """The dataset a checkpoint records, found by its folder's name under this command's --data_root: a path inside
+    a checkpoint is never opened (/elsewhere/books is data_root/books). The built-in corpus is prepared there."""
+    name = dataset_dir(Path(recorded).name).name
+    if re.fullmatch(r"shakespeare(-bpe\d+)?", name):
+        return name
+    folder = Path(data_root) / name
+    if not (folder / "meta.json").exists():
+        raise UserError(f"{ckpt} was trained on {doors.brief(recorded)}, looked for as {folder} (a path inside a "
+                        "checkpoint is never opened), which is not a prepared dataset; pass --data_root=FOLDER that "
+                        f"holds {name}, or --dataset=NAME")
+    return str(folder)
+
+
 def load_meta(data_dir: str | Path) -> dict:
     """meta.json of a prepared dataset, through its door (doors.dataset), with its tokenizer.json checked."""
     return common.through_door(doors.dataset, data_dir).meta

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -63,10 +62,10 @@ from data import (
     load_meta,
     open_split,
     open_val_split,
+    recorded_dataset,
     same_tokenizer,
     special_ids,
 )
-from doors import brief
 from results import check_finite, format_metric, jsonl_rows, write_json
 from train import evaluate, objective_of
 
@@ -280,21 +279,7 @@ def val_dataset(cfg: EvalConfig, ckpt: dict) -> str:
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
     if "," in dataset:  # a mixed run: its sources are scored one at a time
         raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
-    return dataset if cfg.dataset else recorded_dataset(dataset, cfg)
-
-
-def recorded_dataset(recorded: str, cfg: EvalConfig) -> str:
-    """The dataset a checkpoint records, found by its folder's name under this command's --data_root: a path inside
-    a checkpoint is never opened (/elsewhere/books is data_root/books). The built-in corpus is prepared there."""
-    name = dataset_dir(Path(recorded).name).name
-    if re.fullmatch(r"shakespeare(-bpe\d+)?", name):
-        return name
-    folder = Path(cfg.data_root) / name
-    if not (folder / "meta.json").exists():
-        raise UserError(f"{cfg.ckpt} was trained on {brief(recorded)}, looked for as {folder} (a path inside a "
-                        "checkpoint is never opened), which is not a prepared dataset; pass --data_root=FOLDER that "
-                        f"holds {name}, or --dataset=NAME")
-    return str(folder)
+    return dataset if cfg.dataset else recorded_dataset(dataset, cfg.data_root, cfg.ckpt)
 
 
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:

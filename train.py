@@ -27,6 +27,7 @@ import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import (
     BatchSampler,
+    check_same_data,
     dataset_dir,
     ensure_dataset,
     open_split,
@@ -333,6 +334,7 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
     if resuming and cfg.max_iters < start["step"]:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
     theirs = start.get("data_meta", {})
+    check_same_data(meta, start, source, cfg.dataset)
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
         raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
                         f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")

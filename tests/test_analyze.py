@@ -174,7 +174,7 @@ def runs(tiny_data_dir, tmp_path_factory):
         shutil.copy(root / "cwt" / "ckpt.pt", root / "step0" / "ckpt.pt")
         train.train(tiny_config(tiny_data_dir, root / "cwt", resume=True, **fast))
         finetune(FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.pt"), out_dir=str(root / "ft"), max_iters=2,
-                                eval_interval=2, device="cpu"))
+                                eval_interval=2, device="cpu", data_root=str(tiny_data_dir.parent)))
         train.train(tiny_config(tiny_data_dir, root / "ce", loss="ce", seed=1, **fast))
         train.train(tiny_config(tiny_data_dir, root / "mlm", objective="mlm", **fast))
     old = torch.load(root / "ce" / "ckpt.pt", weights_only=True)
@@ -201,11 +201,12 @@ def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_wi
 
 
 @pytest.fixture(scope="module")
-def analysed(runs, tmp_path_factory):
+def analysed(runs, tiny_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("analysed")
     names = ("step0", "cwt", "ft", "ce", "mlm", "old")
     flags = [f"--ckpts={','.join(str(runs / n / 'ckpt.pt') for n in names)}", "--tokens=100", "--device=cpu",
-             "--words=king,love,antidisestablishmentarianism", f"--json={out / 'analysis.json'}"]
+             "--words=king,love,antidisestablishmentarianism", f"--json={out / 'analysis.json'}",
+             f"--data_root={tiny_data_dir.parent}"]
     return dict(zip(names, analyze.main(flags))), out
 
 
@@ -303,15 +304,16 @@ def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(analyze.main, flags, message.replace("OUT", str(tmp_path)), tmp_path)
 
 
-def test_optional_packages_missing_are_one_line(runs, tmp_path, monkeypatch, capsys):
+def test_optional_packages_missing_are_one_line(runs, tiny_data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    code, _, err = run_cli(analyze.main, [f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", f"--plot={tmp_path / 'a.png'}"],
-                           monkeypatch, capsys)
+    code, _, err = run_cli(analyze.main, [f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", f"--plot={tmp_path / 'a.png'}",
+                                          f"--data_root={tiny_data_dir.parent}"], monkeypatch, capsys)
     assert code == 2 and err == "error: --plot needs matplotlib, an optional extra: pip install matplotlib"
     monkeypatch.setitem(sys.modules, "IsoScore", None)
     monkeypatch.setitem(sys.modules, "IsoScore.IsoScore", None)
     assert analyze.isoscore(torch.eye(3)) is None
-    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", "--tokens=40", "--device=cpu", "--words="])
+    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.pt'}", "--tokens=40", "--device=cpu", "--words=",
+                         f"--data_root={tiny_data_dir.parent}"])
     assert rows[0]["embedding_isoscore"] is None and rows[0]["hidden_isoscore"] is None
     assert "pip install isoscore" in capsys.readouterr().err
 
