@@ -141,6 +141,17 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
+def check_hub(what: str, fix: str) -> None:
+    """Without network, one line in seconds: a quiet connection to the Hugging Face hub first, where its libraries
+    would retry for minutes; none with HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 (they then read their cache)."""
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
+                                                                                    "HF_DATASETS_OFFLINE"))
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not reachable(hub):
+        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {what}: {fix}, or set "
+                        "HF_HUB_OFFLINE=1 to read it from your Hugging Face cache")
+
+
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door
 
 
@@ -386,34 +397,22 @@ def remove_stale_temps(folder: str | Path) -> None:
 def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[None]:
     """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file
     folder/name (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped
-    whole). A second holder is refused in one line naming the first. The file is never unlinked: the kernel drops
-    a dead process's lock (a crash leaves no stale lock), and nobody removes a lock another holds. A link, a
-    folder or a special file planted at its name is refused, never written through. The folders it made are
-    removed if the block fails before the lock file is made."""
+    whole). A second holder is refused in one line naming the first. The kernel drops a dead process's lock (a
+    crash leaves no stale lock). The file is never unlinked but with the folders this command made, left empty
+    (a refused command leaves no folder), while it is held; a lock is ours only once the file we locked is still
+    the one at its name, so nobody holds a lock file that was removed. A link, a folder or a special file planted
+    at its name is refused, never written through."""
     folder = Path(folder)
     lock = folder / name
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        for p in made:
+        fd = locked_file(folder, lock, name, what)
+    except BaseException:
+        for p in made:  # a refused command leaves no folder
             with contextlib.suppress(OSError):
                 p.rmdir()
-        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise UserError(f"{lock} is a link or a folder, not a lock file; move it away") from None
-        raise write_error(e, lock, "file") from None
-    locked = False
+        raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UserError(f"{lock} is not a regular file (a pipe, socket or device), not a lock file; move it away")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = folder if name == ".lock" else folder / name[1:].removesuffix(".lock")
-            raise UserError(f"{held} is in use by another {what} ({lock_info(folder, name)}); wait for it to "
-                            "finish or use another folder") from None
-        locked = True
         try:  # who holds it, for the next one's message: written in place, in the file we hold
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
@@ -422,10 +421,55 @@ def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[No
             raise write_error(e, lock, "file") from None
         yield
     finally:
-        if locked:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # still held: a released lock names nobody
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # still held: a released lock names nobody
+            if made and os.listdir(folder) == [name]:  # still held: whoever opened it finds it gone, and retries
+                lock.unlink()
+                for p in made:
+                    p.rmdir()
         os.close(fd)
+
+
+def locked_file(folder: Path, lock: Path, name: str, what: str) -> int:
+    """The descriptor of lock file folder/name, made if missing, flocked by us; tried again where the file we
+    locked was removed meanwhile by a holder that made its folder (hold_lock)."""
+    for _ in range(8):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:
+            continue  # the folder removed between the two calls
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise UserError(f"{lock} is a link or a folder, not a lock file; move it away") from None
+            raise write_error(e, lock, "file") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UserError(f"{lock} is not a regular file (a pipe, socket or device), not a lock file; move it "
+                                "away")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = folder if name == ".lock" else folder / name[1:].removesuffix(".lock")
+                raise UserError(f"{held} is in use by another {what} ({lock_info(folder, name)}); wait for it to "
+                                "finish or use another folder") from None
+            if still_at(fd, lock):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise UserError(f"cannot take the lock {lock}: it is removed again and again; check what else writes there")
+
+
+def still_at(fd: int, path: Path) -> bool:
+    """Whether the open file fd is still the file at path (not removed or replaced since it was opened)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def lock_info(folder: Path, name: str = ".lock") -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from common import (
     UserError,
     autocast_context,
     bounded,
+    check_hub as common_check_hub,
     checkpoint_model,
     config_path,
     declare_io,
@@ -51,7 +51,6 @@ from common import (
     parse_flags,
     pick_device,
     pick_dtype,
-    reachable,
     refuse_idle,
     run_main,
 )
@@ -202,15 +201,9 @@ def read_jsonl(path: str) -> list[str]:
 
 
 def check_hub() -> None:
-    """Offline, one line at once: a quiet connection to the hub first, where the datasets library would retry for
-    most of a minute (none with HF_HUB_OFFLINE=1: it then reads its cache)."""
-    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
-                                                                                    "HF_DATASETS_OFFLINE"))
-    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not offline and not reachable(hub):
-        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {LAMBADA_HUB[0]}: pass --data=FILE.jsonl "
-                        "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl), or set "
-                        "HF_HUB_OFFLINE=1 to read it from your Hugging Face cache")
+    """Offline, one line at once (common.check_hub), where the datasets library would retry for most of a minute."""
+    common_check_hub(LAMBADA_HUB[0], "pass --data=FILE.jsonl (one {\"text\": ...} per line, e.g. the harness's "
+                     "lambada_test.jsonl)")
 
 
 def load_lambada(data: str | None) -> list[str]:

@@ -81,6 +81,12 @@ def one_error_line(err: str) -> str:
 RELATIONS = ("same", "inside", "holds", "link", "link_parent", "hardlink")
 
 
+def released_lock(path: Path) -> bool:
+    """A lock file common.hold_lock left (empty, never unlinked: the next holder's lock is the same file)."""
+    return path.name.startswith(".") and path.name.endswith(".lock") and not path.is_symlink() and path.is_file() \
+        and path.stat().st_size == 0
+
+
 def tree_state(root: Path) -> dict[str, object]:
     """Every entry under root, links unfollowed: a folder, a link's target, a file's bytes (a file of more than
     1 MiB, a sparse one: its size, inode and modification time), so that equal states mean nothing changed."""
@@ -88,6 +94,8 @@ def tree_state(root: Path) -> dict[str, object]:
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             path = Path(folder) / name
+            if released_lock(path):
+                continue
             info = path.lstat()
             state[str(path.relative_to(root))] = (
                 f"-> {os.readlink(path)}" if path.is_symlink() else "folder" if path.is_dir() else

@@ -162,10 +162,11 @@ def test_an_out_dir_that_is_a_file(tiny_data_dir, tmp_path, monkeypatch, capsys)
     assert out.read_text() == "a file" and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
-def test_finetune_refuses_an_out_dir_holding_another_run(finished, tmp_path, monkeypatch, capsys):
+def test_finetune_refuses_an_out_dir_holding_another_run(finished, tiny_data_dir, tmp_path, monkeypatch, capsys):
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    flags = [f"--ckpt={finished / 'ckpt.pt'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1"]
+    flags = [f"--ckpt={finished / 'ckpt.pt'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1",
+             f"--data_root={tiny_data_dir.parent}"]  # its dataset, looked up by name under --data_root
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
     assert code == 2 and err == REFUSED.format(out=out, what="ckpt.pt")
     assert snapshot(out) == before
