@@ -1,6 +1,6 @@
-"""One owner at a time (issue 42, docs/failures.md "Ownership and replacement"): a run folder and a dataset have
-one owner by one mechanism (common.hold_lock), a run knows its data, a replacement is a unit whatever kills it,
-and files are read within their bounds, offline in seconds.
+"""One owner at a time (issue 42, docs/failures.md "One owner at a time", contracts A to D): a run folder and a
+dataset have one owner by one mechanism (common.hold_lock), a run knows its data, a replacement is a unit whatever
+kills it, and files are read within their bounds, offline in seconds.
 
 kill -9 is real: a forked copy of this process runs the command and SIGKILLs itself at its k-th step on the file
 system (a rename, an exchange, an unlink, a folder removed, a log line appended), for every k of a seeded table;
