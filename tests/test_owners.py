@@ -336,6 +336,36 @@ def test_the_longest_line_is_measured_in_bounded_reads(lengths, scan):
         corpora.SCAN_BYTES = saved
 
 
+HUB_COMMANDS = {  # every way a command reaches the hub: what it loads, named in its one line
+    "data.py --dataset=ORG/NAME": (lambda t: data.main(["--dataset=someone/corpus", f"--data_root={t}"]),
+                                   "dataset 'someone/corpus'"),
+    "data.py --tokenizer=hf:ORG/NAME": (lambda t: data.main([f"--dataset={corpus(t / 'c', 'old')}", f"--data_root={t}",
+                                                            "--tokenizer=hf:someone/tokenizer"]),
+                                        "the tokenizer of 'someone/tokenizer'"),
+    "eval.py (LAMBADA)": (lambda t: __import__("eval").load_lambada(None), "EleutherAI/lambada_openai"),
+    "glue.py": (lambda t: __import__("glue").load_split(__import__("glue").GlueConfig(), "train"), "nyu-mll/glue"),
+    "xnli.py": (lambda t: list(__import__("xnli").hub_split("en", "test")), "facebook/xnli/en test"),
+    "hf.py import": (lambda t: __import__("hf")._download("someone/model"), "someone/model"),
+}
+
+
+@pytest.mark.parametrize("command", HUB_COMMANDS)
+def test_every_hub_name_offline_fails_in_seconds(command, tmp_path, monkeypatch):
+    """Without network (and without HF_HUB_OFFLINE), each way to the hub is one line in seconds, naming what it
+    would load and how to go on; the libraries retried for minutes."""
+    load, what = HUB_COMMANDS[command]
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # a name no DNS resolves: offline
+    started = time.monotonic()
+    with pytest.raises(UserError) as e:
+        load(tmp_path)
+    assert time.monotonic() - started < 15
+    message = str(e.value)
+    assert message.startswith("cannot reach the Hugging Face hub (https://hub.invalid) to load ") and what in message
+    assert "HF_HUB_OFFLINE=1" in message and "\n" not in message, message
+
+
 def test_a_hub_name_offline_fails_in_seconds_with_one_line(tmp_path):
     """The named case: `data.py --dataset=ORG/NAME` without network waited 2 minutes before its one line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
