@@ -52,6 +52,7 @@ from data import (
     ensure_dataset,
     load_meta,
     open_split,
+    recorded_dataset,
     same_tokenizer,
     sequential_batches,
 )
@@ -261,7 +262,7 @@ def dataset_of(path: str, ckpt: dict, data_root: str) -> tuple[Path, dict]:
     if "," in dataset:
         raise UserError(f"{path} was trained on a mix ({dataset}); analyze.py counts tokens on one dataset: "
                         "analyse checkpoints trained on one")
-    data_dir = ensure_dataset(dataset, data_root)
+    data_dir = ensure_dataset(recorded_dataset(dataset, data_root, path), data_root)  # never the path as written
     meta = load_meta(data_dir)
     theirs = ckpt.get("data_meta") or {}
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):

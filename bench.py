@@ -480,7 +480,6 @@ def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
 
 def bench_checkpoint(cfg: BenchConfig) -> str:
     """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
-    import common
     import doors
     payload = checkpoint_payload(cfg.preset)
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import glob
 import importlib.util
 import json
 import math
@@ -16,6 +17,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
 import time
 import typing
@@ -241,6 +243,17 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
+def check_hub(what: str, fix: str) -> None:
+    """Without network, one line in seconds: a quiet connection to the Hugging Face hub first, where its libraries
+    would retry for minutes; none with HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1 (they then read their cache)."""
+    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
+                                                                                    "HF_DATASETS_OFFLINE"))
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if not offline and not reachable(hub):
+        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {what}: {fix}, or set "
+                        "HF_HUB_OFFLINE=1 to read it from your Hugging Face cache")
+
+
 # Settings: a dataclass from its defaults < a --config=FILE.json|toml < --key=value flags, through their door
 
 
@@ -411,24 +424,70 @@ class WriteRecorder:
 @contextlib.contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
     """A folder built beside `path`, which replaces it as a unit when the block succeeds and is removed when it
-    fails: `path` is the earlier folder, whole, or the new one (a stop between the renames puts it back)."""
+    fails: `path` is at every moment the earlier folder, whole, or the new one (swap_in). Call it holding the
+    folder's lock (hold_lock): it first finishes what a killed swap of `path` left (recover_folder)."""
     path = Path(path)
+    recover_folder(path)
     remove_stale_temps(path.parent)
     tmp = temp_path(path)
-    old = temp_path(path)
     try:
         tmp.mkdir()
         yield tmp
-        if os.path.lexists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
+        swap_in(tmp, path)
     except BaseException as e:
-        if os.path.lexists(old) and not os.path.lexists(path):
-            os.rename(old, path)
+        recover_folder(path)  # a stop between swap_in's two renames: the earlier folder back in its place
         raise write_error(e, path, "folder") from None
     finally:
-        for folder in (tmp, old):
-            shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # the new folder unused, or the earlier one it replaced
+
+
+RENAME_EXCHANGE = 2  # renameat2's flag: two names swap their files in one step
+
+
+def swap_in(new: Path, path: Path) -> None:
+    """Put folder `new` at `path`; the earlier folder there ends at `new`'s name. One atomic exchange where the
+    file system has it (Linux's renameat2); else two renames, the earlier folder set aside under a name
+    recover_folder knows, so that the next start puts it back if a kill -9 falls between them."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return
+    if exchange(new, path):
+        return
+    aside = path.with_name(f".{path.name}{TEMP_MARK}aside-{secrets.token_hex(8)}.tmp")
+    os.rename(path, aside)
+    os.rename(new, path)
+    os.rename(aside, new)  # what the caller removes
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (renameat2 RENAME_EXCHANGE); False where the system or file system cannot."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_cwd = -100
+    if libc.renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def set_aside(path: Path) -> list[Path]:
+    """The earlier folders of `path` that a killed swap_in left set aside (folders, never links)."""
+    found = sorted(path.parent.glob(f".{glob.escape(path.name)}{TEMP_MARK}aside-*.tmp"))
+    return [p for p in found if p.is_dir() and not p.is_symlink()]
+
+
+def recover_folder(path: Path) -> None:
+    """Finish what a killed swap_in left (called holding the folder's lock, so nobody else is swapping it): an
+    earlier folder set aside is put back where no folder is, and removed where the new one is in place."""
+    for aside in set_aside(path):
+        if not os.path.lexists(path):
+            os.rename(aside, path)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_error(e: BaseException, path: Path, what: str, failed: OSError | None = None) -> BaseException:
@@ -463,55 +522,102 @@ def remove_stale_temps(folder: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def hold_lock(folder: str | Path, what: str) -> Iterator[None]:
-    """An exclusive flock on the folder for the block's life; a second holder is refused in one line naming
-    the first (folder/.lock, written anew: never through a planted link). The kernel drops a dead process's
-    lock: a crash leaves no stale lock. The folders it made are removed if the block leaves them empty."""
+def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[None]:
+    """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file
+    folder/name (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped
+    whole). A second holder is refused in one line naming the first. The kernel drops a dead process's lock (a
+    crash leaves no stale lock). The file is never unlinked but with the folders this command made, left empty
+    (a refused command leaves no folder), while it is held; a lock is ours only once the file we locked is still
+    the one at its name, so nobody holds a lock file that was removed. A link, a folder or a special file planted
+    at its name is refused, never written through."""
     folder = Path(folder)
-    info = folder / ".lock"
+    lock = folder / name
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError as e:
-        raise UserError(f"cannot create {folder} ({e.strerror}); pass a folder you can write") from None
+        fd = locked_file(folder, lock, name, what)
+    except BaseException:
+        for p in made:  # a refused command leaves no folder
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UserError(f"{folder} is in use by another {what} ({lock_info(folder)}); wait for it to finish or "
-                        "use another folder") from None
-    try:
-        with atomic_file(info, "w") as f:  # anew: a link planted as .lock is replaced, never written through
-            f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        try:  # who holds it, for the next one's message: written in place, in the file we hold
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        except OSError as e:
+            raise write_error(e, lock, "file") from None
         yield
     finally:
         with contextlib.suppress(OSError):
-            info.unlink(missing_ok=True)  # before the lock goes: the next holder's file is never removed
+            os.ftruncate(fd, 0)  # still held: a released lock names nobody
+            if made and os.listdir(folder) == [name]:  # still held: whoever opened it finds it gone, and retries
+                lock.unlink()
+                for p in made:
+                    p.rmdir()
         os.close(fd)
-        for p in made:
-            with contextlib.suppress(OSError):
-                p.rmdir()
 
 
-def lock_info(folder: Path) -> str:
-    """What a lock's holder wrote in folder/.lock (pid, host, start), a line read without following a link."""
+def locked_file(folder: Path, lock: Path, name: str, what: str) -> int:
+    """The descriptor of lock file folder/name, made if missing, flocked by us; tried again where the file we
+    locked was removed meanwhile by a holder that made its folder (hold_lock)."""
+    for _ in range(8):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:
+            continue  # the folder removed between the two calls
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise UserError(f"{lock} is a link or a folder, not a lock file; move it away") from None
+            raise write_error(e, lock, "file") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UserError(f"{lock} is not a regular file (a pipe, socket or device), not a lock file; move it "
+                                "away")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = folder if name == ".lock" else folder / name[1:].removesuffix(".lock")
+                raise UserError(f"{held} is in use by another {what} ({lock_info(folder, name)}); wait for it to "
+                                "finish or use another folder") from None
+            if still_at(fd, lock):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise UserError(f"cannot take the lock {lock}: it is removed again and again; check what else writes there")
+
+
+def still_at(fd: int, path: Path) -> bool:
+    """Whether the open file fd is still the file at path (not removed or replaced since it was opened)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def lock_info(folder: Path, name: str = ".lock") -> str:
+    """What a lock's holder wrote in its lock file (pid, host, start), a line read without following a link."""
     holder = "another process"
-    with contextlib.suppress(OSError), open(folder / ".lock", "rb", opener=no_link) as f:  # no link, no pipe
+    with contextlib.suppress(OSError), open(Path(folder) / name, "rb", opener=no_link) as f:  # no link, no pipe
         holder = f.read(200).decode(errors="replace").strip() or holder
     return holder
 
 
-def lock_holder(folder: str | Path) -> str | None:
-    """Who holds hold_lock's lock on `folder` now (lock_info), or None: nobody, or no such folder."""
+def lock_holder(folder: str | Path, name: str = ".lock") -> str | None:
+    """Who holds hold_lock's lock of `folder` now (lock_info), or None: nobody, or no lock file."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(Path(folder) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released with the descriptor
     except BlockingIOError:
-        return lock_info(Path(folder))
+        return lock_info(Path(folder), name)
     finally:
         os.close(fd)
     return None
@@ -743,16 +849,30 @@ def check_a_runs_files(ckpt: Path, log: Path) -> None:
         through_door(doors.run_log, log, True)
 
 
-def start_log(out_dir: Path, resumed_step: int | None) -> None:
-    """The log of a claimed run, once it is built: a resumed one keeps its records up to its checkpoint's step
-    (a line cut short by a crash dropped; any other damage refused by its door), a new one starts empty."""
+def new_run_id() -> str:
+    """A run's id, in its checkpoint and in every record of its log: the two files of one run carry the same."""
+    return secrets.token_hex(8)
+
+
+def start_log(out_dir: Path, resumed_step: int | None, run_id: str | None = None) -> None:
+    """The log of a claimed run, once it is built. A new run removes the earlier run's pair, its checkpoint
+    first, before its own first log line (a kill between leaves a log alone, which --resume=auto replaces):
+    never one run's checkpoint beside another's log. A resumed one keeps its records up to its checkpoint's step
+    (a line cut short by a crash dropped; any other damage refused by its door), once they are found to be of
+    the checkpoint's run (`run_id`, None for runs from before ids)."""
     if not is_main_process():
         return
-    log = run_files(out_dir)[1]
+    ckpt, log = run_files(out_dir)
     if resumed_step is None:
+        ckpt.unlink(missing_ok=True)
         log.unlink(missing_ok=True)
     elif log.is_file():
         records = through_door(doors.run_log, log, True)
+        other = next((r.get("run_id") for r in records if r.get("run_id") != run_id), run_id)
+        if other != run_id:
+            raise UserError(f"{log} is the log of another run (run_id {brief_value(other)}) than {ckpt} (run_id "
+                            f"{brief_value(run_id)}): they do not belong together; start over with --overwrite, or "
+                            "move one of them away")
         with atomic_file(log, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= resumed_step)
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from common import UserError, first_line
+import doors
+from common import UserError, check_hub, first_line, through_door
 from data import PrepareConfig, encode_batches, load_meta, split_by_hash
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -40,6 +41,7 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
                         "roneneldan/TinyStories, or a path to .txt/.jsonl/.parquet files")
     source = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
     hint = "check the id, --subset and --split, and the network (or pass a local path)"
+    check_hub(f"dataset {cfg.dataset!r}", "check the network, or pass a local path")  # offline: in seconds
     train = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split=cfg.split,
                        streaming=True), cfg.text_field, source)
     own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
@@ -63,6 +65,8 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
     if len(builders) > 1:
         raise UserError(f"{path} mixes file formats ({', '.join(sorted(builders))}); use one format per folder")
     builder = builders.pop()
+    for file in files:
+        check_corpus_file(file)
     field = "text" if builder == "text" else cfg.text_field
     source = f"{path.resolve()} ({len(files)} {builder} file(s))"
     by_split = {s: [f for f in files if split_of(f) == s] for s in ("train", "val")}
@@ -77,6 +81,44 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
         return source, Items([texts], (item for text in texts for item in
                                        split_one_document(text, cfg.val_fraction)), cfg), 1
     return source, Items([texts], split_by_hash(texts, cfg.val_fraction), cfg), None
+
+
+MAX_DOCUMENT_BYTES = 1 << 30  # what a corpus holds in memory at once: a .txt or .json file, a .jsonl line
+SCAN_BYTES = 1 << 24  # a .jsonl file's lines are measured this many bytes at a time
+
+
+def check_corpus_file(path: Path) -> None:
+    """A corpus file within the bound of its kind, before the datasets library reads it: a regular file, not sparse
+    (holes cost nothing on disk and everything in memory); a .txt file (one document) or a .json one (one JSON
+    value) of at most MAX_DOCUMENT_BYTES, read whole; a .jsonl file whose every line (a row, read whole) is."""
+    fix = "split it into smaller files (a .jsonl file of one document a line streams)"
+    f, info = through_door(doors.opened, path, "corpus file", "pass a .txt, .jsonl or .parquet file")
+    with f:
+        why = doors.holes_problem(f.fileno(), info.st_size)
+        if why:
+            raise UserError(f"corpus file {path} {why}; pass the real file")
+        if path.suffix in (".txt", ".json") and info.st_size > MAX_DOCUMENT_BYTES:
+            kind = "document" if path.suffix == ".txt" else "JSON value (one object a line: name it .jsonl)"
+            raise UserError(f"corpus file {path} is {info.st_size:,} bytes, read whole as one {kind}: more than "
+                            f"{MAX_DOCUMENT_BYTES:,}; {fix}")
+        if path.suffix == ".jsonl" and (longest := longest_line(f)) > MAX_DOCUMENT_BYTES:
+            raise UserError(f"corpus file {path} has a line of more than {longest:,} bytes, read whole as one row: "
+                            f"more than {MAX_DOCUMENT_BYTES:,}; {fix}")
+
+
+def longest_line(f: Any) -> int:
+    """The length of the longest line of a file, read SCAN_BYTES at a time; it stops at the first line known to be
+    longer than MAX_DOCUMENT_BYTES (a 3 GB file with no newline costs one pass, never memory)."""
+    longest = run = 0  # run: the length of the line the last chunk ended in
+    while (chunk := f.read(SCAN_BYTES)) and longest <= MAX_DOCUMENT_BYTES:
+        ends = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n"))
+        if not len(ends):
+            run += len(chunk)
+        else:
+            longest = max(longest, run + int(ends[0]), int(np.diff(ends).max(initial=1)) - 1)
+            run = len(chunk) - int(ends[-1]) - 1
+        longest = max(longest, run)
+    return longest
 
 
 def split_one_document(text: str, fraction: float) -> Iterator[tuple[str, str, bool]]:

@@ -182,20 +182,36 @@ def prepare(cfg: PrepareConfig) -> dict:
                              source if os.path.exists(source) else None,
                              "--tokenizer": cfg.tokenizer if cfg.tokenizer.endswith(".json") else None},
                       writes={"the dataset folder": out})
-    check_replaceable(out)
     enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
     if cfg.tokenizer.startswith("bpe:"):
         common.need_extra("bpe", f"--tokenizer={cfg.tokenizer}")
-        from bpe import parse_bpe_name, train_for_dataset
+        from bpe import parse_bpe_name
         parse_bpe_name(cfg.tokenizer)  # a bad N is one line before any work
     else:
         enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
-    with common.hold_lock(out, "data.py preparing it"), common.atomic_folder(out) as tmp:
+    with hold_dataset(out):  # from before the first read of the folder until the new one is in its place
+        common.recover_folder(out)  # a data.py killed mid-swap: its earlier dataset back in place
+        check_replaceable(out)
+        return write_dataset(cfg, out, enc, source, items, total)
+
+
+def hold_dataset(out: Path) -> contextlib.AbstractContextManager:
+    """The dataset folder `out` for this command alone (common.hold_lock): its lock file lies beside it, as the
+    folder itself is replaced whole."""
+    return common.hold_lock(out.parent, "data.py preparing it", f".{out.name}.lock")
+
+
+def write_dataset(cfg: PrepareConfig, out: Path, enc: Any, source: str, items: Iterable[tuple[str, str, bool]],
+                  total: int | None) -> dict:
+    """The dataset built beside `out` and swapped into its place (prepare, holding its lock)."""
+    with common.atomic_folder(out) as tmp:
         getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
         if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
             from hf import check_same_tokenizer
             check_same_tokenizer(out, enc)
+        if not enc:
+            from bpe import train_for_dataset
         tokenizer = cfg.tokenizer if enc else train_for_dataset(cfg, documents(cfg)[1], tmp / "tokenizer.json")
         enc = enc or load_tokenizer(tokenizer)
         if hasattr(enc, "json"):  # the tokenizer travels with the data, then with each checkpoint
@@ -320,6 +336,9 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN: a BPE of N tokens) is
     prepared on first use, and again when its door refuses it: by rank 0 under torchrun, while the others wait."""
     out = dataset_dir(dataset, data_root)
+    if common.is_main_process() and not os.path.lexists(out) and common.set_aside(out):
+        with hold_dataset(out):  # a data.py killed mid-swap: its earlier dataset back in place, before any read
+            common.recover_folder(out)
     builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
         load_meta(out)
@@ -332,6 +351,34 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python data.py "
                         f"--dataset={dataset} --data_root={data_root}")
     return out
+
+
+def check_same_data(meta: dict, ckpt: dict, source: str | Path, dataset: str) -> None:
+    """A checkpoint goes on (resumed, or a run started from it) on a dataset of its own's name only as that dataset
+    was: prepared again since (shards other than the checksums its data_meta recorded), it is refused; the same
+    data under another name is for the user to choose."""
+    recorded = (ckpt.get("train_config") or {}).get("dataset")
+    theirs = (ckpt.get("data_meta") or {}).get("checksums")
+    name = dataset_dir(dataset.split(",")[0]).name  # a mix records its first source's meta
+    if recorded and theirs and dataset_dir(recorded.split(",")[0]).name == name and theirs != meta.get("checksums"):
+        raise UserError(f"{source} was trained on {name} as it was then, and {name} was prepared again since (its "
+                        "shards differ from the checksums the checkpoint recorded): a run goes on only on its own "
+                        "data; prepare the new data under another name (data.py --name=NAME), or start over with "
+                        "--overwrite")
+
+
+def recorded_dataset(recorded: str, data_root: str, ckpt: str | Path) -> str:
+    """The dataset a checkpoint records, found by its folder's name under this command's --data_root: a path inside
+    a checkpoint is never opened (/elsewhere/books is data_root/books). The built-in corpus is prepared there."""
+    name = dataset_dir(Path(recorded).name).name
+    if re.fullmatch(r"shakespeare(-bpe\d+)?", name):
+        return name
+    folder = Path(data_root) / name
+    if not (folder / "meta.json").exists():
+        raise UserError(f"{ckpt} was trained on {doors.brief(recorded)}, looked for as {folder} (a path inside a "
+                        "checkpoint is never opened), which is not a prepared dataset; pass --data_root=FOLDER that "
+                        f"holds {name}, or --dataset=NAME")
+    return str(folder)
 
 
 def load_meta(data_dir: str | Path) -> dict:

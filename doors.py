@@ -644,7 +644,7 @@ CHECKPOINT_RULES = {"model": (dict,), "model_config": (dict,), "objective": (dic
                     "loss": ((float, None),), "val": METRICS, "first_val": METRICS, "tokens_seen": COUNT,
                     "flops": (float, 0), "base_tokens": COUNT, "base_flops": (float, 0), "data_meta": (dict,),
                     "mask_spec": ((dict, None),), "tokenizer_json": ((str, None),), "mix": METRICS, "rng": (dict,),
-                    "init": ((dict, None),)}
+                    "init": ((dict, None),), "run_id": ((str, None),)}
 STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": (float, 0), "earlier_tokens": COUNT,
                "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
                "val_step": ((int, None), 0, BIG)}
@@ -988,7 +988,8 @@ def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
     records, step = [], 0
     for number, record in jsonl_rows(path, "run log", fix, cut_ok):
         why = fields_problem(record, {"step": COUNT, "tokens": COUNT, "loss": ((float, None),),
-                                      "lr": ((float, None),), "tokens_per_s": ((float, None),)},
+                                      "lr": ((float, None),), "tokens_per_s": ((float, None),),
+                                      "run_id": ((str, None),)},
                              "", ("step", "tokens"), others=True)
         why = why or next((f"{k} is {brief(v)}, not a number" for k, v in record.items()
                            if k.startswith("val_") and problem(v, (float, None))), None)

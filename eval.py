@@ -28,8 +28,6 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 # isort: split
 import dataclasses
 import math
-import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +45,7 @@ from common import (
     UserError,
     autocast_context,
     bounded,
+    check_hub as common_check_hub,
     checkpoint_model,
     config_path,
     declare_io,
@@ -55,7 +54,6 @@ from common import (
     parse_flags,
     pick_device,
     pick_dtype,
-    reachable,
     refuse_idle,
     run_main,
 )
@@ -66,10 +64,10 @@ from data import (
     load_meta,
     open_split,
     open_val_split,
+    recorded_dataset,
     same_tokenizer,
     special_ids,
 )
-from doors import brief
 from results import check_finite, format_metric, jsonl_rows, write_json
 from train import evaluate, objective_of
 
@@ -206,15 +204,9 @@ def read_jsonl(path: str) -> list[str]:
 
 
 def check_hub() -> None:
-    """Offline, one line at once: a quiet connection to the hub first, where the datasets library would retry for
-    most of a minute (none with HF_HUB_OFFLINE=1: it then reads its cache)."""
-    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE",
-                                                                                    "HF_DATASETS_OFFLINE"))
-    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if not offline and not reachable(hub):
-        raise UserError(f"cannot reach the Hugging Face hub ({hub}) to load {LAMBADA_HUB[0]}: pass --data=FILE.jsonl "
-                        "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl), or set "
-                        "HF_HUB_OFFLINE=1 to read it from your Hugging Face cache")
+    """Offline, one line at once (common.check_hub), where the datasets library would retry for most of a minute."""
+    common_check_hub(LAMBADA_HUB[0], "pass --data=FILE.jsonl (one {\"text\": ...} per line, e.g. the harness's "
+                     "lambada_test.jsonl)")
 
 
 def load_lambada(data: str | None) -> list[str]:
@@ -283,21 +275,7 @@ def val_dataset(cfg: EvalConfig, ckpt: dict) -> str:
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
     if "," in dataset:  # a mixed run: its sources are scored one at a time
         raise UserError(f"{cfg.ckpt} was trained on a mix ({dataset}); pass --dataset=NAME for one of its sources")
-    return dataset if cfg.dataset else recorded_dataset(dataset, cfg)
-
-
-def recorded_dataset(recorded: str, cfg: EvalConfig) -> str:
-    """The dataset a checkpoint records, found by its folder's name under this command's --data_root: a path inside
-    a checkpoint is never opened (/elsewhere/books is data_root/books). The built-in corpus is prepared there."""
-    name = dataset_dir(Path(recorded).name).name
-    if re.fullmatch(r"shakespeare(-bpe\d+)?", name):
-        return name
-    folder = Path(cfg.data_root) / name
-    if not (folder / "meta.json").exists():
-        raise UserError(f"{cfg.ckpt} was trained on {brief(recorded)}, looked for as {folder} (a path inside a "
-                        "checkpoint is never opened), which is not a prepared dataset; pass --data_root=FOLDER that "
-                        f"holds {name}, or --dataset=NAME")
-    return str(folder)
+    return dataset if cfg.dataset else recorded_dataset(dataset, cfg.data_root, cfg.ckpt)
 
 
 def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:

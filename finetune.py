@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import doors
 from common import DeviceName, DtypeName, UserError, note
+from data import recorded_dataset
 from loss import LossName
 from model import GPTConfig, PresetName
 from train import TrainConfig, train
@@ -91,6 +92,9 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
                         "encoders on a task with glue.py")
     before = base.get("train_config", {})
     defaults = TrainConfig()
+    if cfg.dataset is None and before.get("dataset"):  # looked up under --data_root, never opened as written
+        cfg = dataclasses.replace(cfg, dataset=",".join(recorded_dataset(name, cfg.data_root, cfg.ckpt)
+                                                        for name in before["dataset"].split(",")))
     cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
                                       if getattr(cfg, k) is None})
     if not common.resumes(cfg.out_dir, cfg.resume):  # a resumed fine-tune keeps its own lr and schedule

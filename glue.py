@@ -44,6 +44,7 @@ from common import (
     UserError,
     autocast_context,
     bounded,
+    check_hub,
     checkpoint_model,
     config_path,
     declare_io,
@@ -173,6 +174,7 @@ def load_split(cfg: GlueConfig, split: str) -> list[dict]:
     if cfg.data:
         return read_rows(Path(cfg.data) / f"{split}.jsonl")
     from corpora import load  # the datasets library, through the real-corpora extra
+    check_hub(f"{GLUE_HUB} {cfg.task} {split}", "pass --data=DIR with .jsonl files")  # offline: in seconds
     rows = load(f"{GLUE_HUB} {cfg.task} {split}", "offline? pass --data=DIR with .jsonl files",
                          GLUE_HUB, cfg.task, split=split)
     return rows.to_list()

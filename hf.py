@@ -39,6 +39,7 @@ import torch
 import doors
 from common import (
     UserError,
+    check_hub,
     checkpoint_model,
     config_path,
     declare_io,
@@ -176,6 +177,7 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.utils import logging as hub_logging
         hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
+        check_hub(f"the tokenizer of {name[3:]!r}", "pass a local tokenizer.json instead")  # offline: in seconds
         try:
             path = hf_hub_download(name.removeprefix("hf:"), "tokenizer.json")
         except Exception as e:  # offline, no such repository, or no tokenizer.json in it
@@ -452,6 +454,7 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()  # offline, it would print each of its retries before failing
+    check_hub(repo_id, "pass a local folder (hf:FOLDER)")  # offline: in seconds
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors", "*.json"]))
     except Exception as e:  # offline, unknown repository, gated model...

@@ -29,6 +29,7 @@ import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import (
     BatchSampler,
+    check_same_data,
     dataset_dir,
     ensure_dataset,
     open_split,
@@ -335,6 +336,7 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | 
     if resuming and cfg.max_iters < start["step"]:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
     theirs = start.get("data_meta", {})
+    check_same_data(meta, start, source, cfg.dataset)
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
         raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
                         f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
@@ -487,6 +489,7 @@ class Run:
         self.cfg = cfg
         common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start["step"] if resuming else None
+        self.run_id = start.get("run_id") if resuming else common.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -516,7 +519,7 @@ class Run:
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
-            "tokenizer_json": first.tokenizer_json,
+            "tokenizer_json": first.tokenizer_json, "run_id": self.run_id,
             "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None,
             "init": lineage_init(cfg, model, start)}
         self.saved_step = None
@@ -558,9 +561,9 @@ class Run:
              f"{self.device.type}{ranks} {dtype} | {self.tokens_per_step:,} tokens/step")
 
     def log(self, record: dict) -> None:
-        """The one writer of log.jsonl: every record carries the step and the tokens seen."""
+        """The one writer of log.jsonl: every record carries the step, the tokens seen and the run's id."""
         if common.is_main_process():
-            record = {"step": self.state.step, "tokens": self.state.tokens, **record}
+            record = {"step": self.state.step, "tokens": self.state.tokens, **record, "run_id": self.run_id}
             append_log(self.out_dir, record)
             if self.tracker:
                 self.tracker.log(record)
@@ -703,7 +706,7 @@ def train_claimed(cfg: TrainConfig) -> dict[str, Any]:
     since = (started, state.step)  # tokens/s counts training time only: validation restarts the clock
     stopping = False
     run.model.train()
-    common.start_log(run.out_dir, run.resumed_step)
+    common.start_log(run.out_dir, run.resumed_step, run.run_id)
     with common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():

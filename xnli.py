@@ -46,6 +46,7 @@ import glue
 from common import (
     UserError,
     bounded,
+    check_hub,
     config_path,
     declare_io,
     first_line,
@@ -158,6 +159,7 @@ def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
 
 def hub_split(lang: str, split: str) -> Iterator[tuple[str, Any]]:
     """(position, row) of one language's split of facebook/xnli, downloaded once into the datasets cache."""
+    check_hub(f"hf:{XNLI_HUB}/{lang} {split}", f"pass --data=DIR ({DATA_HINT.removeprefix('--data=DIR ')})")
     try:
         import datasets  # imported here: slow, and --data runs never need it
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported below, in one line

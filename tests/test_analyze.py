@@ -190,7 +190,7 @@ def runs(tiny_data_dir, tmp_path_factory):
         shutil.copy(root / "cwt" / "ckpt.safetensors", root / "step0" / "ckpt.safetensors")
         train.train(tiny_config(tiny_data_dir, root / "cwt", resume=True, **fast))
         finetune(FinetuneConfig(ckpt=str(root / "cwt" / "ckpt.safetensors"), out_dir=str(root / "ft"), max_iters=2,
-                                eval_interval=2, device="cpu"))
+                                eval_interval=2, device="cpu", data_root=str(tiny_data_dir.parent)))
         train.train(tiny_config(tiny_data_dir, root / "ce", loss="ce", seed=1, **fast))
         train.train(tiny_config(tiny_data_dir, root / "mlm", objective="mlm", **fast))
     old = read_ckpt(root / "ce" / "ckpt.safetensors")
@@ -217,11 +217,12 @@ def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_wi
 
 
 @pytest.fixture(scope="module")
-def analysed(runs, tmp_path_factory):
+def analysed(runs, tiny_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("analysed")
     names = ("step0", "cwt", "ft", "ce", "mlm", "old")
     flags = [f"--ckpts={','.join(str(runs / n / 'ckpt.safetensors') for n in names)}", "--tokens=100", "--device=cpu",
-             "--words=king,love,antidisestablishmentarianism", f"--json={out / 'analysis.json'}"]
+             "--words=king,love,antidisestablishmentarianism", f"--json={out / 'analysis.json'}",
+             f"--data_root={tiny_data_dir.parent}"]
     return dict(zip(names, analyze.main(flags))), out
 
 
@@ -327,15 +328,17 @@ def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(analyze.main, flags, message.replace("OUT", str(tmp_path)), tmp_path)
 
 
-def test_optional_packages_missing_are_one_line(runs, tmp_path, monkeypatch, capsys):
+def test_optional_packages_missing_are_one_line(runs, tiny_data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     code, _, err = run_cli(analyze.main, [f"--ckpts={runs / 'cwt' / 'ckpt.safetensors'}",
-                                          f"--plot={tmp_path / 'a.png'}"], monkeypatch, capsys)
+                                          f"--plot={tmp_path / 'a.png'}", f"--data_root={tiny_data_dir.parent}"],
+                           monkeypatch, capsys)
     assert code == 2 and err == "error: --plot needs matplotlib, an optional extra: pip install matplotlib"
     monkeypatch.setitem(sys.modules, "IsoScore", None)
     monkeypatch.setitem(sys.modules, "IsoScore.IsoScore", None)
     assert analyze.isoscore(torch.eye(3)) is None
-    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.safetensors'}", "--tokens=40", "--device=cpu", "--words="])
+    rows = analyze.main([f"--ckpts={runs / 'cwt' / 'ckpt.safetensors'}", "--tokens=40", "--device=cpu", "--words=",
+                         f"--data_root={tiny_data_dir.parent}"])
     assert rows[0]["embedding_isoscore"] is None and rows[0]["hidden_isoscore"] is None
     assert "pip install isoscore" in capsys.readouterr().err
 
@@ -364,15 +367,15 @@ def test_the_read_counts_are_the_tokens_training_read(tiny_data_dir, tmp_path, m
     train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=2, **fast))
     train.train(tiny_config(tiny_data_dir, tmp_path / "cwt", max_iters=3, resume=True, **fast))
     after_pretraining = len(read)
-    finetune(FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.pt"), out_dir=str(tmp_path / "ft"), max_iters=2,
-                            eval_interval=2, device="cpu"))
+    finetune(FinetuneConfig(ckpt=str(tmp_path / "cwt" / "ckpt.safetensors"), out_dir=str(tmp_path / "ft"), max_iters=2,
+                            eval_interval=2, device="cpu", data_root=str(tiny_data_dir.parent)))
     tokens = open_split(tiny_data_dir, "train", 50304)
     for name, batches in (("cwt", read[:after_pretraining]), ("ft", read)):
         recorded = np.bincount(np.concatenate(batches), minlength=50257)
-        got, why = analyze.lineage_read_counts(load(tmp_path / name / "ckpt.pt"), tokens, 50257, causal=True)
+        got, why = analyze.lineage_read_counts(load(tmp_path / name / "ckpt.safetensors"), tokens, 50257, causal=True)
         assert why is None and got.tolist() == recorded.tolist(), name
     assert after_pretraining == 6 and len(read) == 10  # 3 steps of 2 micro-batches, then 2 more steps
-    other_seed = load(tmp_path / "ft" / "ckpt.pt")
+    other_seed = load(tmp_path / "ft" / "ckpt.safetensors")
     other_seed["train_config"]["seed"] = 6  # as after a --seed=6 fine-tune: its reads are not one stream
     got, why = analyze.lineage_read_counts(other_seed, tokens, 50257, causal=True)
     assert got is None and "its lineage changed seed" in why

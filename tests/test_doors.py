@@ -443,9 +443,10 @@ def test_the_locks_info_is_never_written_through_a_planted_link(tmp_path):
     victim.write_text("my notes")
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / ".lock").symlink_to(victim)
-    with common.hold_lock(tmp_path / "o", "training run"):
-        assert not (tmp_path / "o" / ".lock").is_symlink() and "pid" in (tmp_path / "o" / ".lock").read_text()
-    assert victim.read_text() == "my notes" and list((tmp_path / "o").iterdir()) == []
+    with pytest.raises(UserError, match=r"o/\.lock is a link or a folder, not a lock file; move it away$"):
+        with common.hold_lock(tmp_path / "o", "training run"):
+            pass
+    assert victim.read_text() == "my notes" and (tmp_path / "o" / ".lock").is_symlink()
 
 
 def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, tmp_path, monkeypatch, capsys):
@@ -458,11 +459,14 @@ def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, t
     out.mkdir()
     for pid in range(os.getpid() - 50, os.getpid() + 50):
         (out / f".ckpt.safetensors{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
-    (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py
+    (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py (refused, never written through)
+    refused(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN], "is a link or a folder, not a "
+            "lock file", monkeypatch, capsys)
+    (out / ".lock").unlink()
     train.main([f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN])
     ckpt = out / "ckpt.safetensors"
     assert victim.read_text() == "precious" and ckpt.is_file() and not ckpt.is_symlink()
-    assert not os.path.lexists(out / ".lock")
+    assert (out / ".lock").read_bytes() == b""  # released: names nobody
     monkeypatch.setattr(common.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
     planted = common.temp_path(tmp_path / "results.json")
     planted.symlink_to(victim)
@@ -494,7 +498,8 @@ def test_an_interrupted_bpe_preparation_leaves_the_earlier_dataset_whole(stop_in
         raise KeyboardInterrupt
 
     renames = []
-    if stop_in == "rename":  # between taking the earlier dataset away and putting the new one in its place
+    if stop_in == "rename":  # between taking the earlier dataset away and putting the new one in its place, where
+        monkeypatch.setattr(common, "exchange", lambda a, b: False)  # no file system swaps two names in one step
         monkeypatch.setattr(common.os, "rename", lambda a, b: renames.append(a) or (
             stop() if len(renames) == 2 else os.replace(a, b)))
     elif stop_in == "write_meta":
@@ -560,7 +565,7 @@ def test_sigterm_while_preparing_data_leaves_nothing(tmp_path, monkeypatch, caps
     monkeypatch.setattr(sys, "argv", ["data.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
     with pytest.raises(SystemExit) as e:
         common.run_main(data.main)
-    assert e.value.code == 143 and not (tmp_path / "d").exists()
+    assert e.value.code == 143 and snapshot(tmp_path / "d") == {}  # nothing but the released lock
     assert signal.getsignal(signal.SIGTERM) is not common._terminate
 
 

@@ -162,10 +162,11 @@ def test_an_out_dir_that_is_a_file(tiny_data_dir, tmp_path, monkeypatch, capsys)
     assert out.read_text() == "a file" and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
-def test_finetune_refuses_an_out_dir_holding_another_run(finished, tmp_path, monkeypatch, capsys):
+def test_finetune_refuses_an_out_dir_holding_another_run(finished, tiny_data_dir, tmp_path, monkeypatch, capsys):
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    flags = [f"--ckpt={finished / 'ckpt.safetensors'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1"]
+    flags = [f"--ckpt={finished / 'ckpt.safetensors'}", f"--out_dir={out}", "--max_iters=1", "--eval_interval=1",
+             f"--data_root={tiny_data_dir.parent}"]  # its dataset, looked up by name under --data_root
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
     assert code == 2 and err == REFUSED.format(out=out, what="ckpt.safetensors")
     assert snapshot(out) == before
@@ -219,7 +220,7 @@ def test_a_failed_log_append_is_one_line_and_resume_continues(code, tiny_data_di
     assert err == (f"error: cannot append to {out / 'log.jsonl'} ({os.strerror(code)}); free some space or fix the "
                    "folder, then continue with --resume")
     assert read_ckpt(out / "ckpt.safetensors")["step"] == 2
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.safetensors", "log.jsonl"]  # no .lock, no temp file
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt.safetensors", "log.jsonl"]  # no temp file
     if code == errno.ENOSPC:  # space freed: the half line is dropped and the run ends as if never stopped
         monkeypatch.delattr(common, "open")
         train.main(train_flags(tiny_data_dir, out, "--resume"))

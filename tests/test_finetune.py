@@ -23,6 +23,12 @@ pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
 
 @pytest.fixture
+def data_root(tiny_data_dir) -> str:
+    """The flag that finds the checkpoint's dataset (a path inside a checkpoint is never opened)."""
+    return f"--data_root={tiny_data_dir.parent}"
+
+
+@pytest.fixture
 def cwt_checkpoint(tiny_data_dir, tmp_path_factory, small_tiny_preset):
     """A briefly pre-trained headless (CWT) model (made once, reused by every test here)."""
     path = tmp_path_factory.getbasetemp() / "cwt" / "ckpt.safetensors"
@@ -44,16 +50,16 @@ def test_budget_is_two_percent_of_pretraining_tokens():
     assert finetune_budget(10, 1000) == 1  # never zero steps
 
 
-def test_settings_are_inherited_from_the_pretraining_run(cwt_checkpoint, tmp_path):
-    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--batch_size=4"])
+def test_settings_are_inherited_from_the_pretraining_run(cwt_checkpoint, data_root, tmp_path):
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", data_root, "--batch_size=4"])
     assert cfg.block_size == 32 and cfg.preset == "tiny" and cfg.batch_size == 4  # flag beats inherited
     assert cfg.loss == "ce" and cfg.lr_schedule == "constant"
 
 
-def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, tmp_path):
+def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, data_root, tmp_path):
     raw = load_model(str(cwt_checkpoint))
     assert raw.lm_head is None
-    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--eval_interval=1000",
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", data_root, "--eval_interval=1000",
                           "--budget_fraction=0.5", "--lr=1e-3"])
     summary = finetune(cfg)
     assert summary["step"] == 20  # 50% of 40 steps x 256 tokens, at 256 tokens a step
@@ -84,8 +90,8 @@ def _val_args(ckpt_path):
     return tokens, cfg["batch_size"], 32, torch.device("cpu"), torch.float32, cfg["eval_batches"]
 
 
-def test_freeze_body_trains_only_the_head(cwt_checkpoint, tmp_path):
-    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--max_iters=3",
+def test_freeze_body_trains_only_the_head(cwt_checkpoint, data_root, tmp_path):
+    cfg = resolve_config([f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", data_root, "--max_iters=3",
                           "--freeze_body", "--eval_batches=1"])
     finetune(cfg)
     before = load_model(str(cwt_checkpoint)).state_dict()
@@ -95,16 +101,16 @@ def test_freeze_body_trains_only_the_head(cwt_checkpoint, tmp_path):
     assert not torch.equal(after["lm_head.weight"], before["wte.weight"])
 
 
-def test_resume_with_other_trainable_parameters_is_a_clear_error(cwt_checkpoint, tmp_path):
-    flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_batches=1"]
+def test_resume_with_other_trainable_parameters_is_a_clear_error(cwt_checkpoint, data_root, tmp_path):
+    flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", data_root, "--max_iters=2", "--eval_batches=1"]
     finetune(resolve_config(flags))
     with pytest.raises(UserError, match="optimizer of other trainable parameters"):
         finetune(resolve_config(flags + ["--resume", "--max_iters=3", "--freeze_body"]))
 
 
-def test_a_resumed_finetune_keeps_its_own_learning_rate(cwt_checkpoint, tmp_path):
+def test_a_resumed_finetune_keeps_its_own_learning_rate(cwt_checkpoint, data_root, tmp_path):
     """Not the preset's recipe (3e-4 for tiny): the lr it was started with, unless given again."""
-    flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", "--eval_batches=1", "--lr=1e-4"]
+    flags = [f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path}", data_root, "--eval_batches=1", "--lr=1e-4"]
     finetune(resolve_config([*flags, "--max_iters=2"]))
     finetune(resolve_config([*flags[:-1], "--resume", "--max_iters=3"]))
     lrs = {r["step"]: r["lr"] for r in read_log(tmp_path) if "loss" in r}  # logged: each run's last step
@@ -164,7 +170,7 @@ def test_finetune_refuses_each_case_in_one_line_and_changes_nothing(case, tmp_pa
     assert words.format(run=run) in err, err
 
 
-def test_a_stopped_finetune_prints_no_finished_summary(cwt_checkpoint, tmp_path, monkeypatch, capsys):
+def test_a_stopped_finetune_prints_no_finished_summary(cwt_checkpoint, data_root, tmp_path, monkeypatch, capsys):
     """Ctrl-C during a fine-tune: it saves and exits 130, and never prints the "before -> after" line of a
     fine-tune that finished."""
     real = train.Run.step
@@ -175,7 +181,7 @@ def test_a_stopped_finetune_prints_no_finished_summary(cwt_checkpoint, tmp_path,
 
     monkeypatch.setattr(train.Run, "step", step_then_stop)
     monkeypatch.setattr(sys, "argv", ["finetune.py", f"--ckpt={cwt_checkpoint}", f"--out_dir={tmp_path / 'ft'}",
-                                      "--max_iters=3", "--eval_interval=3"])
+                                      data_root, "--max_iters=3", "--eval_interval=3"])
     with pytest.raises(SystemExit) as e:
         common.run_main(finetune_main)
     err = capsys.readouterr().err

@@ -31,7 +31,7 @@ def run_config(data_dir: Path, out_dir: Path, **overrides) -> train.TrainConfig:
 
 
 def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "run_id")} for r in records]
 
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:

@@ -62,7 +62,8 @@ def test_finetuning_a_model_without_a_token_count_asks_for_a_budget(tiny_data_di
     for key in ("tokens_seen", "base_tokens", "flops", "base_flops", "state"):  # an imported (hf:) model's none
         ckpt.pop(key)
     save_ckpt(ckpt, tmp_path / "imported.pt")
-    cfg = finetune.FinetuneConfig(ckpt=str(tmp_path / "imported.pt"), out_dir=str(tmp_path / "ft"))
+    cfg = finetune.FinetuneConfig(ckpt=str(tmp_path / "imported.pt"), out_dir=str(tmp_path / "ft"),
+                                  data_root=str(tiny_data_dir.parent))
     with pytest.raises(UserError, match=r"records no pre-training tokens .* pass --tokens=N or --max_iters=N "
                                         r"\(Pythia: 2% of 300B is --tokens=6e9\)"):
         finetune.finetune(cfg)

@@ -36,7 +36,7 @@ def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     for r in records:
         group = "val" if "val_ce" in r else "train"
         for key, value in r.items():
-            if key != "step":
+            if key not in ("step", "run_id"):  # the run's id is no curve
                 curves.setdefault(f"{group}/{key}", []).append((r["step"], value))
     return curves
 
@@ -70,6 +70,8 @@ def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(t
     early = tmp_path / "early"
     train.train(tiny_config(tiny_data_dir, early, **{**SMALL, "max_iters": 2}))
     shutil.copy(early / "ckpt.safetensors", out / "ckpt.safetensors")
+    same_run = read_log(early)[0]["run_id"]  # one run's checkpoint and log: its id in both (else a resume refuses)
+    (out / "log.jsonl").write_text("".join(json.dumps({**r, "run_id": same_run}) + "\n" for r in read_log(out)))
     train.train(tiny_config(tiny_data_dir, out, tensorboard=True, resume=True, **SMALL))
     resumed = read_log(out)
     assert [r["step"] for r in resumed] == [r["step"] for r in records]
@@ -83,7 +85,8 @@ def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(t
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1 and (out / "tb" / "notes.txt").exists()
     # finetune.py takes the flag as train.py does (its runs are train.py's loop)
     finetune.finetune(finetune.FinetuneConfig(ckpt=str(out / "ckpt.safetensors"), max_iters=1, eval_interval=1,
-                                              log_interval=1, out_dir=str(tmp_path / "ft"), tensorboard=True))
+                                              log_interval=1, out_dir=str(tmp_path / "ft"), tensorboard=True,
+                                              data_root=str(tiny_data_dir.parent)))
     assert_same_curves(tensorboard_curves(tmp_path / "ft" / "tb"), expected_curves(read_log(tmp_path / "ft")))
 
 
