@@ -122,18 +122,18 @@ def make_loss_nan_from_call(monkeypatch, first_bad_call: int) -> None:
 
 
 @pytest.mark.parametrize("log_interval, message", [
-    (1, "loss became nan at step 2"),  # caught when logged
-    (3, "validation loss became nan at step 2"),  # not logged yet: caught by validation, before saving
+    (1, "loss became nan at step 5"),  # caught when logged
+    (4, "validation loss became nan at step 6"),  # not logged yet: caught by validation, before saving
 ])
 def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monkeypatch, log_interval,
                                                   message):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=2, log_interval=log_interval)
     train.train(cfg)
     good = (tmp_path / "ckpt.safetensors").read_bytes()
-    make_loss_nan_from_call(monkeypatch, 2)
+    make_loss_nan_from_call(monkeypatch, 1)  # the resumed run's first step, step 5
     with pytest.raises(UserError, match=message):
-        train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8, "overwrite": True}))
-    assert (tmp_path / "ckpt.safetensors").read_bytes() == good
+        train.train(TrainConfig(**{**cfg.__dict__, "max_iters": 8, "resume": True}))
+    assert (tmp_path / "ckpt.safetensors").read_bytes() == good  # (--overwrite removes it first: issue 42)
     assert not list(tmp_path.glob(".*.tmp"))
 
 
