@@ -14,6 +14,7 @@
     python bench.py --negatives_sweep=64,256,unique,all --quick            # CWT's cost as its negatives grow
     python bench.py --mode=val --preset=pythia-70m --vocab=50304 --step_tokens=16384 --block_size=2048
     python bench.py --mode=checkpoint   # loading a pythia-70m checkpoint (weights + AdamW) vs plain torch.load
+    python bench.py --mode=resume       # is a stopped and resumed run bit-exact, at 1 and 2 CPU threads?
 
 Speed: every variant of one configuration shares the same inputs and is timed in turn (A B C A B C ...)
 so machine noise hits all of them alike; time per step is the median after warm-up. `loss` rows time
@@ -39,6 +40,8 @@ for each of --step_variants scored whole and in chunks of --val_chunk rows (as -
 door (common.load_checkpoint: safetensors, the checksum, every field) and with the resume check of its optimizer
 state (doors.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only, mmap: what
 the door of a torch.save checkpoint called after its checks), interleaved, --repeats times, from the page cache.
+--mode=resume: a tiny run of 8 steps on the built-in data beside the same run stopped after 4 and resumed, at
+1 and 2 CPU threads: the largest difference of the logged losses, the weights and the optimizer state.
 --chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
 interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
 """
@@ -109,7 +112,8 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
 
 @dataclass
 class BenchConfig:
-    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val", "checkpoint"] = "both"  # both: loss, step, mlm
+    # both: loss, step, mlm
+    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val", "checkpoint", "resume"] = "both"
     preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
     vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
     tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
@@ -510,6 +514,41 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
              "the page cache", "", "| load | seconds | x torch.load(mmap) |", "|---|---|---|"]
     lines += [f"| {name} | {statistics.median(t):.3f} | {statistics.median(t) / base:.2f} |"
               for name, t in times.items()]
+    return "\n".join(lines)
+
+
+def bench_resume() -> str:
+    """--mode=resume: how far a run stopped and resumed lies from the straight run, at 1 and 2 CPU threads."""
+    import doors
+    import train
+    from data import ensure_dataset
+    lines = ["tiny preset, 8 steps (4, then --resume), seed 1337, constant lr, CPU, float32", "",
+             "| threads | resumed vs straight: losses | weights | optimizer state | straight vs again: weights |",
+             "|---|---|---|---|---|"]
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = ensure_dataset("shakespeare", str(Path(tmp) / "data"))
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs = {}
+            for name, stops in (("straight", (8,)), ("again", (8,)), ("resumed", (4, 8))):
+                out = Path(tmp) / f"{name}{n}"
+                for i, stop in enumerate(stops):
+                    train.train(train.TrainConfig(dataset=str(folder), preset="tiny", block_size=64, batch_size=4,
+                                                  max_iters=stop, eval_interval=4, eval_batches=2, log_interval=1,
+                                                  lr_schedule="constant", device="cpu", dtype="float32",
+                                                  compile=False, out_dir=str(out), resume=i > 0))
+                runs[name] = (doors.run_log(out / "log.jsonl"), common.load_checkpoint(out / "ckpt.safetensors"))
+            (log_a, ckpt_a), (log_b, ckpt_b) = runs["straight"], runs["resumed"]
+            losses = max(abs(a[k] - b[k]) for a, b in zip(log_a, log_b, strict=True) for k in a
+                         if k in ("loss", "val_ce", "val_cwt"))
+            weights = [max((ckpt_a["model"][k] - other["model"][k]).abs().max().item() for k in ckpt_a["model"])
+                       for other in (ckpt_b, runs["again"][1])]
+            moments = max((a - ckpt_b["optimizer"]["state"][i][k]).abs().max().item()
+                          for i, state in ckpt_a["optimizer"]["state"].items() for k, a in state.items()
+                          if isinstance(a, torch.Tensor) and a.dim() > 0)
+            lines.append(f"| {n} | {losses:.3g} | {weights[0]:.3g} | {moments:.3g} | {weights[1]:.3g} |")
+    torch.set_num_threads(threads)
     return "\n".join(lines)
 
 
@@ -1280,6 +1319,9 @@ def idle_settings(cfg: BenchConfig) -> dict[str, str]:
     if cfg.mode == "data":
         return {**idle, **{n: "with --mode=data (it times the built-in tokeniser and batches)" for n in names
                            if n not in ("mode", "gpu_check")}}
+    if cfg.mode == "resume":
+        return {**idle, **{n: "with --mode=resume (it runs its own tiny runs on the CPU)" for n in names
+                           if n not in ("mode", "gpu_check")}}
     if cfg.mode == "checkpoint":
         return {**idle, **{n: "with --mode=checkpoint (it times loading one checkpoint of --preset on the CPU)"
                            for n in names if n not in ("mode", "gpu_check", "preset", "warmup", "repeats", "quick")}}
@@ -1318,6 +1360,9 @@ def main(argv: list[str]) -> None:
         return
     if cfg.mode == "checkpoint":
         print(bench_checkpoint(cfg))
+        return
+    if cfg.mode == "resume":
+        print(bench_resume())
         return
     if cfg.mode == "ddp":
         table = bench_ddp(cfg)
