@@ -135,7 +135,8 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     except KeyboardInterrupt as e:  # Ctrl-C, or Interrupted (a signal's number)
         close_progress_bars()
         signum = getattr(e, "signum", signal.SIGINT)
-        print(STOP_LINES.get(signum, "interrupted"), file=sys.stderr)
+        if is_main_process():  # one line for the job, as every other message of a run
+            print(STOP_LINES.get(signum, "interrupted"), file=sys.stderr)
         sys.exit(128 + signum)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not out_of_memory(e):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Worker, one_line_refusal, read_ckpt, save_ckpt, snapshot
+from helpers import Worker, one_line_refusal, read_ckpt, released_lock, save_ckpt, snapshot
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import common
@@ -204,8 +204,10 @@ def checkpoint_cases(tmp: Path, made: dict) -> list[tuple]:
 
 
 def stats(folder: Path) -> dict[str, tuple[int, int]]:
-    """Each file under folder, by its size and time of change (a sparse gigabyte is not read to compare it)."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+    """Each file under folder, by its size and time of change (a sparse gigabyte is not read to compare it); a
+    released lock file holds nothing."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+            if not released_lock(p)}
 
 
 ON_FILE = (flip_a_byte, cut_short, sparse_weights)  # changes of the file's bytes; the others change the dict
@@ -238,7 +240,7 @@ def test_the_valid_checkpoint_still_generates_resumes_and_fine_tunes(made, worke
     for script, argv in (("generate", [f"--ckpt={tmp_path / 'ckpt.safetensors'}", "--prompt=the", "--max_new_tokens=2",
                                        "--device=cpu"]),
                          ("finetune", [f"--ckpt={tmp_path / 'ckpt.safetensors'}", f"--out_dir={tmp_path / 'ft'}",
-                                       "--max_iters=1", "--device=cpu"]),
+                                       "--max_iters=1", "--device=cpu", f"--data_root={made['data'].parent}"]),
                          ("train", resume_flags(made, tmp_path))):
         result = worker.run(script, argv, tmp_path)
         assert result["code"] == 0 and "Traceback" not in result["err"], result
@@ -512,8 +514,9 @@ def test_any_change_of_a_checkpoint_keeps_every_command_to_the_contract(change, 
     if reached == "optimizer":
         script, argv, writes = "train", resume_flags(made, folder), {"ckpt.safetensors", "log.jsonl"}
     elif reached == "train_config":
-        script, argv, writes = "finetune", [f"--ckpt={path}", f"--out_dir={folder / 'ft'}", "--max_iters=1",
-                                            "--eval_interval=1", "--device=cpu"], set()
+        argv = [f"--ckpt={path}", f"--out_dir={folder / 'ft'}", "--max_iters=1", "--eval_interval=1", "--device=cpu",
+                f"--data_root={made['data'].parent}"]
+        script, writes = "finetune", set()
     else:
         script, argv, writes = "generate", [f"--ckpt={path}", *GENERATE], set()
     before = stats(folder)

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings, strategies as st
 import data
 import finetune
 import train
-from common import UserError
+from common import STOP_LINES, UserError
 from model import build_model
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset", "one_thread")
@@ -116,7 +116,7 @@ def test_a_stopped_training_exits_with_the_signals_code_after_its_save(name, tin
     flags = [f"--dataset={tiny_data_dir}", "--preset=tiny", "--block_size=32", "--max_iters=6", "--eval_interval=3",
              "--eval_batches=2", f"--out_dir={tmp_path}", "--device=cpu"]
     code, _, err = run_cli(train.main, flags, monkeypatch, capsys)
-    assert code == SIGNALS[name] and "continue with --resume" in err
+    assert code == SIGNALS[name] and err == STOP_LINES[getattr(signal, name)]  # after "stopped at step 3; ..."
     assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 3
 
 
@@ -125,7 +125,8 @@ def test_a_stopped_finetune_exits_143(tiny_data_dir, straight, tmp_path, monkeyp
     second = read_ckpt(straight[0] / "ckpt.safetensors")["state"]["micro_batches"] + 1  # reads on there
     monkeypatch.setattr(data.BatchSampler, "get", lambda self, i: (signal.raise_signal(signal.SIGTERM) if i == second
                                                                    else None) or real_get(self, i))
-    flags = [f"--ckpt={straight[0] / 'ckpt.safetensors'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1"]
+    flags = [f"--ckpt={straight[0] / 'ckpt.safetensors'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1",
+             f"--data_root={tiny_data_dir.parent}"]
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
     assert code == 143 and read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
 
