@@ -667,6 +667,7 @@ def declare_io(reads: dict[str, Any], writes: dict[str, Any], kinds: dict[str, s
     kinds = {**DEFAULT_KINDS, **(kinds or {})}
     check_path_names(reads)
     check_path_names(writes)
+    check_distinct_outputs(writes)
     files = [(flag, Path(path)) for flag, paths in writes.items() if kinds.get(flag) in OUTPUT_KINDS for path in paths]
     for flag, path in files:  # what it is first: a link or a folder is never a file output, input or not
         if path.is_symlink():
@@ -684,6 +685,17 @@ def declare_io(reads: dict[str, Any], writes: dict[str, Any], kinds: dict[str, s
                                 f"({holder}): it is not finished; wait for that run to end (or stop it: it saves), "
                                 "then start from its checkpoint")
     return Declared(reads, writes)
+
+
+def check_distinct_outputs(writes: dict[str, list[str]]) -> None:
+    """Two outputs of one command at one path: the second would replace the first (--json=X --plot=X)."""
+    seen: dict[str, str] = {}
+    for flag, paths in writes.items():
+        for path in paths:
+            where = os.path.realpath(path)
+            if where in seen:
+                raise UserError(f"{seen[where]} and {flag} both name {path}; give each output its own path")
+            seen[where] = flag
 
 
 def named_paths(value: Any) -> list[str]:

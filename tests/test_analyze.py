@@ -323,6 +323,7 @@ def test_missing_or_non_checkpoint_files_are_one_line_before_any_work(runs, tmp_
     (["--ckpts=CKPT", "--words=king,,love"], "--words has an empty word"),
     (["--ckpts=CKPT", "--json=OUT"], "is a directory; pass a file path"),
     (["--ckpts=CKPT", "--json=CKPT"], "is also an input of this command"),
+    (["--ckpts=CKPT", "--json=OUT/a.json", "--plot=OUT/a.json"], "--json and --plot both name OUT/a.json"),
 ])
 def test_bad_flags_are_refused_before_any_work(flags, message, tmp_path):
     refused_before_any_work(analyze.main, flags, message.replace("OUT", str(tmp_path)), tmp_path)

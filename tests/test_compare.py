@@ -180,6 +180,8 @@ COMPARE_CASES = {  # case: (flags given tmp_path; what the one line says)
     "--json= its --lambada file": (lambda t: (t / "l.jsonl").write_text('{"text": "a b"}\n') and
                                    [f"--lambada={t / 'l.jsonl'}", f"--json={t / 'l.jsonl'}"],
                                    "--json={t}/l.jsonl is also an input of this command (--lambada={t}/l.jsonl)"),
+    "--json= its --plot": (lambda t: [f"--json={t / 'c.png'}", f"--plot={t / 'c.png'}"],
+                           "--json and --plot both name {t}/c.png; give each output its own path"),
     "--seeds=1,2**32 (refused after seed 1's points)": (
         lambda t: ["--negatives_sweep=all", "--seeds=1,4294967296"], "--seeds must be in [0, 4.29497e+09]"),
     "--seed=2**32": (lambda t: ["--seed=4294967296"], "--seed must be in [0, 4.29497e+09]"),
