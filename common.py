@@ -22,7 +22,7 @@ import sys
 import time
 import typing
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -260,30 +260,42 @@ def check_hub(what: str, fix: str) -> None:
 
 def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
     """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file (doors.settings)."""
+    return parse_given(cls, argv, quick)[0]
+
+
+def parse_given(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> tuple[Any, frozenset[str]]:
+    """parse_flags, and the names of the settings the user gave (on the command line or in the --config file):
+    what a script takes from elsewhere when not given (a resumed run's own, an inherited one) and what it may
+    refuse as idle."""
     return through_door(doors.settings, cls, argv, quick)
+
+
+def given_settings(cfg: Any, given: Iterable[str] | None = None) -> frozenset[str]:
+    """The settings given: parse_given's names; for settings built in code (given None), the fields it sets to
+    other than their defaults."""
+    if given is not None:
+        return frozenset(given)
+    default = type(cfg)()
+    return frozenset(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name))
 
 
 def unset_fields(cls: type, leave_out: tuple[str, ...], doc: str) -> type:
     """A dataclass of `cls`'s fields but `leave_out`, each of the same type or None, None by default (unset): flags
-    whose values come from elsewhere when not given (train.py's model settings: the preset's, or a checkpoint's).
-    A field added to `cls` is one more flag, with no other code."""
+    whose values come from elsewhere when not given (train.py's model settings: the preset's, or a checkpoint's),
+    each with its field's rule (its range; "resume": "same" unless it says otherwise). A field added to `cls` is
+    one more flag, with no other code."""
     hints = typing.get_type_hints(cls)
-    fields = [(f.name, hints[f.name] | None, dataclasses.field(default=None)) for f in dataclasses.fields(cls)
-              if f.name not in leave_out]
+    fields = [(f.name, hints[f.name] | None, dataclasses.field(default=None, metadata={"resume": "same", **f.metadata}))
+              for f in dataclasses.fields(cls) if f.name not in leave_out]
     return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields, namespace={"__doc__": doc})
 
 
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:
     """Refuse cfg.<name> (each item of a list; None is unset) if it is not finite or lies outside low..high;
-    `ends` says whether each end is included: "[]", "[)", "(]" or "()"."""
-    value = getattr(cfg, name)
-    for v in [x for x in (value if isinstance(value, list) else [value]) if x is not None]:
-        if not math.isfinite(v):
-            raise UserError(f"--{name} must be a finite number, got {v}")
-        if v < low or v > high or (v == low and ends[0] == "(") or (v == high and ends[1] == ")"):
-            shown = (f"in {ends[0]}{low:g}, {high:g}{ends[1]}" if high < math.inf else
-                     "positive" if (low, ends[0]) == (0, "(") else f"at least {low:g}")
-            raise UserError(f"--{name} must be {shown}, got {v}")
+    `ends` says whether each end is included: "[]", "[)", "(]" or "()". (A dataclass field declares its own
+    range instead: doors.field_rules.)"""
+    if why := doors.bound_problem(getattr(cfg, name), low, high, ends):
+        raise UserError(f"--{name} {why}")
 
 
 def bounded(cfg: Any, name: str, low: float, most: float) -> None:
@@ -988,7 +1000,8 @@ def load_checkpoint(path: str | Path) -> dict:
         from hf import hf_checkpoint
         return hf_checkpoint(str(path))
     from model import GPTConfig
-    return through_door(doors.checkpoint, path, GPTConfig)
+    from train import TrainConfig  # its fields' rules are a train_config's
+    return through_door(doors.checkpoint, path, GPTConfig, TrainConfig)
 
 
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):

@@ -21,6 +21,7 @@ import re
 import stat
 import sys
 import tomllib
+import types
 import typing
 import zlib
 from collections.abc import Iterable, Iterator
@@ -35,15 +36,10 @@ class Refused(ValueError):
     """An input refused at its door: the message is one line naming it, the problem and the fix."""
 
 
-# What a real model could have: a file that claims more is refused before anything is built (docs/failures.md)
+# What a real model could have: a file that claims more is refused before anything is built (docs/failures.md). The
+# highs of model.GPTConfig's fields' ranges (tests/test_hackable.py keeps them one), for the doors of other files.
 MAXIMA = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "d_model": 1 << 16, "n_head": 1024,
           "mlp_hidden": 1 << 18}
-# The most a count may be: far beyond any real run, yet each keeps a run finite (docs/failures.md). train.py's and
-# finetune.py's flags and a checkpoint's train_config (TRAIN_RULES) are checked against this one table.
-COUNTS = {"batch_size": (1, 1 << 16), "grad_accum": (1, 1 << 16), "block_size": (2, MAXIMA["block_size"]),
-          "max_iters": (1, 1 << 32), "warmup_iters": (0, 1 << 32), "eval_interval": (1, 1 << 32),
-          "log_interval": (1, 1 << 32), "eval_batches": (1, 1 << 20), "num_negatives": (1, 1 << 30),
-          "loss_chunk_size": (0, 1 << 30), "tokens": (1, 1 << 50)}
 MAX_STEP_TOKENS = 1 << 30  # batch_size x block_size x grad_accum: a rank's tokens in one step (Llama 3's: 2^24)
 # Files read whole are read within these bounds, measured by reading (at most the bound + 1 bytes)
 MAX_TEXT_BYTES = 16 << 20  # --config files, meta.json, config.json, a safetensors header, results files
@@ -159,6 +155,30 @@ def tokenizer_text(data: bytes, where: str, fix: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- settings
 
+# A setting's rule is declared once, on its dataclass field: its type hint, and in the field's metadata
+#   "range": (low, high) or (low, high, ends): a number's bounds, `ends` "[]" (the default), "(]", "[)" or "()"
+#   "resume": what --resume does with it (train.resumed_settings): "kept" (the default: the run's own unless given,
+#       a given one applies from there on), "same" (a given one must be the run's own: another value is another
+#       experiment), "here" (this command's: where files are, the device, --resume itself)
+# The flag, a --config file, --help and a checkpoint's train_config / model_config all follow it (field_rules). A
+# subclass that redeclares a field to change its default keeps the base field's rule (field_meta).
+
+
+def field_meta(cls: type, name: str) -> dict[str, Any]:
+    """The metadata of dataclass `cls`'s field `name`, merged over its bases' declarations of the same field."""
+    meta: dict[str, Any] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        declared = base.__dict__.get("__dataclass_fields__", {}).get(name)
+        if declared is not None and name in base.__dict__.get("__annotations__", {}):
+            meta.update(declared.metadata)
+    return meta
+
+
+def field_rules(cls: type) -> dict[str, tuple]:
+    """fields_problem's rule of each field of dataclass `cls`: its type hint and its declared range."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], *field_meta(cls, f.name).get("range", ())) for f in dataclasses.fields(cls)}
+
 
 def config_file(path: str | Path) -> dict[str, Any]:
     """A --config file: a table of settings in JSON or TOML, read as plain data (never executed)."""
@@ -172,8 +192,12 @@ def config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
+UNSET = (None, "", "none", "None", "null")  # what an optional field takes as null when no other member takes it
+
+
 def coerce(key: str, raw: Any, kind: Any) -> Any:
-    """A flag or config value as the field's type, or a refusal saying what is expected."""
+    """A flag or config value as the field's type, or a refusal saying what is expected. A union takes the value
+    as its first member that can (`--qk_norm=none` is the Literal's "none" where it has one), else as null."""
     args = typing.get_args(kind)
     if typing.get_origin(kind) is Literal:
         if raw not in args:
@@ -182,11 +206,11 @@ def coerce(key: str, raw: Any, kind: Any) -> Any:
     if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
         return [coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
     if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
-        if type(None) in args and raw in (None, "", "none", "None"):
-            return None
         for member in [a for a in args if a is not type(None)]:
             with contextlib.suppress(Refused):
                 return coerce(key, raw, member)
+        if type(None) in args and raw in UNSET:
+            return None
         if len(args) == 2 and type(None) in args:
             return coerce(key, raw, args[0])  # its own message
         choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
@@ -202,9 +226,11 @@ def coerce(key: str, raw: Any, kind: Any) -> Any:
     return value
 
 
-def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> Any:
-    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file; --help lists the
-    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
+def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> tuple[Any, frozenset[str]]:
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file, each value of its
+    field's type and within its range; and the names of the settings given (on the command line or in the file:
+    not --quick's, not the defaults). --help lists the settings. A field with metadata repeatable (generate's
+    --prompt) takes every occurrence of its flag."""
     hints = typing.get_type_hints(cls)
     if "--help" in argv or "-h" in argv:
         print_help(cls, hints)
@@ -224,15 +250,40 @@ def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) ->
             close = difflib.get_close_matches(key, hints, n=1)
             raise Refused(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
                           f"valid settings: {', '.join(hints)}")
+    given = frozenset(values)
     if quick and coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
         values = {**quick, **values}
-    return cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
-                  for k, v in values.items()})
+    cfg = cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
+                 for k, v in values.items()})
+    if why := settings_problem(cfg):
+        raise Refused(why)
+    return cfg, given
+
+
+def settings_problem(cfg: Any) -> str | None:
+    """The first setting of `cfg` outside its field's declared range, as its flag's message."""
+    for name, (_, *bounds) in field_rules(type(cfg)).items():
+        if bounds and (why := bound_problem(getattr(cfg, name), *bounds)):
+            return f"--{name} {why}"
+    return None
+
+
+def bound_problem(value: Any, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> str | None:
+    """Why a number (each of a list; None is unset) is not finite or lies outside low..high, `ends` saying whether
+    each end is included ("[]", "[)", "(]" or "()"), as a flag's message says it ("must be in [1, 8], got 9")."""
+    for v in [x for x in (value if isinstance(value, list) else [value]) if x is not None]:
+        if not math.isfinite(v):
+            return f"must be a finite number, got {v}"
+        if v < low or v > high or (v == low and ends[0] == "(") or (v == high and ends[1] == ")"):
+            shown = (f"in {ends[0]}{low:g}, {high:g}{ends[1]}" if high < math.inf else
+                     "positive" if (low, ends[0]) == (0, "(") else f"at least {low:g}")
+            return f"must be {shown}, got {v}"
+    return None
 
 
 def print_help(cls: type, hints: dict[str, Any]) -> None:
     """The script's docstring, then its settings, grouped by the dataclass that declares them (train.py's model
-    settings and objective settings each under their own heading)."""
+    settings and objective settings each under their own heading), each with its default and range."""
     print((sys.modules["__main__"].__doc__ or "").strip())
     groups: dict[type, list[dataclasses.Field]] = {}
     for f in dataclasses.fields(cls):
@@ -243,7 +294,10 @@ def print_help(cls: type, hints: dict[str, Any]) -> None:
         print(f"\n{title.rstrip('.')}:")
         for f in fields:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}")
+            bounds = field_meta(cls, f.name).get("range")
+            low, high, ends = (*bounds, "[]")[:3] if bounds else (0, 0, "")
+            shown = f", in {ends[0]}{low:g}, {high:g}{ends[1]}" if bounds else ""
+            print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}{shown}")
 
 
 def shown_type(hint: Any) -> str:
@@ -261,11 +315,18 @@ def shown_type(hint: Any) -> str:
 # ---------------------------------------------------------------------------------------------- fields
 
 
-def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300) -> str | None:
+def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, ends: str = "[]") -> str | None:
     """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes
-    whole numbers too; int never takes a bool), or a list of the values allowed. Numbers: in [low, high]."""
+    whole numbers too; int never takes a bool), a list of the values allowed, or a field's type hint (int | None,
+    a Literal, list[int], bool | Literal["auto"]). Numbers: within low..high, `ends` saying whether each end is
+    included (NaN never is)."""
+    if typing.get_origin(kinds) is list:
+        if not isinstance(value, list):
+            return f"is {brief(value)}, not a list"
+        return next(filter(None, (problem(v, typing.get_args(kinds)[0], low, high, ends) for v in value)), None)
+    kinds = plain_kinds(kinds)
     if isinstance(kinds, list):
-        fits = isinstance(value, (str, int, type(None))) and not isinstance(value, bool) and value in kinds
+        fits = any(value == k and type(value) is type(k) for k in kinds)
         return None if fits else f"is {brief(value)}, not one of: {', '.join(map(str, kinds))}"
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
     if value is None and None in kinds:
@@ -273,9 +334,24 @@ def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300) ->
     types = tuple(k for k in kinds if k is not None) + ((int,) if float in kinds else ())
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in kinds):
         return f"is {brief(value)}, not {' or '.join(getattr(k, '__name__', 'null') for k in kinds)}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:  # NaN too
-        return f"is {brief(value)}, outside [{low:g}, {'inf)' if high >= BIG else f'{high:g}]'}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+            low <= value <= high and (value != low or ends[0] == "[") and (value != high or ends[1] == "]")):
+        return f"is {brief(value)}, outside {ends[0]}{low:g}, {'inf)' if high >= BIG else f'{high:g}{ends[1]}'}"
     return None
+
+
+def plain_kinds(hint: Any) -> Any:
+    """A field's type hint in problem's terms: a Literal (or a union with one) the list of its values, any other
+    union the tuple of its types (None for null)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return list(typing.get_args(hint))
+    if origin not in (typing.Union, types.UnionType):
+        return hint
+    members = [plain_kinds(a) for a in typing.get_args(hint)]
+    if any(isinstance(m, list) for m in members):  # Literal[...] | None, bool | Literal["auto"]
+        return [v for m in members for v in (m if isinstance(m, list) else [True, False] if m is bool else [None])]
+    return tuple(None if m is type(None) else m for m in members)
 
 
 def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = (),
@@ -649,18 +725,6 @@ STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": 
                "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
                "val_step": ((int, None), 0, BIG)}
 INIT_RULES = {"seed": (int, 0, 2**32 - 1), "model_config": (dict,)}
-# The settings scripts take from a checkpoint's train_config (finetune.py inherits some), the counts within the
-# bounds their flags have (COUNTS); any other is plain
-TRAIN_RULES = {**{name: ((int, None), *bounds) for name, bounds in COUNTS.items()},
-               "batch_size": (int, *COUNTS["batch_size"]), "grad_accum": (int, *COUNTS["grad_accum"]),
-               "eval_batches": (int, *COUNTS["eval_batches"]), "max_iters": (int, *COUNTS["max_iters"]),
-               "dataset": ((str, None),), "preset": ((str, None),), "lr": (float, 0),
-               "min_lr": ((float, None), 0), "temperature": (float, 1e-3, 1e3), "mix_alpha": ((float, None), 0, 100),
-               "seed": ((int, None), 0, 2**32 - 1),
-               "objective": (["causal", "mlm"],), "loss": (str,), "device": (["auto", "cpu", "cuda", None],),
-               "dtype": (["auto", "bfloat16", "float16", "float32", None],), "compile": ((bool, None),)}
-MODEL_RANGES = {**{name: (1, most) for name, most in MAXIMA.items()}, "dropout": (0, 0.999999),
-                "rotary_pct": (0, 1), "norm_eps": (1e-30, 1), "rope_base": (1, 1e12)}
 # masking.MaskSpec's fields (tests/test_masking.py keeps them one), an encoder's checkpoint's mask_spec
 MASK_RULES = {"mask_token": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]),
               "special_tokens": ((list, tuple),)}
@@ -668,7 +732,7 @@ SCALER_RULES = {"scale": (float, 0), "growth_factor": (float, 0), "backoff_facto
                 "growth_interval": (int, 1, BIG), "_growth_tracker": COUNT}
 
 
-def checkpoint(path: str | Path, config_class: type) -> dict:
+def checkpoint(path: str | Path, config_class: type, train_class: type | None = None) -> dict:
     """A train.py or finetune.py checkpoint through its door: its bytes (checkpoint_file: safetensors, its checksum),
     then every field (checkpoint_problems)."""
     ckpt = checkpoint_file(path)
@@ -677,15 +741,16 @@ def checkpoint(path: str | Path, config_class: type) -> dict:
     optimizer = ckpt.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):  # JSON's keys are text: ids again
         optimizer["state"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in optimizer["state"].items()}
-    if why := next(filter(None, checkpoint_problems(ckpt, config_class)), None):
+    if why := next(filter(None, checkpoint_problems(ckpt, config_class, train_class)), None):
         raise Refused(f"checkpoint {path}: {why}; pass a checkpoint that train.py or finetune.py wrote")
     return ckpt
 
 
-def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
+def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None = None) -> Iterator[str | None]:
     """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
-    (named tensors; the model's of floating-point dtypes), model_config, train_config (its counts, and a step's
-    tokens), state, rng, data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
+    (named tensors; the model's of floating-point dtypes), model_config (config_class's fields' rules), train_config
+    (train_class's fields' rules, given; a field of none is a plain value; and a step's tokens), state, rng,
+    data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
     yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
     for key in ("model", "objective"):
         tensors = ckpt.get(key, {})
@@ -695,7 +760,7 @@ def checkpoint_problems(ckpt: dict, config_class: type) -> Iterator[str | None]:
                 if t.dtype not in WEIGHT_DTYPES), None)
     yield model_config_problem(ckpt["model_config"], config_class)
     train = ckpt.get("train_config", {})
-    yield fields_problem(train, TRAIN_RULES, "train_config", others=True)
+    yield fields_problem(train, field_rules(train_class) if train_class else {}, "train_config", others=True)
     yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
     if ckpt.get("init") is not None:  # how the lineage's first weights were drawn (train.lineage_init)
         yield fields_problem(ckpt["init"], INIT_RULES, "init", ("seed", "model_config"))
@@ -877,10 +942,10 @@ def declared_tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Te
 
 
 def model_config_problem(values: Any, config_class: type, name: str = "model_config") -> str | None:
-    """model_config as config_class's fields (GPTConfig: of its types, a Literal's values, within MAXIMA; block_size,
-    which no weight checks, too), then together: heads that divide the width, rotary channels that fit a head.
-    `name` names the table in the message ("": train.py's model flags, checked by the same rules)."""
-    if why := fields_problem(values, model_rules(config_class), name):
+    """model_config as config_class's fields (field_rules: GPTConfig's types, a Literal's values, their ranges), then
+    together: heads that divide the width, rotary channels that fit a head. `name` names the table in the message
+    ("": train.py's model settings, checked by the same rules)."""
+    if why := fields_problem(values, field_rules(config_class), name):
         return why
     c = config_class(**values)
     head = c.d_model // c.n_head
@@ -890,22 +955,6 @@ def model_config_problem(values: Any, config_class: type, name: str = "model_con
     if c.rotary_dims + c.rotary_dims % 2 > head:
         return f"{table}rotary_pct {c.rotary_pct} rotates more than a head's {head} channels"
     return None
-
-
-def model_fields_problem(values: dict[str, Any], config_class: type) -> str | None:
-    """The first of some of config_class's fields (flags given) that breaks its rule alone, as `name is ...`."""
-    return fields_problem(values, model_rules(config_class))
-
-
-def model_rules(config_class: type) -> dict[str, tuple]:
-    """fields_problem's rules for each field of a model config: its type, a Literal's values, MODEL_RANGES."""
-    rules = {}
-    for name, hint in typing.get_type_hints(config_class).items():
-        args = typing.get_args(hint)
-        kinds = list(args) if typing.get_origin(hint) is Literal else tuple(a if a is not type(None) else None
-                                                                            for a in args) or hint
-        rules[name] = (kinds, *MODEL_RANGES.get(name, ()))
-    return rules
 
 
 # ---------------------------------------------------------------------------------------------- line formats

@@ -12,15 +12,16 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 # isort: split
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import doors
-from common import DeviceName, DtypeName, UserError, note
+from common import UserError, note
 from data import recorded_dataset
 from loss import LossName
-from model import GPTConfig, PresetName
-from train import TrainConfig, train
+from model import GPTConfig
+from train import SAME, TrainConfig, resumed_settings, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
 # shapes follow the official fine-tune config, which settles what the paper leaves open (1e-4 in its text,
@@ -36,30 +37,21 @@ FINETUNE_RECIPES = {
 
 @dataclass
 class FinetuneConfig(TrainConfig):
-    ckpt: str = ""  # the pre-trained checkpoint (required), or hf:ORG/NAME
-    budget_fraction: float = 0.02  # of the checkpoint's pre-training tokens
-    tokens: int | None = None  # an explicit token budget instead
+    """finetune.py's settings: train.py's, some with other defaults (a field redeclared keeps its rule). Those of
+    INHERITED that are not given are the pre-training run's, whatever their default."""
+    ckpt: str = field(default="", metadata=SAME)  # the pre-trained checkpoint (required), or hf:ORG/NAME
+    budget_fraction: float = field(default=0.02, metadata={"range": (0, 1, "(]")})  # of the pre-training tokens
+    tokens: int | None = field(default=None, metadata={"range": (1, 1 << 50)})  # an explicit token budget instead
     max_iters: int | None = None  # or an explicit number of steps
     loss: LossName = "ce"
     lr: float | None = None  # None: the preset's recipe
-    min_lr: float | None = None
     lr_schedule: Literal["cosine", "constant"] | None = None
-    warmup_iters: int | None = None
     eval_interval: int = 50
     out_dir: str = "out-ft"
-    dataset: str | None = None  # None: the pre-training run's own setting
-    preset: PresetName | None = None
-    batch_size: int | None = None
-    grad_accum: int | None = None
-    eval_batches: int | None = None
-    device: DeviceName | None = None
-    dtype: DtypeName | None = None
-    compile: bool | None = None
-    mix_alpha: float | None = None
-    seed: int | None = None  # None: the pre-training run's, whose data stream the fine-tune reads on in
 
 
-# Where to read and write data comes from the command line (--data_root), never from the checkpoint.
+# What a fine-tune takes from the pre-training run unless given: its data stream (read on where it stopped), shape,
+# batch and machine. Where to read and write data comes from the command line (--data_root), never the checkpoint.
 INHERITED = ("dataset", "mix_alpha", "preset", "block_size", "batch_size", "grad_accum", "eval_batches", "device",
              "dtype", "compile", "seed")
 
@@ -73,8 +65,8 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
 
 
 def resolve_config(argv: list[str]) -> FinetuneConfig:
-    cfg = common.parse_flags(FinetuneConfig, argv)
-    return inherit_settings(cfg, base_checkpoint(cfg))
+    cfg, given = own_settings(*common.parse_given(FinetuneConfig, argv))
+    return inherit_settings(cfg, base_checkpoint(cfg), given)
 
 
 def base_checkpoint(cfg: FinetuneConfig) -> dict:
@@ -83,8 +75,20 @@ def base_checkpoint(cfg: FinetuneConfig) -> dict:
     return common.load_checkpoint(cfg.ckpt)
 
 
-def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
-    """The unset settings (None) from the pre-training run, then the preset's recipe, then the checks."""
+def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str]]:
+    """A resumed fine-tune is its own run: the settings not given are its own (train.resumed_settings: its --ckpt,
+    budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed)."""
+    if not common.resumes(cfg.out_dir, cfg.resume):
+        return cfg, given
+    own = common.load_checkpoint(common.run_files(cfg.out_dir)[0]).get("train_config", {})
+    cfg = resumed_settings(cfg, given, own, common.run_files(cfg.out_dir)[0])
+    return cfg, given | {k for k in own if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}
+
+
+def inherit_settings(cfg: FinetuneConfig, base: dict, given: Iterable[str] | None = None) -> FinetuneConfig:
+    """The settings of INHERITED not given from the pre-training run, then the preset's recipe for those still
+    unset (None), then the checks that need the checkpoint."""
+    given = common.given_settings(cfg, given)
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
     if not base["model_config"].get("causal", True):
@@ -92,31 +96,28 @@ def inherit_settings(cfg: FinetuneConfig, base: dict) -> FinetuneConfig:
                         "encoders on a task with glue.py")
     before = base.get("train_config", {})
     defaults = TrainConfig()
-    if cfg.dataset is None and before.get("dataset"):  # looked up under --data_root, never opened as written
-        cfg = dataclasses.replace(cfg, dataset=",".join(recorded_dataset(name, cfg.data_root, cfg.ckpt)
-                                                        for name in before["dataset"].split(",")))
-    cfg = dataclasses.replace(cfg, **{k: before.get(k, getattr(defaults, k)) for k in INHERITED
-                                      if getattr(cfg, k) is None})
-    if not common.resumes(cfg.out_dir, cfg.resume):  # a resumed fine-tune keeps its own lr and schedule
-        recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
-        lr = recipe["lr"] if cfg.lr is None else cfg.lr
-        cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
-                                  min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
-    common.in_range(cfg, "budget_fraction", 0, 1, "(]")
+    inherited = {k: before.get(k, getattr(defaults, k)) for k in INHERITED if k not in given}
+    if inherited.get("dataset"):  # looked up under --data_root, never opened as written
+        inherited["dataset"] = ",".join(recorded_dataset(name, cfg.data_root, cfg.ckpt)
+                                        for name in inherited["dataset"].split(","))
+    cfg = dataclasses.replace(cfg, **inherited)
+    recipe = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])
+    lr = recipe["lr"] if cfg.lr is None else cfg.lr
+    cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
+                              min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
     common.in_range(cfg, "block_size", 2, base["model_config"].get("block_size", math.inf))  # before any data
-    for name in ("tokens", "max_iters", "batch_size", "grad_accum"):  # doors.COUNTS, inherited values too
-        common.in_range(cfg, name, *doors.COUNTS[name])
     common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum,
                         cfg.block_size or GPTConfig(**base["model_config"]).block_size)
     return cfg
 
 
-def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures."""
+def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
+    """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given`: as train()'s."""
+    cfg, given = own_settings(cfg, common.given_settings(cfg, given))
     common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
                       kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
     base = base_checkpoint(cfg)
-    cfg = inherit_settings(cfg, base)
+    cfg = inherit_settings(cfg, base, given)
     pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
     pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
     if not pretrain_tokens and cfg.tokens is None and cfg.max_iters is None:
@@ -126,10 +127,11 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     block = cfg.block_size or base["model_config"]["block_size"]
     tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * common.world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
-    if steps > doors.COUNTS["max_iters"][1]:  # the bound of --max_iters, which the budget stands for
+    most = doors.field_meta(TrainConfig, "max_iters")["range"][1]  # the bound of --max_iters, which it stands for
+    if steps > most:
         budget = cfg.tokens if cfg.tokens is not None else cfg.budget_fraction * pretrain_tokens
         raise UserError(f"{budget:,.0f} tokens are {steps:,} steps of {tokens_per_iter:,} tokens, more than a run "
-                        f"can have ({doors.COUNTS['max_iters'][1]:,}); lower --tokens or raise --batch_size")
+                        f"can have ({most:,}); lower --tokens or raise --batch_size")
     warmup = cfg.warmup_iters
     if warmup is None:
         warmup = max(1, round(FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])["warmup"] * steps))
@@ -137,8 +139,8 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     if pretrain_tokens:
         share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens"
     note(f"fine-tune budget: {steps} steps x {tokens_per_iter:,} tokens = {steps * tokens_per_iter:,} tokens ({share})")
-    summary = train(dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt,
-                                        add_lm_head=True))
+    cfg = dataclasses.replace(cfg, max_iters=steps, warmup_iters=warmup, init_from=cfg.ckpt, add_lm_head=True)
+    summary = train(cfg, given | {"max_iters", "warmup_iters", "init_from", "add_lm_head"})
     spent = summary["flops"] - pretrain_flops
     summary.update(pretrain_tokens=pretrain_tokens, pretrain_flops=pretrain_flops, finetune_flops=spent,
                    compute_fraction=spent / pretrain_flops if pretrain_flops else None)
@@ -161,9 +163,9 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    cfg = common.parse_flags(FinetuneConfig, argv)
+    cfg, given = common.parse_given(FinetuneConfig, argv)
     common.refuse_idle(cfg, idle_settings(cfg))
-    summary = finetune(cfg)
+    summary = finetune(cfg, given)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

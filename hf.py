@@ -284,7 +284,7 @@ def hf_config(c: GPTConfig, eot_token: int) -> dict:
     return {
         "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": c.vocab_size,
         "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
-        "intermediate_size": c.mlp_hidden, "hidden_act": {v: k for k, v in ACTIVATIONS.items()}[c.gelu],
+        "intermediate_size": c.mlp_width, "hidden_act": {v: k for k, v in ACTIVATIONS.items()}[c.gelu],
         "rotary_pct": c.rotary_pct, "rotary_emb_base": c.rope_base, "max_position_embeddings": c.block_size,
         "layer_norm_eps": c.norm_eps, "use_parallel_residual": c.parallel_residual,
         "tie_word_embeddings": not c.lm_head, "attention_bias": True, "initializer_range": 0.02,
@@ -422,8 +422,8 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
         raise UserError(f"{source}: config.json num_hidden_layers is {c.n_layer} but the weights hold "
                         f"{present} layers; fix config.json")
     up = "gpt_neox.layers.0.mlp.dense_h_to_4h.weight"
-    if up in shapes and shapes[up][0] != (c.mlp_hidden, c.d_model):
-        raise UserError(f"{source}: config.json intermediate_size {c.mlp_hidden} (and hidden_size "
+    if up in shapes and shapes[up][0] != (c.mlp_width, c.d_model):
+        raise UserError(f"{source}: config.json intermediate_size {c.mlp_width} (and hidden_size "
                         f"{c.d_model}) do not match {shape(up)}; fix config.json")
     # Every tensor: the same check as a checkpoint's (common.checkpoint_model), against a model built on
     # the meta device, so no memory is used; the names are translated to GPT-NeoX's in the message.

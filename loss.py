@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -16,19 +16,23 @@ LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
 Temperature = float | torch.Tensor  # a number, or a tensor (a learned temperature: it gets its gradient)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossConfig:
     """objective settings: the loss and its negatives (loss.LossConfig)
 
     One piece: train.py's flags of these names (TrainConfig inherits them), a checkpoint's train_config, and what
-    training_loss and validation_sums take. A field added here is a flag, travels to the losses and must match on
-    --resume, with no other edit (docs/hacking.md)."""
-    loss: LossName = "cwt"
-    temperature: float = 1.0  # scores / temperature: the paper's is 1
-    negatives: Literal["all", "unique"] = "all"  # unique: each distinct target token once (negatives.py)
-    num_negatives: int | None = None  # score a random subset of k candidates (negatives.py)
-    negatives_scope: Literal["local", "global"] = "local"  # global: every rank's micro-batch (negatives.py)
-    loss_chunk_size: int = 0  # score this many rows at a time: same loss, memory O(chunk x columns) (chunked.py)
+    training_loss and validation_sums take. Each field's rule is on it (its range; "resume": "same": a resumed run
+    keeps it, another value is another experiment). A field added here is a flag, travels to the losses and must
+    match on --resume, with no other edit (docs/hacking.md). Built by keyword: a field goes in its natural place."""
+    loss: LossName = field(default="cwt", metadata={"resume": "same"})
+    temperature: float = field(default=1.0, metadata={"range": (1e-3, 1e3), "resume": "same"})  # the paper's: 1
+    # unique: each distinct target token once; num_negatives: a random subset of k candidates; global: every rank's
+    # micro-batch (negatives.py)
+    negatives: Literal["all", "unique"] = field(default="all", metadata={"resume": "same"})
+    num_negatives: int | None = field(default=None, metadata={"range": (1, 1 << 30), "resume": "same"})
+    negatives_scope: Literal["local", "global"] = field(default="local", metadata={"resume": "same"})
+    # score this many rows at a time: the same loss, memory O(chunk x columns) (chunked.py); may change on resume
+    loss_chunk_size: int = field(default=0, metadata={"range": (0, 1 << 30)})
 
     @classmethod
     def of(cls, settings: Any) -> LossConfig:

@@ -7,7 +7,7 @@ scores it against the LM head if there is one, else the tied embeddings E."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -17,25 +17,30 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 (also Pythia's size)
-    block_size: int = 256  # context length
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    mlp_hidden: int | None = None  # the MLP's inner width; default 4 * d_model
-    dropout: float = 0.0
+    """The model's shape and switches. A field's range (metadata "range") is its rule for train.py's flag of the
+    same name and for a checkpoint's model_config (doors.field_rules); "resume": "kept" marks the one a run from a
+    checkpoint may change (train.with_model: any other given must be the checkpoint's)."""
+    vocab_size: int = field(default=50304, metadata={"range": (1, 1 << 22)})  # GPT-2's 50257 padded to 64s
+    block_size: int = field(default=256, metadata={"range": (2, 1 << 20)})  # context length
+    n_layer: int = field(default=4, metadata={"range": (1, 1024)})
+    n_head: int = field(default=4, metadata={"range": (1, 1024)})
+    d_model: int = field(default=128, metadata={"range": (1, 1 << 16)})
+    mlp_hidden: int | None = field(default=None, metadata={"range": (1, 1 << 18)})  # MLP width; None: 4 * d_model
+    dropout: float = field(default=0.0, metadata={"range": (0, 0.999999), "resume": "kept"})
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata={"range": (1e-30, 1)})
     bias: bool = True  # on every linear layer but the output head
     parallel_residual: bool = True  # else x += attn(ln1(x)); x += mlp(ln2(x))
-    rotary_pct: float = 0.25  # share of each head's channels that rotary rotates
-    rope_base: float = 10000.0
+    rotary_pct: float = field(default=0.25, metadata={"range": (0, 1)})  # share of a head's channels rotated
+    rope_base: float = field(default=10000.0, metadata={"range": (1, 1e12)})
     gelu: Literal["exact", "tanh"] = "exact"
     lm_head: bool = False  # an untied output matrix (V x d) instead of scoring with E
     causal: bool = True  # False: a bidirectional masked-LM encoder (train.py --objective=mlm)
 
-    def __post_init__(self):
-        self.mlp_hidden = self.mlp_hidden or 4 * self.d_model
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's inner width: mlp_hidden, else 4 * d_model (derived when used, so it follows a replace)."""
+        return self.mlp_hidden or 4 * self.d_model
 
     @property
     def rotary_dims(self) -> int:
@@ -135,8 +140,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.up = nn.Linear(config.d_model, config.mlp_hidden, bias=config.bias)
-        self.down = residual_output(nn.Linear(config.mlp_hidden, config.d_model, bias=config.bias))
+        self.up = nn.Linear(config.d_model, config.mlp_width, bias=config.bias)
+        self.down = residual_output(nn.Linear(config.mlp_width, config.d_model, bias=config.bias))
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x):

@@ -18,7 +18,8 @@ import contextlib
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,85 +49,71 @@ DERIVED = ("vocab_size", "causal", "lm_head")
 ModelSettings = common.unset_fields(GPTConfig, DERIVED, "model settings: GPTConfig's fields (unset: the preset's "
                                     "value, or the checkpoint's)")
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSettings))
+SAME = {"resume": "same"}  # a field's resume rule (doors: field metadata): another value is another experiment
+HERE = {"resume": "here"}  # ... this command's, never the resumed run's: where files are, the device, --resume
 
 
 @dataclass
 class TrainConfig(ModelSettings, LossConfig):
-    """train.py's settings; the model's (ModelSettings) and the objective's (loss.LossConfig) are inherited."""
+    """train.py's settings; the model's (ModelSettings) and the objective's (loss.LossConfig) are inherited. Each
+    field's rule is on it (doors.field_rules): its type, its "range" (the flag's, a --config file's and a
+    checkpoint's train_config's), and what --resume does with it ("resume": resumed_settings)."""
     # data and model
-    dataset: str = "shakespeare"  # a prepared dataset name or folder (see data.py); A,B,C: a mix (mixing.py)
-    data_root: str = "data"
-    mix_alpha: float = 0.3  # a mix draws each micro-batch's source with p ~ tokens^alpha (XLM-R's 0.3)
+    dataset: str = field(default="shakespeare", metadata=SAME)  # a dataset name or folder (data.py); A,B,C: a mix
+    data_root: str = field(default="data", metadata=HERE)
+    mix_alpha: float = field(default=0.3, metadata={"range": (0, 100, "(]")})  # a mix's source p ~ tokens^alpha
     preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
     # objective (the loss and its negatives: loss.LossConfig)
-    objective: Literal["causal", "mlm"] = "causal"  # mlm: BERT masking, bidirectional attention (masking.py)
-    untied_head: bool = False  # ce: a separate output matrix, as Pythia's config (the paper's CE ties it)
+    objective: Literal["causal", "mlm"] = field(default="causal", metadata=SAME)  # mlm: BERT masking (masking.py)
+    untied_head: bool = field(default=False, metadata=SAME)  # ce: a separate output matrix, as Pythia's config
     # optimisation
-    batch_size: int = 8  # sequences per micro-batch (per rank): CWT's negatives are the other tokens in it
-    grad_accum: int = 1  # micro-batches per rank per step
-    max_iters: int = 600
-    # unset (None): OPTIMIZER_DEFAULTS, or on --resume the resumed run's own
-    lr: float | None = None
-    min_lr: float | None = None  # default: the preset's recipe (RECIPES)
-    warmup_iters: int | None = None  # default: the preset's recipe (RECIPES)
-    lr_schedule: Literal["cosine", "constant"] | None = None
-    weight_decay: float | None = None
-    beta1: float | None = None
-    beta2: float | None = None
-    eps: float | None = None
-    grad_clip: float | None = None  # 0 disables clipping
+    batch_size: int = field(default=8, metadata={"range": (1, 1 << 16), **SAME})  # sequences per micro-batch, rank
+    grad_accum: int = field(default=1, metadata={"range": (1, 1 << 16)})  # micro-batches per rank per step
+    max_iters: int = field(default=600, metadata={"range": (1, 1 << 32)})
+    lr: float = field(default=1e-3, metadata={"range": (0, math.inf, "(]")})  # AdamW's: the paper's Pythia settings
+    min_lr: float | None = field(default=None, metadata={"range": (0, math.inf)})  # default: the preset's recipe
+    warmup_iters: int | None = field(default=None, metadata={"range": (0, 1 << 32)})  # default: the recipe's
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = field(default=0.1, metadata={"range": (0, math.inf)})
+    beta1: float = field(default=0.9, metadata={"range": (0, 1, "[)")})
+    beta2: float = field(default=0.95, metadata={"range": (0, 1, "[)")})
+    eps: float = field(default=1e-8, metadata={"range": (0, math.inf, "(]")})
+    grad_clip: float = field(default=1.0, metadata={"range": (0, math.inf)})  # 0 disables clipping
     # validation, logs and checkpoints
-    eval_interval: int = 100  # steps between validations, each followed by a checkpoint
-    eval_batches: int = 20
-    log_interval: int = 10
-    out_dir: str = "out"
-    resume: bool | Literal["auto"] = False  # continue out_dir/ckpt.safetensors; auto: if there is one, else start
-    overwrite: bool = False  # start over in an out_dir that holds another run
+    eval_interval: int = field(default=100, metadata={"range": (1, 1 << 32)})  # steps between validations (+ saves)
+    eval_batches: int = field(default=20, metadata={"range": (1, 1 << 20)})
+    log_interval: int = field(default=10, metadata={"range": (1, 1 << 32)})
+    out_dir: str = field(default="out", metadata=HERE)
+    resume: bool | Literal["auto"] = field(default=False, metadata=HERE)  # continue the run in out_dir; auto: if any
+    overwrite: bool = field(default=False, metadata=HERE)  # start over in an out_dir that holds another run
     tensorboard: bool = False  # also log every log.jsonl record to out_dir/tb (tracking.py)
     wandb: bool = False  # ... and to Weights & Biases, files under out_dir (tracking.py)
     wandb_project: str = "headless-lm"
     wandb_run_name: str = ""  # default: the out_dir
     # system
-    device: DeviceName = "auto"
+    device: DeviceName = field(default="auto", metadata=HERE)
     dtype: DtypeName = "auto"
     compile: bool = False
-    seed: int = 1337
+    seed: int = field(default=1337, metadata={"range": (0, 2**32 - 1)})  # numpy's generators take no negative seed
     # starting from another checkpoint's weights (finetune.py sets these)
-    init_from: str = ""  # a checkpoint path, or hf:ORG/NAME / hf:FOLDER (hf.py)
+    init_from: str = field(default="", metadata=SAME)  # a checkpoint path, or hf:ORG/NAME / hf:FOLDER (hf.py)
     add_lm_head: bool = False  # an untied LM head initialised from the input embeddings
     freeze_body: bool = False  # train only the LM head
 
 
 # The paper's schedule for the Pythia shapes: cosine to 0 after a 1% warmup (1430 of 143,000 steps); lr,
-# betas, decay and clip are OPTIMIZER_DEFAULTS'. Short CPU runs warm up over 10% and end at lr / 10.
+# betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
-# AdamW and the schedule where no flag gives them: the paper's Pythia settings. A resumed run keeps its own instead
-# (each was saved in its train_config), so that `--resume` alone continues the same run; a flag given on resume
-# changes it from there on.
-OPTIMIZER_DEFAULTS = dict(lr=1e-3, lr_schedule="cosine", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
-                          grad_clip=1.0)
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Refuse settings that cannot work, or that would change nothing, before any time is spent."""
-    for name in [n for n in doors.COUNTS if hasattr(cfg, n)]:  # the bounds a checkpoint's train_config meets too
-        common.in_range(cfg, name, *doors.COUNTS[name])
-    for name in ("weight_decay", "grad_clip"):
-        common.in_range(cfg, name, 0)
-    for name in ("beta1", "beta2"):
-        common.in_range(cfg, name, 0, 1, "[)")
-    common.in_range(cfg, "lr", 0, ends="(]")
-    lr = OPTIMIZER_DEFAULTS["lr"] if cfg.lr is None and not cfg.resume else cfg.lr  # a resumed run's: with_schedule
-    common.in_range(cfg, "min_lr", 0, math.inf if lr is None else lr)
-    common.in_range(cfg, "eps", 0, ends="(]")
-    common.in_range(cfg, "temperature", 1e-3, 1e3)  # beyond, fp32 scores overflow or every softmax is uniform
-    common.in_range(cfg, "mix_alpha", 0, ends="(]")
-    common.bounded(cfg, "mix_alpha", 0, 100)  # beyond, the largest source alone (p ~ n^alpha); 1e308 gave NaNs
-    common.in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
-    given = {name: getattr(cfg, name) for name in MODEL_FIELDS if getattr(cfg, name) is not None}
-    if why := doors.model_fields_problem(given, GPTConfig):  # each model flag as a checkpoint's model_config
-        raise UserError(f"--{why}")
+    """Refuse settings that cannot work, or that would change nothing, before any time is spent. Each setting's
+    own range is its field's (checked by the flags' door; again here for settings built in code)."""
+    if why := doors.settings_problem(cfg):
+        raise UserError(why)
+    if not cfg.resume:  # a resumed run's lr may be its own: with_schedule
+        common.in_range(cfg, "min_lr", 0, cfg.lr)
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
     if cfg.resume and cfg.overwrite:
@@ -190,17 +177,17 @@ class State:
     val_step: int | None = None  # the step `val` was measured at: a run stopped before it is owed one
 
 
-# What makes a resumed run the same experiment: the data, the batch, the model's kind, and every setting of the
-# objective that changes its loss (the chunk size changes only memory). Anything else may change (--max_iters extends
-# it); the model's settings follow with_model's rule.
-RESUME_SAME = ("objective", "dataset", "batch_size", "block_size", "init_from", "untied_head",
-               *(f.name for f in dataclasses.fields(LossConfig) if f.name != "loss_chunk_size"))
+# What makes a resumed run the same experiment: the fields whose rule is "resume": "same" (the data, the batch, the
+# model, every setting of the objective that changes its loss). Any other given may change (--max_iters extends it).
+RESUME_SAME = tuple(f.name for f in dataclasses.fields(TrainConfig) if doors.field_meta(TrainConfig, f.name).get(
+    "resume") == "same")
 
 
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
-                   device: torch.device) -> tuple[TrainConfig, GPT, State, dict | None, bool]:
+def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.device,
+                   given: frozenset[str]) -> tuple[TrainConfig, GPT, State, dict | None, bool]:
     """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from): the settings
-    (unset ones filled in), the model, the counts, the checkpoint started from (if any) and whether it resumes."""
+    (those not given filled in), the model, the counts, the checkpoint started from (if any) and whether it
+    resumes."""
     found = ckpt_path.is_file()
     if common.all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, common.world_size()):
         raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
@@ -214,11 +201,10 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
         return cfg, fresh_model(cfg, meta), State(), None, False
     start = common.load_checkpoint(source)
     before = start.get("train_config", {})
+    if resuming:  # the same experiment: what is not given is the run's own
+        cfg = resumed_settings(cfg, given, before, source)
     check_continuation(cfg, meta, start, source, resuming)
-    if resuming:  # the same experiment: what it does not say is the checkpoint's
-        kept = (*RESUME_SAME, *OPTIMIZER_DEFAULTS)
-        cfg = dataclasses.replace(cfg, **{k: before[k] for k in kept if getattr(cfg, k) is None and k in before})
-    cfg = with_schedule(cfg, before, start["step"] if resuming else None)
+    cfg = with_schedule(cfg, before, start["step"] if resuming else None, given)
     cfg = with_model(cfg, meta, start["model_config"], source)
     model = common.checkpoint_model(start, source, dropout=cfg.dropout)
     if resuming:
@@ -236,26 +222,41 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path,
     return cfg, model, earlier, start, False
 
 
-def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = None) -> TrainConfig:
-    """The preset (the checkpoint's, else tiny) and the schedule: a run resumed at resumed_step keeps its own
-    warmup and final lr unless given (and says so when a longer --max_iters stretches its cosine); otherwise
-    the preset's recipe sets them. AdamW's settings still unset take OPTIMIZER_DEFAULTS."""
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in OPTIMIZER_DEFAULTS.items() if getattr(cfg, k) is None})
+def resumed_settings(cfg: Any, given: frozenset[str], before: dict, source: str | Path) -> Any:
+    """The one rule of --resume, by each field's "resume" (doors.field_meta): a setting not given is the run's own
+    (`before`: its saved train_config); a given one applies from here on ("kept"), or must be the run's own
+    ("same": another value is another experiment); "here" ones are this command's. train.py and finetune.py."""
+    kept = {}
+    for f in dataclasses.fields(cfg):
+        rule = doors.field_meta(type(cfg), f.name).get("resume", "kept")
+        if rule == "here" or f.name not in before:
+            continue
+        value = getattr(cfg, f.name)
+        if f.name not in given:
+            kept[f.name] = before[f.name]
+        elif rule == "same" and value != before[f.name]:
+            raise UserError(f"--{f.name}={common.brief_value(value)} but {source} was trained with "
+                            f"--{f.name}={common.brief_value(before[f.name])}; resume with the same --{f.name} (or "
+                            "without it), or use another --out_dir for another experiment")
+    return dataclasses.replace(cfg, **kept)
+
+
+def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = None,
+                  given: frozenset[str] = frozenset()) -> TrainConfig:
+    """The preset (the checkpoint's, else tiny) and the schedule: the warmup and final lr not set take the preset's
+    recipe (a resumed run has its own: resumed_settings); a longer --max_iters that stretches a resumed cosine
+    says so."""
     preset = cfg.preset or before.get("preset") or "tiny"
     recipe = RECIPES.get(preset, DEFAULT_RECIPE)
     warmup = cfg.warmup_iters
-    min_lr = cfg.min_lr
-    if resumed_step is not None:
-        warmup = before.get("warmup_iters") if warmup is None else warmup
-        min_lr = before.get("min_lr") if min_lr is None else min_lr
     if warmup is None:
         warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
-    if min_lr is None:
-        min_lr = recipe["final_lr"] * cfg.lr
+    min_lr = recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr
     new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
     if new.min_lr > new.lr:
-        raise UserError(f"--lr={new.lr:g} is below the min_lr {new.min_lr:g} this run resumes with; pass --min_lr "
-                        "too (at most --lr)")
+        whose = "is given" if "min_lr" in given or resumed_step is None else "this run resumes with"
+        raise UserError(f"--lr={new.lr:g} is below the min_lr {new.min_lr:g} {whose}; pass --min_lr too (at most "
+                        "--lr)")
     old = dataclasses.replace(new, max_iters=before.get("max_iters", new.max_iters))
     if resumed_step is not None and old.max_iters != new.max_iters and new.lr_schedule == "cosine":
         note(f"note: --max_iters changed from {old.max_iters} to {new.max_iters} on resume: the cosine schedule now "
@@ -326,13 +327,9 @@ def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
 
 def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
     """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
-    one as the same experiment (with --resume=auto, other settings mean another experiment's out_dir)."""
+    one longer than its step (its settings: resumed_settings)."""
     before = start.get("train_config", {})
     encoder = not start["model_config"].get("causal", True)
-    for key in RESUME_SAME if resuming else ():  # unset (None): the checkpoint's, filled in by starting_point
-        if key in before and getattr(cfg, key) not in (None, before[key]):
-            raise UserError(f"--{key}={getattr(cfg, key)} but {source} was trained with --{key}={before[key]}; "
-                            f"resume with the same --{key}, or use another --out_dir for another experiment")
     if resuming and cfg.max_iters < start["step"]:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
     theirs = start.get("data_meta", {})
@@ -473,7 +470,7 @@ class Run:
 
     tracker = None  # while train() runs with --tensorboard or --wandb: tracking.Tracker, which Run.log feeds
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, given: Iterable[str] | None = None):
         check_config(cfg)
         self.device = common.init_distributed(common.pick_device(cfg.device))  # under torchrun, this rank's GPU
         self.dtype = common.pick_dtype(cfg.dtype, self.device)
@@ -485,7 +482,8 @@ class Run:
         meta = first.meta
         self.out_dir = Path(cfg.out_dir)
         ckpt = self.out_dir / "ckpt.safetensors"
-        cfg, model, self.state, start, resuming = starting_point(cfg, meta, ckpt, self.device)
+        cfg, model, self.state, start, resuming = starting_point(cfg, meta, ckpt, self.device,
+                                                                 common.given_settings(cfg, given))
         self.cfg = cfg
         common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start["step"] if resuming else None
@@ -684,21 +682,23 @@ class Run:
 # The loop
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
-    a signal stopped it: `interrupted`, the signal's number in `signal`). What it reads and writes is declared,
-    and out_dir claimed (its lock taken), before anything is built."""
+    a signal stopped it: `interrupted`, the signal's number in `signal`). `given`: the names of the settings the
+    user gave (common.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
+    the run's own. What it reads and writes is declared, and out_dir claimed (its lock taken), before anything is
+    built."""
     check_config(cfg)
     common.declare_io(reads={"--init_from": cfg.init_from,
                              "--dataset": [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]},
                       writes={"--out_dir": common.run_files(cfg.out_dir)}, kinds={"--init_from": "start"})
     with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite):
-        return train_claimed(cfg)
+        return train_claimed(cfg, given)
 
 
-def train_claimed(cfg: TrainConfig) -> dict[str, Any]:
+def train_claimed(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
     """train() in its claimed out_dir."""
-    run = Run(cfg)
+    run = Run(cfg, given)
     cfg = run.cfg
     state = run.state
     negatives_rng = torch.Generator()
@@ -757,9 +757,9 @@ def idle_settings(cfg: TrainConfig) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    cfg = common.parse_flags(TrainConfig, argv)
+    cfg, given = common.parse_given(TrainConfig, argv)
     common.refuse_idle(cfg, idle_settings(cfg))
-    summary = train(cfg)
+    summary = train(cfg, given)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

@@ -51,7 +51,7 @@ def test_val_bpb_is_the_bits_of_the_text_over_its_bytes(tiny_data_dir):
     n = 200  # the first 201 tokens: one window of 200 targets
     tokens = np.asarray(val.tokens[:n + 1])
     model = build_model("tiny", 50304, block_size=n, n_layer=1, d_model=32, n_head=2).double()
-    objective = train.Objective(model, train.LossConfig("ce"))
+    objective = train.Objective(model, train.LossConfig(loss="ce"))
     got = train.evaluate(objective, tokens, 1, n, torch.device("cpu"), byte_counts=val.byte_counts[:n + 1],
                          special=val.special)["val_bpb"]
     enc = data.load_tokenizer("gpt2")

@@ -46,7 +46,8 @@ def test_chunked_training_loss_equals_plain(objective, negatives, k, chunk_size,
     t = torch.randint(0, 9, (13,), generator=g)
 
     def run(chunk):
-        config = LossConfig(objective, temperature, negatives, k, loss_chunk_size=chunk or 0)
+        config = LossConfig(loss=objective, temperature=temperature, negatives=negatives, num_negatives=k,
+                            loss_chunk_size=chunk or 0)
         return lambda h, E, W: training_loss(h, t, E, W, config, torch.Generator().manual_seed(3))
     want, want_grads = loss_and_grads(run(None), h, E, W)
     got, got_grads = loss_and_grads(run(chunk_size), h, E, W)
@@ -215,8 +216,8 @@ def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective, k)
     def run(chunk):
         def fn(h, E):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return training_loss(h, t, E, E, LossConfig(objective, num_negatives=k, loss_chunk_size=chunk or 0),
-                                     torch.Generator().manual_seed(3))
+                config = LossConfig(loss=objective, num_negatives=k, loss_chunk_size=chunk or 0)
+                return training_loss(h, t, E, E, config, torch.Generator().manual_seed(3))
         return fn
     want, want_grads = loss_and_grads(run(None), h, E)
     got, got_grads = loss_and_grads(run(16), h, E)
@@ -241,7 +242,7 @@ def test_chunked_compiles_whole(case):
 
     def fn(h, E):
         if case == "cwt":
-            return training_loss(h, t, E, E, LossConfig("cwt", loss_chunk_size=8))
+            return training_loss(h, t, E, E, LossConfig(loss="cwt", loss_chunk_size=8))
         return chunked.chunked_softmax_loss(h, E[drawn], 0.7, 8, positives=E[t], exclude=slot[t])
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     want, want_grads = loss_and_grads(fn, h, E)
@@ -281,7 +282,7 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
     torch.manual_seed(0)
     model = build_model("tiny", 50304, block_size=32)
     val = data.open_val_split(tiny_data_dir, 50304)
-    runs = [train.evaluate(train.Objective(model, LossConfig("cwt", loss_chunk_size=chunk)), val.tokens, 4, 32,
+    runs = [train.evaluate(train.Objective(model, LossConfig(loss="cwt", loss_chunk_size=chunk)), val.tokens, 4, 32,
                            torch.device("cpu"), max_batches=2, byte_counts=val.byte_counts, special=val.special)
             for chunk in (0, 7)]
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}

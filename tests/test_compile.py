@@ -112,7 +112,7 @@ def test_encoder_validation_compiled_gives_eager_figures(monkeypatch):
     cfg = TrainConfig(objective="mlm")
     model = tiny_model(cfg)
     tokens = np.random.default_rng(0).integers(0, 59, 5 * T + 1).astype(np.uint16)  # batches of 2, 2 and 1
-    args = (Objective(model, LossConfig("cwt"), Masking(seed=0, spec=SPEC)), tokens, 2, T, torch.device("cpu"))
+    args = (Objective(model, LossConfig(loss="cwt"), Masking(seed=0, spec=SPEC)), tokens, 2, T, torch.device("cpu"))
     want = train.evaluate(*args)
     got = train.evaluate(*args, compile=True)
     assert got == pytest.approx(want, rel=1e-5) and graphs() == 1

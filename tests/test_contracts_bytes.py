@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+import typing
 from pathlib import Path
 
 import pytest
@@ -293,13 +294,13 @@ def test_every_count_flag_has_an_upper_bound(script, flags, words, made, worker,
     assert snapshot(tmp_path) == before
 
 
-def test_the_flags_and_the_checkpoint_door_share_one_table_of_bounds():
-    """train.py's flags and a checkpoint's train_config are checked against doors.COUNTS, so they cannot disagree:
-    each bound is met by a flag at it, and refused one past it, in both places."""
-    for name, (low, high) in doors.COUNTS.items():
-        if name not in doors.TRAIN_RULES or not hasattr(train.TrainConfig, name):
-            continue
-        assert doors.TRAIN_RULES[name][1:] == (low, high), name
+def test_the_flags_and_the_checkpoint_door_share_one_rule_per_field():
+    """train.py's flags and a checkpoint's train_config are checked against each field's declared range
+    (doors.field_rules), so they cannot disagree: each bound is met by a flag at it, and refused one past it, in
+    both places."""
+    rules = doors.field_rules(train.TrainConfig)
+    for name in COUNTS:
+        hint, low, high = rules[name]
         for value, fine in ((high, True), (high + 1, False), (low - 1, False)):
             cfg = train.TrainConfig(**{"max_iters": max(value, 1) if name == "warmup_iters" else 600, name: value})
             try:
@@ -307,7 +308,7 @@ def test_the_flags_and_the_checkpoint_door_share_one_table_of_bounds():
                 flag_ok = True
             except common.UserError:
                 flag_ok = False
-            door_ok = doors.problem(value, *doors.TRAIN_RULES[name]) is None
+            door_ok = doors.problem(value, *rules[name]) is None
             assert flag_ok == door_ok == fine, (name, value)
 
 
@@ -580,11 +581,14 @@ def test_any_change_of_a_dataset_keeps_training_to_the_contract(change, made, wo
     assert result["code"] == 0 or not (work / "o").exists()
 
 
+# train.py's bounded counts: the int fields with a declared range
+COUNTS = sorted(name for name, (hint, *bounds) in doors.field_rules(train.TrainConfig).items()
+                if bounds and int in (hint, *typing.get_args(hint)))
 COUNT_VALUES = st.sampled_from([0, -1, 1, 2, 2.5, "2", "", True, None, [2], 10**12, 2**63, 10**400, math.nan])
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(values=st.dictionaries(st.sampled_from(sorted(doors.COUNTS)), COUNT_VALUES, min_size=1, max_size=3),
+@given(values=st.dictionaries(st.sampled_from(COUNTS), COUNT_VALUES, min_size=1, max_size=3),
        kind=st.sampled_from([".json", ".toml"]), damage=st.sampled_from(["none", "none", "cut", "sparse"]))
 def test_any_config_file_keeps_training_to_the_contract(values, kind, damage, made, worker, generated):
     """Contract 4 and the bounds, through a --config file: counts of any type and size (a bound exceeded, a

@@ -186,7 +186,8 @@ ANY_VALUE = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) 
                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
                                                                                      max_size=3), max_leaves=4)
 FIELDS = ([f"model_config/{f}" for f in vars(model.GPTConfig())] + [f"state/{f}" for f in ("step", "tokens", "val")]
-          + [f"train_config/{f}" for f in doors.TRAIN_RULES] + [f"data_meta/{f}" for f in doors.META_RULES]
+          + [f"train_config/{f}" for f in doors.field_rules(train.TrainConfig)]
+          + [f"data_meta/{f}" for f in doors.META_RULES]
           + ["step", "rng", "rng/torch", "model", "objective", "tokenizer_json", "val", "init", "init/seed",
              "init/model_config", "init/model_config/n_head"])
 

@@ -65,7 +65,7 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, data_root
     assert summary["step"] == 20  # 50% of 40 steps x 256 tokens, at 256 tokens a step
     before, after = summary["first_val"]["val_ce"], summary["val"]["val_ce"]
     # step 0 is the raw model: the head is a copy of E, so its CE is the raw model's tied-scoring CE
-    expected_raw = evaluate(Objective(raw, LossConfig("ce")), *_val_args(cwt_checkpoint))["val_ce"]
+    expected_raw = evaluate(Objective(raw, LossConfig(loss="ce")), *_val_args(cwt_checkpoint))["val_ce"]
     assert before == pytest.approx(expected_raw, rel=1e-5)
     assert after < before - 0.5, (before, after)
     tuned = load_model(str(tmp_path / "ckpt.safetensors"))

@@ -117,8 +117,8 @@ def test_resume_takes_the_checkpoints_model_and_window(base_run, tiny_data_dir, 
 
 @pytest.mark.parametrize("flags, message", [
     (["--n_head=3"], "d_model 64 is not a multiple of n_head 3"),
-    (["--rotary_pct=2"], "--rotary_pct is 2.0, outside [0, 1]"),
-    (["--n_layer=0"], "--n_layer is 0, outside [1, 1024]"),
+    (["--rotary_pct=2"], "--rotary_pct must be in [0, 1], got 2.0"),
+    (["--n_layer=0"], "--n_layer must be in [1, 1024], got 0"),
     (["--norm=batchnorm"], "--norm='batchnorm' is not valid; choose one of: layernorm, rmsnorm"),
     (["--d_model=96", "--n_head=4", "--rotary_pct=0.25"], None),  # fits: 24-channel heads, 6 rotated
 ])
@@ -227,8 +227,10 @@ def test_a_forked_optimizer_trains_saves_and_resumes_exactly_with_no_edit_to_the
 def test_loss_settings_travel_as_one_dataclass_and_older_checkpoints_get_its_defaults():
     cfg = train.TrainConfig(loss="nce", temperature=0.5, num_negatives=7, loss_chunk_size=16)
     config = LossConfig.of(cfg)
-    assert type(config) is LossConfig and config == LossConfig("nce", 0.5, "all", 7, "local", 16)
-    assert LossConfig.of({"loss": "ce", "some_old_key": 1}) == LossConfig("ce")  # what earlier checkpoints recorded
+    assert type(config) is LossConfig and config == LossConfig(loss="nce", temperature=0.5, negatives="all",
+                                                               num_negatives=7, negatives_scope="local",
+                                                               loss_chunk_size=16)
+    assert LossConfig.of({"loss": "ce", "some_old_key": 1}) == LossConfig(loss="ce")  # earlier checkpoints' keys
     assert train.Objective(None, config).settings() is config
     assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(train.RESUME_SAME)
     assert "loss_chunk_size" not in train.RESUME_SAME  # the same loss, other memory: may change on resume

@@ -154,7 +154,7 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,
                                           out_dir=str(tmp_path / "cont")))["first_val"]
     tokens = open_split(tiny_data_dir, "val")
-    expected = train.evaluate(train.Objective(ours, train.LossConfig("cwt")), tokens, 4, 32, torch.device("cpu"),
+    expected = train.evaluate(train.Objective(ours, train.LossConfig(loss="cwt")), tokens, 4, 32, torch.device("cpu"),
                               max_batches=1)
     assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
     continued = read_ckpt(tmp_path / "cont" / "ckpt.safetensors")["train_config"]

@@ -111,7 +111,7 @@ def test_bits_per_byte_of_data_prepared_with_each_kind(kind, tokenizers_by_kind,
     tokens = np.asarray(val.tokens[:n + 1]).astype(np.int64)
     torch.manual_seed(0)
     model = build_model("tiny", meta["vocab_size"], block_size=n, n_layer=1, d_model=32, n_head=2).double()
-    objective = train.Objective(model, train.LossConfig("ce"))
+    objective = train.Objective(model, train.LossConfig(loss="ce"))
     got = train.evaluate(objective, tokens, 1, n, torch.device("cpu"), byte_counts=val.byte_counts[:n + 1],
                          special=val.special)["val_bpb"]
     with torch.no_grad():

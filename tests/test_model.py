@@ -70,7 +70,7 @@ def test_presets_have_the_papers_shapes():
     assert padded_vocab_size(50257) == 50304
     pythia = build_model("pythia-70m", 50304, lm_head=True)
     c = pythia.config
-    assert (c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_hidden) == (512, 6, 8, 2048, 2048)
+    assert (c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_width) == (512, 6, 8, 2048, 2048)
     assert (c.norm, c.norm_eps, c.bias, c.parallel_residual, c.gelu) == ("layernorm", 1e-5, True, True,
                                                                          "exact")
     assert (c.rotary_dims, c.rope_base) == (16, 10000.0)  # 25% of each 64-channel head
@@ -78,12 +78,12 @@ def test_presets_have_the_papers_shapes():
     assert pythia.num_params() == 70_426_624
     assert pythia.num_params(embeddings=False) == 18_915_328
     c = build_model("pythia-160m", 50304).config
-    assert ((c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_hidden, c.rotary_dims)
+    assert ((c.d_model, c.n_layer, c.n_head, c.block_size, c.mlp_width, c.rotary_dims)
             == (768, 12, 12, 2048, 3072, 16))
     assert {"tiny", "pythia-70m", "pythia-160m", "gpt2-124m"} <= set(PRESETS)
     assert set(PRESETS) >= {"bert-tiny", "bert-small", "bert-base"}
     base = build_model("bert-base", 50304).config  # the paper's encoder: BERT-base's shape
-    assert ((base.n_layer, base.d_model, base.n_head, base.mlp_hidden, base.block_size)
+    assert ((base.n_layer, base.d_model, base.n_head, base.mlp_width, base.block_size)
             == (12, 768, 12, 3072, 512))
     small = PRESETS["bert-small"]
     assert (small["n_layer"], small["d_model"], small["n_head"]) == (4, 512, 8)

@@ -224,7 +224,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     ("train", ["--beta1=2"], "--beta1 must be in [0, 1), got 2.0"),
     ("train", ["--beta2=1"], "--beta2 must be in [0, 1), got 1.0"),
     ("train", ["--eps=-1"], "--eps must be positive, got -1.0"),
-    ("train", ["--min_lr=-1"], "--min_lr must be in [0, 0.001], got -1.0"),
+    ("train", ["--min_lr=-1"], "--min_lr must be at least 0, got -1.0"),
     ("train", ["--min_lr=0.01"], "--min_lr must be in [0, 0.001], got 0.01"),
     ("train", ["--temperature=1e-40"], "--temperature must be in [0.001, 1000], got 1e-40"),
     ("train", ["--weight_decay=-1"], "--weight_decay must be at least 0, got -1.0"),

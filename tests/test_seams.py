@@ -111,7 +111,7 @@ def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
     # a character whose bytes an earlier piece counted, which still costs bits).
     tokens = torch.tensor([1, 2, 3, 4, 5, 6, 3, 7, 1, 2, 5, 3, 6]).numpy()
     counts = np.array([1, 2, 3, 0, 1, 2, 0, 1, 1, 2, 0, 0, 2], dtype=np.uint32)
-    objective = train.Objective(model, train.LossConfig("ce"))
+    objective = train.Objective(model, train.LossConfig(loss="ce"))
     got = train.evaluate(objective, tokens, 2, 6, torch.device("cpu"), byte_counts=counts, special=[3])["val_bpb"]
     bits = n_bytes = 0.0
     with torch.no_grad():

@@ -263,7 +263,7 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
         [f"--out_dir={t / 'o'}", "--overwrite"], "{t}/o/log.jsonl line 1 is not valid JSON"),
     "--mix_alpha=1e308 (NaN mix weights)": (
         lambda t, d: [f"--dataset={d},{d}", "--mix_alpha=1e308", f"--out_dir={t / 'o'}"],
-        "--mix_alpha must be at most 100, got 1e+308"),
+        "--mix_alpha must be in (0, 100], got 1e+308"),
     "--mix_alpha without a mix": (
         lambda t, d: [f"--dataset={d}", "--mix_alpha=0.5", f"--out_dir={t / 'o'}"],
         "--mix_alpha=0.5 changes nothing without a mix"),
