@@ -40,6 +40,7 @@ from common import (
     checkpoint_model,
     config_path,
     declare_io,
+    format_metric,
     load_checkpoint,
     note,
     parse_flags,
@@ -57,7 +58,8 @@ from data import (
     sequential_batches,
 )
 from model import GPT, GPTConfig
-from results import format_metric, import_pyplot, save_figure, write_json
+from results import import_pyplot, save_figure, write_json
+from train import TrainConfig
 
 
 @dataclass
@@ -250,7 +252,7 @@ class Subject:
 
 def subjects(cfg: AnalyzeConfig) -> list[Subject]:
     """Every checkpoint through its door and its dataset found, before anything is computed."""
-    loaded = [(path, load_checkpoint(path)) for path in cfg.ckpts]
+    loaded = [(path, load_checkpoint(path, TrainConfig)) for path in cfg.ckpts]
     return [Subject(path, ckpt, *dataset_of(path, ckpt, cfg.data_root)) for path, ckpt in loaded]
 
 

@@ -101,7 +101,7 @@ from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
 from results import import_pyplot, save_figure, save_results
-from train import Objective, optimizer_step
+from train import Objective, TrainConfig, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -314,7 +314,8 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
     bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
     of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
-    from train import evaluate
+    from data import ValSplit
+    from train import Validation, evaluate
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -328,8 +329,9 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
         objective = Objective(model, loss_config(variant))
 
         def step():
-            evaluate(objective, val, tokens // block, block, device, dtype, 1, byte_counts=byte_counts,
-                     special=[vocab - 1])
+            evaluate(objective, ValSplit(val, byte_counts, [vocab - 1]),
+                     Validation(batch_size=tokens // block, block_size=block, device=device, dtype=dtype,
+                                max_batches=1))
         return step
     # forward only (a third of a training step); cwt also scores the tokens against each other, twice
     flops = {v: tokens * model.flops_per_token(block, vocab + (2 * tokens if v.startswith("cwt") else 0)) // 3
@@ -465,7 +467,6 @@ def bench_data() -> str:
 
 def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
     """What train.py saves of a run of the preset after one AdamW step: weights, optimizer state, settings, counts."""
-    from train import TrainConfig
     torch.manual_seed(0)
     model = build_model(preset, vocab, block_size=64)
     optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
@@ -493,7 +494,7 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
         del payload
 
         def resume() -> None:
-            doors.resumable(ours, common.load_checkpoint(ours))
+            doors.resumable(ours, common.load_checkpoint(ours, TrainConfig))
 
         def checksum() -> None:
             from safetensors import safe_open
@@ -503,7 +504,8 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
                      pt, map_location="cpu", weights_only=True, mmap=True),
                  "torch.load(weights_only) of ckpt.pt, no checks": lambda: torch.load(
                      pt, map_location="cpu", weights_only=True),
-                 "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: common.load_checkpoint(ours),
+                 "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: common.load_checkpoint(
+                     ours, TrainConfig),
                  "  the same + doors.resumable (finite optimizer state)": resume,
                  "  of which the checksum (read + CRC-32 of every tensor)": checksum}
         times = time_interleaved(steps, cfg.warmup, cfg.repeats, torch.device("cpu"))
@@ -538,7 +540,8 @@ def bench_resume() -> str:
                                                   max_iters=stop, eval_interval=4, eval_batches=2, log_interval=1,
                                                   lr_schedule="constant", device="cpu", dtype="float32",
                                                   compile=False, out_dir=str(out), resume=i > 0))
-                runs[name] = (doors.run_log(out / "log.jsonl"), common.load_checkpoint(out / "ckpt.safetensors"))
+                runs[name] = (doors.run_log(out / "log.jsonl"),
+                              common.load_checkpoint(out / "ckpt.safetensors", TrainConfig))
             (log_a, ckpt_a), (log_b, ckpt_b) = runs["straight"], runs["resumed"]
             losses = max(abs(a[k] - b[k]) for a, b in zip(log_a, log_b, strict=True) for k in a
                          if k in ("loss", "val_ce", "val_cwt"))

@@ -290,6 +290,13 @@ def unset_fields(cls: type, leave_out: tuple[str, ...], doc: str) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields, namespace={"__doc__": doc})
 
 
+def format_metric(value: float | None, digits: int = 4) -> str:
+    """Fixed-point, but never hundreds of digits (a perplexity capped at e^700 would print 304); "-" if none."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.{digits}g}"
+
+
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:
     """Refuse cfg.<name> (each item of a list; None is unset) if it is not finite or lies outside low..high;
     `ends` says whether each end is included: "[]", "[)", "(]" or "()". (A dataclass field declares its own
@@ -992,16 +999,17 @@ def last_good_checkpoint(path: str | Path) -> str:
         return "there is no earlier checkpoint"
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, settings: type) -> dict:
     """A checkpoint dict through its door (doors.checkpoint: safetensors and its checksum, then every field, before
-    anything is built; tensors memory-mapped); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
+    anything is built; tensors memory-mapped; its train_config by the rules of `settings`' fields: pass
+    train.TrainConfig, which this plumbing cannot import); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through
+    hf.py."""
     if str(path).startswith("hf:"):
         need_extra("hf", "an hf: source")
         from hf import hf_checkpoint
         return hf_checkpoint(str(path))
     from model import GPTConfig
-    from train import TrainConfig  # its fields' rules are a train_config's
-    return through_door(doors.checkpoint, path, GPTConfig, TrainConfig)
+    return through_door(doors.checkpoint, path, GPTConfig, settings)
 
 
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):

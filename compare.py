@@ -57,6 +57,7 @@ from common import (
     checkpoint_model,
     config_path,
     declare_io,
+    format_metric,
     in_range,
     init_distributed,
     is_main_process,
@@ -72,6 +73,7 @@ from common import (
 from data import (
     BatchSampler,
     PrepareConfig,
+    ValSplit,
     dataset_dir,
     dataset_tokenizer,
     ensure_dataset,
@@ -86,11 +88,12 @@ from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
-from results import format_metric, import_pyplot, log_curves, plot_curves, save_figure, save_results, write_json
+from results import import_pyplot, log_curves, plot_curves, save_figure, save_results, write_json
 from train import (
     MODEL_FIELDS,
     ModelSettings,
     TrainConfig,
+    Validation,
     check_config as check_train_config,
     evaluate,
     note,
@@ -229,7 +232,7 @@ def run_state(folder: Path) -> tuple[dict | None, list[dict] | None]:
     before any run of this compare.py starts (a line a crash cut short is allowed: a resumed run drops it)."""
     log, ckpt = folder / "log.jsonl", folder / "ckpt.safetensors"
     records = through_door(doors.run_log, log, True) if os.path.lexists(log) else None
-    return (load_checkpoint(ckpt) if os.path.lexists(ckpt) else None), records
+    return (load_checkpoint(ckpt, TrainConfig) if os.path.lexists(ckpt) else None), records
 
 
 def finished_run(run_cfg: TrainConfig) -> dict | None:
@@ -341,7 +344,7 @@ def val_curve(log_path: Path, flops_per_token: float, offset: float = 0.0) -> li
 def lambada_scores(ckpt_path: str, texts: list[str], cfg: CompareConfig) -> dict:
     """eval.py's LAMBADA scoring of one checkpoint, in this process."""
     device = init_distributed(pick_device(cfg.device))  # under torchrun: this rank's GPU
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path, TrainConfig)
     model = checkpoint_model(ckpt, ckpt_path).to(device).eval()
     tokenizer = dataset_tokenizer(ckpt)
     r = score_lambada(model, tokenizer, texts, device=device, progress=True)
@@ -509,14 +512,15 @@ def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
     block aside), in batches of about 4096 tokens (which do not change the figures); the tokens and UTF-8
     bytes scored, and the checkpoint's step."""
     device = init_distributed(pick_device(run_cfg["device"]))
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path, TrainConfig)
     model = checkpoint_model(ckpt, ckpt_path).to(device)
     block = run_cfg["block_size"]
     tokens = open_split(data_dir, "val", model.config.vocab_size)
     byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
     special = special_ids(load_meta(data_dir))
-    val = evaluate(objective_of(ckpt, model, ckpt_path), tokens, max(1, 4096 // block), block, device,
-                   pick_dtype(run_cfg["dtype"], device), byte_counts=byte_counts, special=special)
+    val = evaluate(objective_of(ckpt, model, ckpt_path), ValSplit(tokens, byte_counts, special),
+                   Validation(batch_size=max(1, 4096 // block), block_size=block, device=device,
+                              dtype=pick_dtype(run_cfg["dtype"], device)))
     scored = (len(tokens) - 1) // block * block  # the targets of every whole block
     return {**val, "tokens": scored, "bytes": int(byte_counts[1:scored + 1].sum(dtype=np.int64)),
             "step": ckpt["step"]}

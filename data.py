@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -394,10 +394,11 @@ def open_split(data_dir: str | Path, split: str, vocab_size: int | None = None) 
 
 @dataclass
 class ValSplit:
-    """What validation scores of a dataset: its tokens; for bits per byte, their bytes and the special ids."""
+    """What validation scores of a dataset: its tokens; for bits per byte, the bytes each stands for (byte_counts[i]:
+    token i's) and the special ids (no bytes)."""
     tokens: np.ndarray
-    byte_counts: np.ndarray | None
-    special: list[int]
+    byte_counts: np.ndarray | None = None
+    special: list[int] = field(default_factory=list)
 
 
 def open_val_split(data_dir: str | Path, vocab_size: int, bytes: bool = True) -> ValSplit:

@@ -1,5 +1,5 @@
 """The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
-checkpoint(path, GPTConfig), dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and
+checkpoint(path, GPTConfig, TrainConfig), dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and
 compare_result(path) (a run's log, compare.py's state). A door checks a file (a regular one, of a sane size), then
 every field's type and range, and against the weights or the data where they constrain it, before anything is
 allocated or built; bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It
@@ -749,8 +749,8 @@ def checkpoint(path: str | Path, config_class: type, train_class: type | None = 
 def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None = None) -> Iterator[str | None]:
     """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
     (named tensors; the model's of floating-point dtypes), model_config (config_class's fields' rules), train_config
-    (train_class's fields' rules, given; a field of none is a plain value; and a step's tokens), state, rng,
-    data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
+    (train_class's fields' rules, where given: train.TrainConfig; a field of none is a plain value; and a step's
+    tokens), state, rng, data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
     yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
     for key in ("model", "objective"):
         tensors = ckpt.get(key, {})

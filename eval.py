@@ -50,6 +50,7 @@ from common import (
     config_path,
     declare_io,
     first_line,
+    format_metric,
     load_checkpoint,
     parse_flags,
     pick_device,
@@ -58,6 +59,7 @@ from common import (
     run_main,
 )
 from data import (
+    ValSplit,
     dataset_dir,
     dataset_tokenizer,
     ensure_dataset,
@@ -68,8 +70,9 @@ from data import (
     same_tokenizer,
     special_ids,
 )
-from results import check_finite, format_metric, jsonl_rows, write_json
-from train import evaluate, objective_of
+from loss import NotFinite
+from results import check_finite, jsonl_rows, write_json
+from train import TrainConfig, Validation, evaluate, objective_of
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts
 
@@ -257,10 +260,14 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
     byte_counts = None  # only val.bin comes with the bytes each token stands for
     if cfg.split == "val" and not objective.mask:
         byte_counts = open_val_split(data_dir, model.config.vocab_size).byte_counts
-    metrics = evaluate(objective, tokens, cfg.batch_size, block_size, device, dtype, cfg.max_batches, byte_counts,
-                       special_ids(meta))
+    try:
+        metrics = evaluate(objective, ValSplit(tokens, byte_counts, special_ids(meta)),
+                           Validation(batch_size=cfg.batch_size, block_size=block_size, device=device, dtype=dtype,
+                                      max_batches=cfg.max_batches))
+    except NotFinite as e:  # loss.val_metrics' rule, said as every number eval.py would write
+        check_finite({e.name: e.value}, f"{cfg.split} of {cfg.ckpt}")
+        raise
     seconds = time.time() - start
-    check_finite(metrics, f"{cfg.split} of {cfg.ckpt}")
     n = min((len(tokens) - 1) // block_size, (cfg.max_batches or 1 << 62) * cfg.batch_size) * block_size
     shown = " | ".join(f"{k} {format_metric(v)}" for k, v in metrics.items())
     print(f"{cfg.split} ({dataset}): {shown} | {n / seconds:,.0f} tokens/s")
@@ -308,7 +315,7 @@ def main(argv: list[str]) -> dict:
         check_hub()  # before the checkpoint is read: offline, the answer comes at once
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt)
+    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)
     if cfg.task == "val":  # the dataset a checkpoint names is an input too, before it is opened
         io.also_reads("--dataset", dataset_dir(val_dataset(cfg, ckpt), cfg.data_root))
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()

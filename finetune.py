@@ -72,7 +72,7 @@ def resolve_config(argv: list[str]) -> FinetuneConfig:
 def base_checkpoint(cfg: FinetuneConfig) -> dict:
     if not cfg.ckpt:
         raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
-    return common.load_checkpoint(cfg.ckpt)
+    return common.load_checkpoint(cfg.ckpt, TrainConfig)
 
 
 def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str]]:
@@ -80,7 +80,7 @@ def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneCo
     budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed)."""
     if not common.resumes(cfg.out_dir, cfg.resume):
         return cfg, given
-    own = common.load_checkpoint(common.run_files(cfg.out_dir)[0]).get("train_config", {})
+    own = common.load_checkpoint(common.run_files(cfg.out_dir)[0], FinetuneConfig).get("train_config", {})
     cfg = resumed_settings(cfg, given, own, common.run_files(cfg.out_dir)[0])
     return cfg, given | {k for k in own if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}
 

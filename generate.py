@@ -24,6 +24,7 @@ import doors
 from common import DeviceName, DtypeName, UserError
 from data import dataset_tokenizer
 from model import GPT, KVCache
+from train import TrainConfig
 
 
 @dataclass
@@ -157,7 +158,7 @@ def main(argv: list[str]) -> None:
     prompts = read_prompts(cfg)
     device = common.pick_device(cfg.device)
     dtype = common.pick_dtype(cfg.dtype, device)
-    ckpt = common.load_checkpoint(cfg.ckpt)
+    ckpt = common.load_checkpoint(cfg.ckpt, TrainConfig)
     model = common.checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "

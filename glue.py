@@ -59,7 +59,7 @@ from data import dataset_tokenizer
 from doors import MAXIMA
 from model import GPT, adamw
 from results import check_finite, jsonl_rows, write_json
-from train import optimizer_step
+from train import TrainConfig, optimizer_step
 
 GLUE_HUB = "nyu-mll/glue"
 
@@ -354,7 +354,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
     task = TASKS[cfg.task]
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt)
+    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)
     meta = ckpt.get("data_meta") or {}
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out

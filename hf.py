@@ -263,10 +263,11 @@ def config_from_hf(hf: Any, source: str) -> GPTConfig:
         raise bad(pct_key, pct, f"a fraction giving an even number of rotary channels of the {d // heads} "
                   "per head")
     base_key, base = rotary("rope_theta", "rotary_emb_base", 10000)
+    hidden = size("intermediate_size", 4 * d)
     return GPTConfig(
         vocab_size=size("vocab_size"), block_size=size("max_position_embeddings", 2048, MAX_POSITIONS),
         n_layer=size("num_hidden_layers"), n_head=heads, d_model=d,
-        mlp_hidden=size("intermediate_size", 4 * d),
+        mlp_hidden=None if hidden == 4 * d else hidden,  # None: 4 x the width, as a config of ours says it
         norm="layernorm", norm_eps=number("layer_norm_eps", get("layer_norm_eps", 1e-5)), bias=True,
         parallel_residual=flag("use_parallel_residual", True), rotary_pct=pct,
         rope_base=number(base_key, base),
@@ -651,8 +652,10 @@ def export(ckpt: str, out: str) -> Path:
     A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
     parent folder the export created."""
     from safetensors.torch import save_file
+
+    from train import TrainConfig  # the rules of its train_config
     out_dir = export_target(out)
-    payload = load_checkpoint(ckpt)
+    payload = load_checkpoint(ckpt, TrainConfig)
     model = checkpoint_model(payload, ckpt).eval()
     meta = payload.get("data_meta") or {}
     tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None

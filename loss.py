@@ -16,6 +16,11 @@ LossName = Literal["ce", "cwt", "ce+cwt", "nce"]
 Temperature = float | torch.Tensor  # a number, or a tensor (a learned temperature: it gets its gradient)
 
 
+# A setting of the contrastive losses only: cross-entropy has no temperature nor negatives, so train.py refuses it
+# with --loss=ce (check_objective); another value on --resume would be another experiment ("resume": "same")
+CONTRASTIVE = {"resume": "same", "contrastive": True}
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     """objective settings: the loss and its negatives (loss.LossConfig)
@@ -25,12 +30,12 @@ class LossConfig:
     keeps it, another value is another experiment). A field added here is a flag, travels to the losses and must
     match on --resume, with no other edit (docs/hacking.md). Built by keyword: a field goes in its natural place."""
     loss: LossName = field(default="cwt", metadata={"resume": "same"})
-    temperature: float = field(default=1.0, metadata={"range": (1e-3, 1e3), "resume": "same"})  # the paper's: 1
+    temperature: float = field(default=1.0, metadata={"range": (1e-3, 1e3), **CONTRASTIVE})  # the paper's: 1
     # unique: each distinct target token once; num_negatives: a random subset of k candidates; global: every rank's
     # micro-batch (negatives.py)
-    negatives: Literal["all", "unique"] = field(default="all", metadata={"resume": "same"})
-    num_negatives: int | None = field(default=None, metadata={"range": (1, 1 << 30), "resume": "same"})
-    negatives_scope: Literal["local", "global"] = field(default="local", metadata={"resume": "same"})
+    negatives: Literal["all", "unique"] = field(default="all", metadata=CONTRASTIVE)
+    num_negatives: int | None = field(default=None, metadata={"range": (1, 1 << 30), **CONTRASTIVE})
+    negatives_scope: Literal["local", "global"] = field(default="local", metadata=CONTRASTIVE)
     # score this many rows at a time: the same loss, memory O(chunk x columns) (chunked.py); may change on resume
     loss_chunk_size: int = field(default=0, metadata={"range": (0, 1 << 30)})
 
@@ -181,15 +186,34 @@ def validation_sums(h: torch.Tensor, targets: torch.Tensor, output_weight: torch
     return sums
 
 
-def val_metrics(sums: dict[str, float], contrastive: bool, bits_per_byte: bool) -> dict[str, float]:
-    """Means of validation_sums, each over the tokens (rows) it was summed over."""
-    ce = sums["ce"] / sums["tokens"]
-    metrics = {"val_ce": ce, "val_ppl": math.exp(min(ce, 700.0))}
+class NotFinite(ArithmeticError):
+    """A validation metric that is NaN or infinite: the weights or the scores diverged. (A metric of no rows is
+    None, never this.) train.py stops the run before it saves; eval.py says so in one line."""
+
+    def __init__(self, name: str, value: float):
+        super().__init__(f"{name} is {value}")
+        self.name, self.value = name, value
+
+
+def mean_over(total: float, rows: float) -> float | None:
+    """A metric's mean over the rows it was summed over; None where there were none (a rare-token metric on a split
+    without one), which is no divergence."""
+    return total / rows if rows else None
+
+
+def val_metrics(sums: dict[str, float], contrastive: bool, bits_per_byte: bool) -> dict[str, float | None]:
+    """Means of validation_sums, each over the tokens (rows) it was summed over; every one finite or None, else
+    NotFinite names it: the one place that rule lives, so a metric a fork adds here is checked with no other edit."""
+    ce = mean_over(sums["ce"], sums["tokens"])
+    metrics = {"val_ce": ce, "val_ppl": None if ce is None else math.exp(min(ce, 700.0))}
     if contrastive:
-        metrics["val_cwt"] = sums["cwt"] / sums["tokens"]
-        metrics["val_acc"] = sums["correct"] / sums["tokens"]
+        metrics["val_cwt"] = mean_over(sums["cwt"], sums["tokens"])
+        metrics["val_acc"] = mean_over(sums["correct"], sums["tokens"])
     if bits_per_byte:
-        metrics["val_bpb"] = sums["text_ce"] / math.log(2) / max(sums["bytes"], 1)
+        metrics["val_bpb"] = mean_over(sums["text_ce"] / math.log(2), sums["bytes"])
+    for name, value in metrics.items():
+        if value is not None and not math.isfinite(value):
+            raise NotFinite(name, value)
     return metrics
 
 

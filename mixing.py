@@ -27,6 +27,11 @@ def mix_probabilities(tokens: list[int], alpha: float) -> list[float]:
     return [w / sum(weights) for w in weights]
 
 
+def mean_of(values: list[float]) -> float | None:
+    """A mean over the sources that have the metric; None where none has."""
+    return sum(values) / len(values) if values else None
+
+
 class MixedSampler:
     """BatchSampler's interface over several prepared datasets of one tokenizer."""
 
@@ -57,9 +62,10 @@ class MixedSampler:
     def describe(self) -> str:
         return "mixing " + ", ".join(f"{n} {p:.3f}" for n, p in zip(self.names, self.probabilities))
 
-    def combine(self, per_source: dict[str, dict[str, float]]) -> dict[str, float]:
-        """Validation: each source's metrics (val_ce_NAME, ...) and, as val_*, their unweighted mean."""
+    def combine(self, per_source: dict[str, dict[str, float | None]]) -> dict[str, float | None]:
+        """Validation: each source's metrics (val_ce_NAME, ...) and, as val_*, their unweighted mean over the sources
+        that have one (a metric that scored no rows of a source is None there: loss.val_metrics)."""
         first = next(iter(per_source.values()))
-        mean = {k: sum(m[k] for m in per_source.values()) / len(per_source) for k in first}
+        mean = {k: mean_of([m[k] for m in per_source.values() if m[k] is not None]) for k in first}
         mean["val_ppl"] = math.exp(min(mean["val_ce"], 700.0))  # of the mean CE, as a single source's
         return {**mean, **{f"{k}_{name}": v for name, m in per_source.items() for k, v in m.items()}}

@@ -313,5 +313,5 @@ def from_checkpoint(ckpt: dict, **overrides) -> GPT:
 def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
     """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs. Read through
     the checkpoint's door (doors.checkpoint): a bad file is a ValueError (doors.Refused) naming the problem."""
-    from doors import checkpoint
+    from doors import checkpoint  # its train_config, which the model does not read, as plain values
     return from_checkpoint(checkpoint(path, GPTConfig)).to(device).eval()

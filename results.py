@@ -87,13 +87,6 @@ def save_results(result: Any, json_path: str, plot_path: str, plot: Callable[[An
         plot(result, plot_path)
 
 
-def format_metric(value: float | None, digits: int = 4) -> str:
-    """Fixed-point, but never hundreds of digits (a perplexity capped at e^700 would print 304); "-" if none."""
-    if value is None:
-        return "-"
-    return f"{value:.{digits}f}" if abs(value) < 1e6 else f"{value:.{digits}g}"
-
-
 # Training curves: a panel a metric, a line a run (results.py --log, compare.py)
 
 CURVE_TITLES = {"loss": "training loss (each run's own objective)", "val_ce": "validation CE (nats/token)",

@@ -30,6 +30,7 @@ import doors
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import (
     BatchSampler,
+    ValSplit,
     check_same_data,
     dataset_dir,
     ensure_dataset,
@@ -38,7 +39,16 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
-from loss import VAL_SUMS, LossConfig, contrastive_table, scored_columns, training_loss, val_metrics, validation_sums
+from loss import (
+    VAL_SUMS,
+    LossConfig,
+    NotFinite,
+    contrastive_table,
+    scored_columns,
+    training_loss,
+    val_metrics,
+    validation_sums,
+)
 from model import GPT, PRESETS, GPTConfig, PresetName, adamw, optimizer_step, padded_vocab_size
 
 # The model's settings: every GPTConfig field is a flag of the same name (a field a fork adds too), unset (None) by
@@ -94,7 +104,7 @@ class TrainConfig(ModelSettings, LossConfig):
     device: DeviceName = field(default="auto", metadata=HERE)
     dtype: DtypeName = "auto"
     compile: bool = False
-    seed: int = field(default=1337, metadata={"range": (0, 2**32 - 1)})  # numpy's generators take no negative seed
+    seed: int = field(default=1337, metadata={"range": (0, 2**32 - 1), **SAME})  # init, data stream; numpy: >= 0
     # starting from another checkpoint's weights (finetune.py sets these)
     init_from: str = field(default="", metadata=SAME)  # a checkpoint path, or hf:ORG/NAME / hf:FOLDER (hf.py)
     add_lm_head: bool = False  # an untied LM head initialised from the input embeddings
@@ -134,9 +144,8 @@ def check_config(cfg: TrainConfig) -> None:
 def check_objective(cfg: TrainConfig) -> None:
     """The objective's settings: each extra they need is there, and none is given where it changes nothing."""
     if cfg.loss == "ce":
-        unused = [f"--{name}={getattr(cfg, name)}" for name in ("temperature", "negatives", "num_negatives",
-                                                                 "negatives_scope")
-                  if getattr(cfg, name) != getattr(LossConfig, name)]
+        unused = [f"--{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(LossConfig)
+                  if f.metadata.get("contrastive") and getattr(cfg, f.name) != f.default]
         if unused:
             raise UserError(f"{', '.join(unused)}: cross-entropy scores every token of the vocabulary, with no "
                             "temperature nor negatives; drop it for --loss=ce, or pick a contrastive --loss")
@@ -199,7 +208,7 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.
     if not source:
         cfg = with_model(with_schedule(cfg, {}), meta)
         return cfg, fresh_model(cfg, meta), State(), None, False
-    start = common.load_checkpoint(source)
+    start = common.load_checkpoint(source, TrainConfig)
     before = start.get("train_config", {})
     if resuming:  # the same experiment: what is not given is the run's own
         cfg = resumed_settings(cfg, given, before, source)
@@ -368,6 +377,12 @@ class Objective(torch.nn.Module):
         """The loss settings the losses run with: the run's flags; a learned piece (a temperature) goes in here."""
         return self.config
 
+    def size_for(self, rows: int) -> None:
+        """Called once the run knows the rows a micro-batch scores (scored_rows), before the objective's state is
+        restored and its optimizer built: a piece sized by the run (a queue of k micro-batches of past targets:
+        k x rows) is declared here, on the model's device, with no change to the constructor a fork subclasses.
+        The vocabulary is self.model.config.vocab_size. Nothing to size in the paper's objective."""
+
     def scored(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states and targets of the positions the loss scores: every one, or an encoder's masked ones."""
         h = self.model.hidden(x)
@@ -415,40 +430,64 @@ def objective_of(ckpt: dict, model: GPT, source: str | Path = "the checkpoint") 
     if not model.config.causal:
         from masking import Masking, MaskSpec
         mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
-    objective = Objective(model, LossConfig.of(ckpt.get("train_config") or {}), mask)
+    settings = ckpt.get("train_config") or {}
+    objective = Objective(model, LossConfig.of(settings), mask)
+    block = settings.get("block_size") or model.config.block_size
+    objective.size_for(scored_rows(settings.get("batch_size", 1), block, mask))
     objective.load_own_state(ckpt.get("objective") or {}, source)
     return objective
 
 
-def evaluate(objective: Objective, tokens: np.ndarray, batch_size: int, block_size: int, device: torch.device,
-             dtype: torch.dtype = torch.float32, max_batches: int | None = None,
-             byte_counts: np.ndarray | None = None, special: list[int] | None = None,
-             compile: bool = False) -> dict[str, float]:
+def own_buffers() -> dict[str, bool]:
+    """DDP's argument that keeps each rank's buffers its own after the start (torch 2.13 renamed it)."""
+    import inspect
+    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
+
+
+def scored_rows(batch_size: int, block_size: int, mask: Any = None) -> int:
+    """The rows a micro-batch's loss scores: every position, or an encoder's masked ones."""
+    return mask.scored_rows(batch_size, block_size) if mask else batch_size * block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    """How evaluate scores a split: batch_size sequences of block_size tokens, on `device` under `dtype`; the first
+    max_batches batches (None: all); `compile`: full batches through a compiled graph of their own (a short last
+    one eagerly, rather than compile another). A setting a fork adds goes here, not in evaluate's arguments."""
+    batch_size: int
+    block_size: int
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    max_batches: int | None = None
+    compile: bool = False
+
+
+def evaluate(objective: Objective, split: ValSplit, how: Validation) -> dict[str, float]:
     """Validation of an objective on the split's first batches, each rank every world_size-th: val_ce; where it
-    has a contrastive table, val_cwt and val_acc; given the bytes each token stands for and the special ids
-    (data.ValSplit), val_bpb. An encoder is scored on fixed masks. `compile`: full batches through a compiled
-    graph of their own (a short last one eagerly, rather than compile another)."""
+    has a contrastive table, val_cwt and val_acc; where the split has the bytes each token stands for, val_bpb. An
+    encoder is scored on fixed masks."""
     was_training = objective.training
     objective.eval()
-    totals = torch.zeros(len(VAL_SUMS), dtype=torch.float64, device=device)
-    special_tensor = torch.tensor(special or [], dtype=torch.long, device=device)
-    batches = sequential_batches(tokens, batch_size, block_size, device, max_batches, common.rank(),
-                                 common.world_size(), byte_counts)
+    totals = torch.zeros(len(VAL_SUMS), dtype=torch.float64, device=how.device)
+    special = torch.tensor(split.special, dtype=torch.long, device=how.device)
+    batches = sequential_batches(split.tokens, how.batch_size, how.block_size, how.device, how.max_batches,
+                                 common.rank(), common.world_size(), split.byte_counts)
     sums_of = objective.validation_sums
-    compiled = torch.compile(sums_of, fullgraph=True, dynamic=False) if compile else sums_of
+    compiled = torch.compile(sums_of, fullgraph=True, dynamic=False) if how.compile else sums_of
     with torch.no_grad():
         for i, x, y, y_bytes in batches:
             if objective.mask:
                 x, y = objective.mask.validation_batch(x, i)
-            with common.autocast_context(device, dtype):
-                sums = (compiled if x.size(0) == batch_size else sums_of)(x, y, y_bytes, special_tensor)
+            with common.autocast_context(how.device, how.dtype):
+                sums = (compiled if x.size(0) == how.batch_size else sums_of)(x, y, y_bytes, special)
             totals += torch.stack([sums[name] for name in VAL_SUMS])
     objective.train(was_training)
     sums = dict(zip(VAL_SUMS, common.all_reduce_sum(totals).tolist()))
     if sums["tokens"] == 0:
         raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
                         "--block_size")
-    return val_metrics(sums, objective.contrastive_table() is not None, byte_counts is not None)
+    return val_metrics(sums, objective.contrastive_table() is not None, split.byte_counts is not None)
 
 
 # The run: everything the loop needs, built once; one step; logs; checkpoints
@@ -496,6 +535,8 @@ class Run:
             from masking import Masking  # BERT masking of every batch, validation on fixed masks
             self.mask = Masking(meta, cfg.seed)
         self.objective = Objective(model, LossConfig.of(cfg), self.mask).to(self.device)
+        self.scored_rows = scored_rows(cfg.batch_size, cfg.block_size, self.mask)
+        self.objective.size_for(self.scored_rows)
         if start is not None:  # its learned pieces: exactly on --resume; those that fit from another run
             source = self.out_dir / "ckpt.safetensors" if resuming else cfg.init_from
             self.objective.load_own_state(start.get("objective") or {}, source, exactly=resuming)
@@ -512,8 +553,6 @@ class Run:
             from mixing import MixedSampler
             self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
         self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
-        positions = cfg.batch_size * self.block  # of a micro-batch; an encoder's loss scores its masked ones only
-        self.scored_rows = self.mask.scored_rows(cfg.batch_size, self.block) if self.mask else positions
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
         self.saved_with = {  # what each checkpoint carries besides the weights and the counts
             "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
@@ -524,8 +563,11 @@ class Run:
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)
         self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
-        if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True)
+        if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward.
+            # Buffers are not broadcast at each forward: the model's are the same on every rank, and one of the
+            # objective's may hold each rank's own state (a queue of its past targets)
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True,
+                                                                     **own_buffers())
         self.describe()
 
     def restore(self, resumed: dict) -> None:
@@ -575,14 +617,15 @@ class Run:
     def validate(self) -> None:
         """Validation metrics, printed and logged; a non-finite one stops the run before any save."""
         cfg = self.cfg
-        per_source = {name: evaluate(self.objective, v.tokens, cfg.batch_size, self.block, self.device, self.dtype,
-                                     cfg.eval_batches, v.byte_counts, v.special, cfg.compile)
-                      for name, v in self.val_splits.items()}
+        how = Validation(batch_size=cfg.batch_size, block_size=self.block, device=self.device, dtype=self.dtype,
+                         max_batches=cfg.eval_batches, compile=cfg.compile)
+        try:  # the metrics' rule (loss.val_metrics): each finite, or None where it scored no rows
+            per_source = {name: evaluate(self.objective, split, how) for name, split in self.val_splits.items()}
+        except NotFinite as e:
+            what = "validation loss" if e.name == "val_ce" else f"validation {e.name}"
+            raise common.diverged(what, e.value, self.state.step, self.out_dir / "ckpt.safetensors") from None
         val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
-        if not math.isfinite(val["val_ce"]):
-            raise common.diverged("validation loss", val["val_ce"], self.state.step, self.out_dir / "ckpt.safetensors")
-        note(f"step {self.state.step}: " + " | ".join(f"{k} {v:.4f}" if abs(v) < 1e6 else f"{k} {v:.4g}"
-                                                      for k, v in val.items()))
+        note(f"step {self.state.step}: " + " | ".join(f"{k} {common.format_metric(v)}" for k, v in val.items()))
         self.log(val)
         self.state.val = val
         self.state.val_step = self.state.step

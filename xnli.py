@@ -61,6 +61,7 @@ from data import dataset_tokenizer
 from doors import MAXIMA
 from model import adamw
 from results import check_finite, jsonl_rows, write_json
+from train import TrainConfig
 
 XNLI_HUB = "facebook/xnli"
 XNLI_LANGUAGES = ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")
@@ -263,7 +264,7 @@ def run_xnli(cfg: XnliConfig) -> dict:
     plan = plan_languages(cfg, known_languages(cfg))
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt)  # read lazily: cheap, and a wrong path fails before any download
+    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)  # read lazily: cheap, and a wrong path fails before any download
     meta = ckpt.get("data_meta") or {}
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out

@@ -303,7 +303,8 @@ def read_ckpt(path) -> dict:
     """A checkpoint as its door reads it (doors.checkpoint: safetensors, its checksum, every field)."""
     import doors
     from model import GPTConfig
-    return doors.checkpoint(path, GPTConfig)
+    from train import TrainConfig
+    return doors.checkpoint(path, GPTConfig, TrainConfig)
 
 
 def save_ckpt(payload: dict, path) -> None:

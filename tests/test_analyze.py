@@ -201,7 +201,7 @@ def runs(tiny_data_dir, tmp_path_factory):
 
 
 def load(path):
-    return common.load_checkpoint(path)
+    return common.load_checkpoint(path, train.TrainConfig)
 
 
 def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_with_its_lineage(runs):

@@ -11,6 +11,7 @@ from helpers import io_pairs, refusal, tree_state
 
 import bench
 import common
+import train
 from common import UserError
 
 
@@ -169,7 +170,7 @@ def test_the_checkpoint_mode_loads_one_payload_both_ways(tmp_path, monkeypatch):
     payload = bench.checkpoint_payload("tiny", vocab=64)
     common.save_checkpoint(tmp_path / "ckpt.safetensors", payload)
     torch.save(payload, tmp_path / "ckpt.pt")
-    ours = common.load_checkpoint(tmp_path / "ckpt.safetensors")
+    ours = common.load_checkpoint(tmp_path / "ckpt.safetensors", train.TrainConfig)
     doors.resumable(tmp_path / "ckpt.safetensors", ours)
     plain = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ours["model"].keys() == plain["model"].keys() and len(plain["optimizer"]["state"]) > 0

@@ -52,8 +52,8 @@ def test_val_bpb_is_the_bits_of_the_text_over_its_bytes(tiny_data_dir):
     tokens = np.asarray(val.tokens[:n + 1])
     model = build_model("tiny", 50304, block_size=n, n_layer=1, d_model=32, n_head=2).double()
     objective = train.Objective(model, train.LossConfig(loss="ce"))
-    got = train.evaluate(objective, tokens, 1, n, torch.device("cpu"), byte_counts=val.byte_counts[:n + 1],
-                         special=val.special)["val_bpb"]
+    got = train.evaluate(objective, data.ValSplit(tokens, val.byte_counts[:n + 1], val.special),
+                         train.Validation(batch_size=1, block_size=n))["val_bpb"]
     enc = data.load_tokenizer("gpt2")
     text = enc.decode(tokens.tolist()).replace("<|endoftext|>", "")
     n_bytes = len(text.encode()) - len(enc.decode_single_token_bytes(int(tokens[0])))

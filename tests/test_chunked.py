@@ -282,8 +282,8 @@ def test_chunked_validation_gives_the_same_figures(tiny_data_dir):
     torch.manual_seed(0)
     model = build_model("tiny", 50304, block_size=32)
     val = data.open_val_split(tiny_data_dir, 50304)
-    runs = [train.evaluate(train.Objective(model, LossConfig(loss="cwt", loss_chunk_size=chunk)), val.tokens, 4, 32,
-                           torch.device("cpu"), max_batches=2, byte_counts=val.byte_counts, special=val.special)
+    runs = [train.evaluate(train.Objective(model, LossConfig(loss="cwt", loss_chunk_size=chunk)), val,
+                           train.Validation(batch_size=4, block_size=32, max_batches=2))
             for chunk in (0, 7)]
     assert set(runs[0]) == {"val_ce", "val_ppl", "val_cwt", "val_acc", "val_bpb"}
     for key in runs[0]:

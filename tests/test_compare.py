@@ -185,7 +185,7 @@ COMPARE_CASES = {  # case: (flags given tmp_path; what the one line says)
     "--seeds=1,2**32 (refused after seed 1's points)": (
         lambda t: ["--negatives_sweep=all", "--seeds=1,4294967296"], "--seeds must be in [0, 4.29497e+09]"),
     "--seed=2**32": (lambda t: ["--seed=4294967296"], "--seed must be in [0, 4.29497e+09]"),
-    "--block_size=1e9": (lambda t: ["--block_size=1e9"], "--block_size must be at most 1,048,576, got 1000000000"),
+    "--block_size=1e9": (lambda t: ["--block_size=1e9"], "--block_size must be in [2, 1.04858e+06], got 1000000000"),
     "--batch_size=1e9": (lambda t: ["--batch_size=1e9"], "--batch_size must be at most 1,048,576"),
     "--seed with --seeds": (lambda t: ["--negatives_sweep=all", "--seeds=1", "--seed=5"],
                             "--seed=5 changes nothing with --seeds"),

@@ -104,17 +104,17 @@ def test_masked_rows_static_shape_equals_boolean_indexing():
 
 
 def test_encoder_validation_compiled_gives_eager_figures(monkeypatch):
-    """evaluate(compile=True) for an encoder: masked rows gathered in the graph, full batches through one
-    compiled graph, the short last batch eager, the figures eager's."""
+    """evaluate with Validation(compile=True) for an encoder: masked rows gathered in the graph, full batches through
+    one compiled graph, the short last batch eager, the figures eager's."""
     import numpy as np
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=BACKEND))
     cfg = TrainConfig(objective="mlm")
     model = tiny_model(cfg)
     tokens = np.random.default_rng(0).integers(0, 59, 5 * T + 1).astype(np.uint16)  # batches of 2, 2 and 1
-    args = (Objective(model, LossConfig(loss="cwt"), Masking(seed=0, spec=SPEC)), tokens, 2, T, torch.device("cpu"))
-    want = train.evaluate(*args)
-    got = train.evaluate(*args, compile=True)
+    objective, split = Objective(model, LossConfig(loss="cwt"), Masking(seed=0, spec=SPEC)), train.ValSplit(tokens)
+    want = train.evaluate(objective, split, train.Validation(batch_size=2, block_size=T))
+    got = train.evaluate(objective, split, train.Validation(batch_size=2, block_size=T, compile=True))
     assert got == pytest.approx(want, rel=1e-5) and graphs() == 1
 
 

@@ -312,6 +312,25 @@ def test_the_flags_and_the_checkpoint_door_share_one_rule_per_field():
             assert flag_ok == door_ok == fine, (name, value)
 
 
+def test_the_bounds_table_is_the_fields():
+    """docs/failures.md's table of counts is the fields' declared ranges: each flag it names has the field's low and
+    high, and every bounded int setting of train.py and finetune.py is in it."""
+    import re
+
+    from finetune import FinetuneConfig
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "failures.md").read_text()
+    table = doc.split("| setting | at least | at most | for scale |", 1)[1].split("\n\n", 1)[0]
+    documented = {}
+    for row in table.strip().splitlines()[1:]:
+        names, low, high, _ = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        for name in re.findall(r"`(?:finetune.py )?--(\w+)`", names):
+            documented[name] = (int(low.replace(",", "")), int(re.match(r"[\d,]+", high)[0].replace(",", "")))
+    rules = doors.field_rules(FinetuneConfig)
+    counts = {name: (bounds[0], bounds[1]) for name, (hint, *bounds) in rules.items()
+              if bounds and int in (hint, *typing.get_args(hint))}
+    assert documented == counts
+
+
 # ------------------------------------------------------------------------------------------ datasets, files read
 
 

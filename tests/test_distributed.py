@@ -88,6 +88,24 @@ def _global_negatives_on_rank(out: Path) -> None:
     torch.save(result, out / f"negatives{rank}.pt")
 
 
+class RankStateObjective(train.Objective):
+    """A fork's objective with a buffer that holds each rank's own state (a queue of its own past targets would):
+    0 at the start, then rank r adds r + 1 at each forward. What each forward saw is kept, to check DDP never
+    overwrote it with rank 0's."""
+    made: list[RankStateObjective] = []
+
+    def __init__(self, model, config, mask=None):
+        super().__init__(model, config, mask)
+        self.register_buffer("own", torch.zeros(1))
+        self.seen: list[float] = []
+        RankStateObjective.made.append(self)
+
+    def forward(self, x, y, generator=None):
+        self.seen.append(self.own.item())
+        self.own += common.rank() + 1
+        return super().forward(x, y, generator)
+
+
 def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
@@ -100,7 +118,14 @@ def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
     torch.distributed.all_reduce = lambda *a, **k: calls.append(1) or real_all_reduce(*a, **k)
     for job in jobs:
         calls.clear()
-        train.train(TrainConfig(**job))
+        if job["out_dir"].endswith("two-own-buffer"):
+            real_objective, train.Objective = train.Objective, RankStateObjective
+        cfg = TrainConfig(**job)
+        train.train(cfg, common.given_settings(cfg) | {"grad_accum"})  # grad_accum=1 too, its default
+        if job["out_dir"].endswith("two-own-buffer"):
+            train.Objective = real_objective
+            seen = [v for o in RankStateObjective.made for v in o.seen]
+            (Path(job["out_dir"]) / f"seen{common.rank()}.json").write_text(json.dumps(seen))
         (Path(job["out_dir"]) / f"all_reduces{common.rank()}.txt").write_text(str(len(calls)))
     torch.distributed.destroy_process_group()
 
@@ -123,6 +148,7 @@ def two_rank_runs(tiny_data_dir, tmp_path_factory):
         jobs.append(vars(run_config(tiny_data_dir, root / "two-global", max_iters=3, negatives_scope="global",
                                     negatives="unique")))
     jobs.append(vars(run_config(tiny_data_dir, root / "two-quiet", log_interval=5)))
+    jobs.append(vars(run_config(tiny_data_dir, root / "two-own-buffer", max_iters=3)))
     mp.start_processes(_rank_main, args=(free_port(), str(root), jobs), nprocs=2, start_method="spawn")
     return root
 
@@ -171,6 +197,15 @@ def test_one_all_reduce_per_log_interval_and_none_between(two_rank_runs):
     for rank in (0, 1):
         assert (two_rank_runs / "two-quiet" / f"all_reduces{rank}.txt").read_text() == "5"
     assert [r["step"] for r in read_log(two_rank_runs / "two-quiet") if "loss" in r] == [5, 10]
+
+
+def test_a_buffer_of_the_objective_keeps_each_ranks_own_state(two_rank_runs):
+    """Issue 39: DDP syncs no buffer at a forward (train.own_buffers), so a fork's per-rank state survives every
+    step; rank 0's is the one saved."""
+    out = two_rank_runs / "two-own-buffer"
+    seen = [json.loads((out / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [[0.0, 1.0, 2.0], [0.0, 2.0, 4.0]]  # 3 steps, one micro-batch each
+    assert read_ckpt(out / "ckpt.safetensors")["objective"]["own"].item() == 3.0
 
 
 @needs_negatives

@@ -20,7 +20,7 @@ from common import UserError
 from data import load_tokenizer, open_split
 from loss import LossConfig, contrastive_table
 from model import GPT, GPTConfig
-from train import Objective, evaluate
+from train import Objective, Validation, ValSplit, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,7 +216,8 @@ def test_cli_val(tiny_data_dir, tmp_path):
     result = evaluation.main([f"--ckpt={ckpt}", "--task=val", "--max_batches=3", "--batch_size=4",
                               f"--data_root={tiny_data_dir.parent}"])
     tokens = open_split(tiny_data_dir, "val", 50304)
-    expected = evaluate(Objective(model, LossConfig(loss="ce")), tokens, 4, 32, torch.device("cpu"), max_batches=3)
+    expected = evaluate(Objective(model, LossConfig(loss="ce")), ValSplit(tokens),
+                        Validation(batch_size=4, block_size=32, max_batches=3))
     assert result["task"] == "val" and result["n"] == 3 * 4 * 32
     assert (result["ppl"] == pytest.approx(expected["val_ppl"])
             and result["ce"] == pytest.approx(expected["val_ce"]))
@@ -275,7 +276,8 @@ def test_validation_builds_no_autograd_graph(tiny_data_dir):
     hidden = model.hidden
     model.hidden = lambda x: seen.append(torch.is_grad_enabled()) or hidden(x)
     tokens = open_split(tiny_data_dir, "val", 50304)
-    evaluate(Objective(model, LossConfig(loss="cwt")), tokens, 2, 32, torch.device("cpu"), max_batches=2)
+    evaluate(Objective(model, LossConfig(loss="cwt")), ValSplit(tokens), Validation(batch_size=2, block_size=32,
+                                                                                   max_batches=2))
     assert seen == [False, False]
 
 

@@ -87,7 +87,8 @@ def _val_args(ckpt_path):
     from data import open_split
     cfg = ckpt["train_config"]
     tokens = open_split(cfg["dataset"], "val")
-    return tokens, cfg["batch_size"], 32, torch.device("cpu"), torch.float32, cfg["eval_batches"]
+    return train.ValSplit(tokens), train.Validation(batch_size=cfg["batch_size"], block_size=32,
+                                                    max_batches=cfg["eval_batches"])
 
 
 def test_freeze_body_trains_only_the_head(cwt_checkpoint, data_root, tmp_path):
@@ -115,6 +116,32 @@ def test_a_resumed_finetune_keeps_its_own_learning_rate(cwt_checkpoint, data_roo
     finetune(resolve_config([*flags[:-1], "--resume", "--max_iters=3"]))
     lrs = {r["step"]: r["lr"] for r in read_log(tmp_path) if "loss" in r}  # logged: each run's last step
     assert lrs == {2: pytest.approx(1e-4), 3: pytest.approx(1e-4)}  # constant after a warmup of 1 step
+
+
+def test_a_resumed_finetune_keeps_its_budget_steps_and_warmup(cwt_checkpoint, data_root, tmp_path, monkeypatch):
+    """Issue 39: a 12-step fine-tune (--budget_fraction=0.3) stopped at step 1 and continued with `--resume` alone
+    (no --ckpt, no budget) runs its 12 steps with its warmup, as the straight one does (before: "done: 2 steps")."""
+    flags = [f"--ckpt={cwt_checkpoint}", data_root, "--budget_fraction=0.3", "--eval_interval=4", "--eval_batches=1"]
+    straight = finetune(resolve_config([*flags, f"--out_dir={tmp_path / 'straight'}"]))
+    assert straight["step"] == 12
+    real = train.Run.step
+
+    def stop_at_the_first_step(self, *args):
+        monkeypatch.setattr(train.Run, "step", real)
+        signal.raise_signal(signal.SIGINT)
+        return real(self, *args)
+
+    monkeypatch.setattr(train.Run, "step", stop_at_the_first_step)
+    stopped = finetune(resolve_config([*flags, f"--out_dir={tmp_path / 'resumed'}"]))
+    assert stopped["interrupted"] and stopped["step"] == 1
+    resumed = finetune(resolve_config(["--resume", f"--out_dir={tmp_path / 'resumed'}", data_root]))
+    assert resumed["step"] == 12
+
+    def logged(d):
+        return [(r["step"], r.get("loss"), r.get("lr"), r.get("val_ce")) for r in read_log(d)]
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
+    saved = read_ckpt(tmp_path / "resumed" / "ckpt.safetensors")["train_config"]
+    assert (saved["max_iters"], saved["warmup_iters"], saved["ckpt"]) == (12, 2, str(cwt_checkpoint))
 
 
 @pytest.mark.parametrize("flags, message", [

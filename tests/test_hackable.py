@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_ckpt, read_log, snapshot, tiny_config
+from helpers import read_ckpt, read_log, save_ckpt, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import common
@@ -175,6 +175,42 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
     assert other.returncode == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other.stderr
 
 
+def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_data_dir, tmp_path):
+    """Issue 39's done-when: one line in train.py (a bounded int field) gives the flag, --help with its range, the
+    range check of the flag and of a --config file, the saved value, the check of a checkpoint's value and the
+    --resume rule (the run's own unless given)."""
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", "data", "out*", "__pycache__", ".*cache"))
+    train_py = fork / "train.py"
+    line = '    log_interval: int = field(default=10, metadata={"range": (1, 1 << 32)})'
+    assert train_py.read_text().count(line) == 1
+    train_py.write_text(train_py.read_text().replace(
+        line, line + '\n    probe_every: int = field(default=3, metadata={"range": (1, 8)})', 1))
+    flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--eval_interval=1",
+             "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
+                              env=env, timeout=300)
+    helped = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True, env=env)
+    assert "--probe_every" in helped.stdout and "default: 3, in [1, 8]" in helped.stdout
+    assert "--probe_every must be in [1, 8], got 9" in run("--probe_every=9", "--out_dir=b").stderr
+    (fork / "c.toml").write_text("probe_every = 0\n")
+    assert "--probe_every must be in [1, 8], got 0" in run("--config=c.toml", "--out_dir=b").stderr
+    assert not (fork / "b").exists()
+    assert run("--probe_every=5", "--max_iters=1", "--out_dir=a").returncode == 0
+    path = fork / "a" / "ckpt.safetensors"
+    assert doors.checkpoint_file(path)["train_config"]["probe_every"] == 5
+    resumed = run("--resume", "--max_iters=2", "--out_dir=a")  # not given: the run's own 5, not the default 3
+    assert resumed.returncode == 0 and doors.checkpoint_file(path)["train_config"]["probe_every"] == 5
+    ckpt = doors.checkpoint_file(path)
+    ckpt["train_config"]["probe_every"] = 99
+    save_ckpt(ckpt, path)
+    refused = run("--resume", "--max_iters=3", "--out_dir=a")
+    assert refused.returncode == 2 and "train_config.probe_every is 99, outside [1, 8]" in refused.stderr
+
+
 # ------------------------------------------------------------------------------------------ the optimizer
 
 # A fork's optimizer, built where train.py builds AdamW (model.adamw's one line): its state_dict holds other names
@@ -281,6 +317,37 @@ def test_a_learned_piece_of_the_objective_trains_saves_resumes_and_is_scored_wit
     result = evaluation.main([f"--ckpt={tmp_path / 'straight' / 'ckpt.safetensors'}", "--task=val", "--max_batches=2",
                               "--batch_size=8", f"--data_root={tiny_data_dir.parent}"])
     assert result["val_cwt"] == pytest.approx(read_log(tmp_path / "straight")[-1]["val_cwt"], rel=1e-6)
+
+
+class QueueOfPastTargets(train.Objective):
+    """A fork's queue of the last 2 micro-batches' target ids, sized by the run (2 x the rows a micro-batch scores)
+    in size_for: no change to the constructor. (A real fork would score against their embeddings as negatives.)"""
+
+    def size_for(self, rows):
+        self.register_buffer("queue", torch.full((2, rows), -1, dtype=torch.long, device=self.model.wte.weight.device))
+
+    def forward(self, x, y, generator=None):
+        with torch.no_grad():
+            self.queue.copy_(torch.cat([self.queue[1:], self.scored(x, y)[1].reshape(1, -1)]))
+        return super().forward(x, y, generator)
+
+
+def test_a_piece_sized_by_the_run_is_declared_in_size_for_and_resumes_exactly(tiny_data_dir, tmp_path,
+                                                                              monkeypatch):
+    """Issue 39: the rows per micro-batch reach the objective through size_for (train.py and objective_of, as
+    eval.py builds it); the queue is saved, resumed exactly and loaded for scoring."""
+    monkeypatch.setattr(train, "Objective", QueueOfPastTargets)
+    cfg = tiny_config(tiny_data_dir, tmp_path / "straight", max_iters=4, eval_interval=2, batch_size=2)
+    train.train(cfg)
+    queue = saved(tmp_path / "straight")["objective"]["queue"]
+    assert queue.shape == (2, 2 * 32) and (queue >= 0).all()
+    stopped = dataclasses.replace(cfg, out_dir=str(tmp_path / "resumed"), max_iters=3)
+    train.train(stopped)
+    train.train(dataclasses.replace(stopped, max_iters=4, resume=True))
+    assert torch.equal(saved(tmp_path / "resumed")["objective"]["queue"], queue)
+    ckpt = read_ckpt(tmp_path / "straight" / "ckpt.safetensors")
+    loaded = train.objective_of(ckpt, model_module.from_checkpoint(ckpt))
+    assert torch.equal(loaded.queue, queue)
 
 
 def test_a_resume_from_a_checkpoint_without_the_declared_piece_is_refused_in_one_line(base_run, tiny_data_dir,

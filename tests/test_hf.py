@@ -147,15 +147,15 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     from data import open_split
 
     out = hf.export(str(checkpoints["cwt"]), str(tmp_path / "hf"))
-    ckpt = common.load_checkpoint(f"hf:{out}")
+    ckpt = common.load_checkpoint(f"hf:{out}", train.TrainConfig)
     assert ckpt["data_meta"] == {"tokenizer": "gpt2"} and ckpt["train_config"] == {"preset": "tiny"}
     ours = load_model(str(checkpoints["cwt"]))
     settings = dict(dataset=str(tiny_data_dir), block_size=32, batch_size=4, eval_batches=1, device="cpu")
     first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,
                                           out_dir=str(tmp_path / "cont")))["first_val"]
     tokens = open_split(tiny_data_dir, "val")
-    expected = train.evaluate(train.Objective(ours, train.LossConfig(loss="cwt")), tokens, 4, 32, torch.device("cpu"),
-                              max_batches=1)
+    expected = train.evaluate(train.Objective(ours, train.LossConfig(loss="cwt")), train.ValSplit(tokens),
+                              train.Validation(batch_size=4, block_size=32, max_batches=1))
     assert first["val_ce"] == pytest.approx(expected["val_ce"], rel=1e-5)  # the same model, before a step
     continued = read_ckpt(tmp_path / "cont" / "ckpt.safetensors")["train_config"]
     assert continued["preset"] == "tiny"  # the source model's shape, and so its recipe

@@ -112,8 +112,8 @@ def test_bits_per_byte_of_data_prepared_with_each_kind(kind, tokenizers_by_kind,
     torch.manual_seed(0)
     model = build_model("tiny", meta["vocab_size"], block_size=n, n_layer=1, d_model=32, n_head=2).double()
     objective = train.Objective(model, train.LossConfig(loss="ce"))
-    got = train.evaluate(objective, tokens, 1, n, torch.device("cpu"), byte_counts=val.byte_counts[:n + 1],
-                         special=val.special)["val_bpb"]
+    got = train.evaluate(objective, train.ValSplit(tokens, val.byte_counts[:n + 1], val.special),
+                         train.Validation(batch_size=1, block_size=n))["val_bpb"]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor(tokens[None, :-1]))[0].double(), dim=-1)
     bits = -sum(logp[t, y].item() for t, y in enumerate(tokens[1:].tolist()) if y not in val.special)

@@ -135,3 +135,29 @@ def test_a_tensor_temperature_gets_the_gradient_of_the_definition_also_at_one(t0
     assert loss.item() == pytest.approx(naive_cwt(h, e, t0), abs=1e-12)
     assert t.grad.item() == pytest.approx(numeric, rel=1e-6) and t.grad.item() != 0.0
     assert torch.autograd.gradcheck(lambda a, b, c: cwt_loss(a, b, c), (h.requires_grad_(), e, t))
+
+
+def test_a_metric_of_no_rows_is_none_and_a_non_finite_one_is_named_where_it_is_computed():
+    """loss.val_metrics is the one place a validation metric's rule lives: a mean over no rows (a split whose
+    targets are all special ids, for bits per byte) is None, not a divergence; NaN or inf raises NotFinite naming
+    the metric."""
+    from loss import NotFinite, val_metrics
+    sums = {"ce": 6.0, "tokens": 3.0, "cwt": 3.0, "correct": 1.0, "text_ce": 0.0, "bytes": 0.0}
+    got = val_metrics(sums, contrastive=True, bits_per_byte=True)
+    assert got == {"val_ce": 2.0, "val_ppl": pytest.approx(math.exp(2)), "val_cwt": 1.0,
+                   "val_acc": pytest.approx(1 / 3), "val_bpb": None}
+    for key, name in (("ce", "val_ce"), ("cwt", "val_cwt"), ("text_ce", "val_bpb")):
+        with pytest.raises(NotFinite, match=f"{name} is nan") as e:
+            val_metrics({**sums, key: math.nan, "bytes": 2.0}, contrastive=True, bits_per_byte=True)
+        assert e.value.name == name
+
+
+def test_a_mix_averages_each_metric_over_the_sources_that_have_it():
+    from mixing import MixedSampler
+    per_source = {"a": {"val_ce": 2.0, "val_ppl": 7.4, "val_bpb": None}, "b": {"val_ce": 4.0, "val_ppl": 55.0,
+                                                                          "val_bpb": 1.5}}
+    got = MixedSampler.combine(None, per_source)
+    assert got["val_ce"] == 3.0 and got["val_ppl"] == pytest.approx(math.exp(3.0)) and got["val_bpb"] == 1.5
+    assert got["val_bpb_a"] is None and got["val_bpb_b"] == 1.5
+    none = MixedSampler.combine(None, {"a": {"val_ce": 1.0, "val_ppl": 2.7, "x": None}})
+    assert none["x"] is None

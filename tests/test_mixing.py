@@ -88,8 +88,8 @@ def test_a_mixed_run_validates_each_source_and_resumes_exactly(languages, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(mix_alpha=0.0), "--mix_alpha must be positive"),
-    (dict(mix_alpha=-1.0), "--mix_alpha must be positive"),
+    (dict(mix_alpha=0.0), r"--mix_alpha must be in \(0, 100\], got 0.0"),
+    (dict(mix_alpha=-1.0), r"--mix_alpha must be in \(0, 100\], got -1.0"),
     (dict(dataset="big,other"), "mixes datasets of different tokenizers"),
     (dict(dataset="big,big"), "names two sources of the same folder name"),
 ])

@@ -149,7 +149,8 @@ def test_contrastive_metrics_weigh_every_row_alike():
     torch.manual_seed(0)
     model = build_model("tiny", 64, block_size=8, n_layer=1, d_model=16, n_head=2).double()
     tokens = torch.randint(0, 60, (8 * 5 + 1,)).numpy()  # 5 windows of 8: batches of 2, 2 and 1
-    got = train.evaluate(train.Objective(model, train.LossConfig(loss="cwt")), tokens, 2, 8, torch.device("cpu"))
+    got = train.evaluate(train.Objective(model, train.LossConfig(loss="cwt")), train.ValSplit(tokens),
+                         train.Validation(batch_size=2, block_size=8))
     losses, hits = [], []
     with torch.no_grad():
         for first, count in ((0, 2), (2, 2), (4, 1)):

@@ -279,7 +279,7 @@ def assert_one_runs_pair(out: Path) -> None:
     ckpt, log = common.run_files(out)
     if not (ckpt.exists() and log.exists()):
         return
-    saved = common.load_checkpoint(ckpt)
+    saved = common.load_checkpoint(ckpt, train.TrainConfig)
     records = read_log(out)
     assert any(r["step"] == saved["step"] and "val_ce" in r for r in records), (saved["step"], records)
     assert {r.get("run_id") for r in records} == {saved.get("run_id")}

@@ -1,12 +1,13 @@
 """results.py: what the measuring scripts write."""
 import math
 
+import common
 import results
 
 
 def test_a_capped_perplexity_prints_short():
-    assert results.format_metric(math.exp(700)) == "1.014e+304"
-    assert results.format_metric(12.345678) == "12.3457"
+    assert common.format_metric(math.exp(700)) == "1.014e+304"
+    assert common.format_metric(12.345678) == "12.3457"
 
 
 def test_a_non_finite_result_is_refused_in_one_line_and_nothing_is_written(tmp_path):

@@ -112,7 +112,8 @@ def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
     tokens = torch.tensor([1, 2, 3, 4, 5, 6, 3, 7, 1, 2, 5, 3, 6]).numpy()
     counts = np.array([1, 2, 3, 0, 1, 2, 0, 1, 1, 2, 0, 0, 2], dtype=np.uint32)
     objective = train.Objective(model, train.LossConfig(loss="ce"))
-    got = train.evaluate(objective, tokens, 2, 6, torch.device("cpu"), byte_counts=counts, special=[3])["val_bpb"]
+    got = train.evaluate(objective, train.ValSplit(tokens, counts, [3]),
+                         train.Validation(batch_size=2, block_size=6))["val_bpb"]
     bits = n_bytes = 0.0
     with torch.no_grad():
         for start in (0, 6):  # the two non-overlapping windows of 6 + 1 tokens
@@ -142,7 +143,9 @@ def test_resuming_with_another_grad_accum_continues_with_the_next_unseen_batch(t
     train.train(cfg)
     assert seen == [0, 1, 2, 3, 4, 5]
     seen.clear()
-    summary = train.train(dataclasses.replace(cfg, grad_accum=1, max_iters=5, resume=True))
+    # grad_accum=1 is its default: named as given, or --resume would keep the run's own 2
+    summary = train.train(dataclasses.replace(cfg, grad_accum=1, max_iters=5, resume=True),
+                          given={"grad_accum", "max_iters", "resume"})
     assert seen == [6, 7]  # not 3, 4: the data position is the count of micro-batches consumed
     assert summary["tokens"] == (6 + 2) * 8 * 32  # summed as spent, not steps x today's tokens per step
     state = read_ckpt(tmp_path / "ckpt.safetensors")["state"]

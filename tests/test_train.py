@@ -99,6 +99,42 @@ def test_a_resume_naming_no_optimizer_setting_continues_the_run_with_its_own(tin
         0.01, 0.0, [0.8, 0.99], 1e-6)  # the tuple saved as JSON: a list
 
 
+def test_resume_alone_continues_the_run_as_it_was_started(tiny_data_dir, tmp_path):
+    """Issue 39's command: a run started with a seed, a batch, an accumulation, a loss setting and a validation
+    size of its own, stopped after 4 steps and continued with `--resume --max_iters=6` and no other setting but
+    where it is, logs what one straight 6-step run logs (before: seed 1337, grad_accum 1 and 20 validation batches
+    from the defaults, or a refusal of --batch_size's default)."""
+    flags = ["--seed=3", "--grad_accum=2", "--batch_size=4", "--eval_batches=2", "--lr_schedule=constant",
+             "--eval_interval=2", "--log_interval=1", "--temperature=0.5", "--preset=tiny", "--block_size=32",
+             f"--dataset={tiny_data_dir}", "--device=cpu"]
+    train.main([*flags, "--max_iters=6", f"--out_dir={tmp_path / 'straight'}"])
+    train.main([*flags, "--max_iters=4", f"--out_dir={tmp_path / 'resumed'}"])
+    train.main(["--resume", "--max_iters=6", f"--out_dir={tmp_path / 'resumed'}",
+                f"--data_root={tiny_data_dir.parent}", "--device=cpu"])
+
+    def logged(d):
+        return [{k: v for k, v in r.items() if k not in ("run_id", "tokens_per_s", "mfu", "time")} for r in read_log(d)
+                if "loss" in r or "val_ce" in r]
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
+    assert read_ckpt(tmp_path / "resumed" / "ckpt.safetensors")["train_config"]["seed"] == 3
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--batch_size=8", "--batch_size=8 but"), ("--temperature=0.1", "--temperature=0.1 but"),
+    ("--seed=4", "--seed=4 but"), ("--dataset=shakespeare", "--dataset=shakespeare but")])
+def test_resume_refuses_a_setting_that_makes_another_experiment(tiny_data_dir, tmp_path, flag, words):
+    """A given setting that would make another experiment (its field's "resume": "same") is refused in one line
+    naming both values; the same value given is fine."""
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2, eval_interval=2, batch_size=4, temperature=0.5)
+    train.train(cfg)
+    where = [f"--out_dir={tmp_path}", f"--data_root={tiny_data_dir.parent}", "--device=cpu"]
+    with pytest.raises(UserError, match=words) as refused:
+        train.main(["--resume", "--max_iters=3", *where, flag])
+    assert str(tmp_path) in str(refused.value) and "\n" not in str(refused.value)
+    train.main(["--resume", "--max_iters=3", *where, "--batch_size=4", "--temperature=0.5", "--seed=0"])
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 3
+
+
 def test_an_optimizer_setting_given_on_resume_applies_from_there_on(tiny_data_dir, tmp_path):
     train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=3, **OWN_OPTIMIZER))
     train.train(tiny_config(tiny_data_dir, tmp_path, max_iters=4, resume=True, weight_decay=0.05, beta2=0.9))
