@@ -693,3 +693,27 @@ def test_a_missing_checkpoint_names_the_step_that_writes_it(tmp_path):
                                             r"and `finetune.py --ckpt=out/ckpt.safetensors` writes "
                                             r"out-ft/ckpt.safetensors: run the step that makes it"):
         doors.checkpoint(tmp_path / "out-ft" / "ckpt.safetensors", model.GPTConfig, train.TrainConfig)
+
+
+def test_none_is_a_value_where_a_literal_has_it_and_null_elsewhere():
+    """Issue 39: "unset" is not a string. A fork's `qk_norm: Literal["none", "rms"] | None` takes --qk_norm=none as
+    its value "none"; an optional number takes none/null/"" as None."""
+    from typing import Literal
+    assert doors.coerce("qk_norm", "none", Literal["none", "rms"] | None) == "none"
+    assert doors.coerce("qk_norm", "rms", Literal["none", "rms"] | None) == "rms"
+    assert doors.coerce("mlp_hidden", "none", int | None) is None
+    assert doors.coerce("mlp_hidden", None, int | None) is None
+    assert doors.coerce("mlp_hidden", "7", int | None) == 7
+
+
+def test_the_settings_given_are_the_flags_and_the_config_files_not_the_defaults(tmp_path):
+    """Issue 39: parse_given names what the user gave, on the command line or in a --config file; --quick's values
+    and the defaults are not given."""
+    config = tmp_path / "run.toml"
+    config.write_text("seed = 3\nbatch_size = 4\n")
+    cfg, given = common.parse_given(train.TrainConfig, [f"--config={config}", "--lr=0.01", "--batch_size=8"])
+    assert (cfg.seed, cfg.batch_size, cfg.lr) == (3, 8, 0.01)
+    assert given == {"seed", "batch_size", "lr"}
+    cfg, given = common.parse_given(train.TrainConfig, ["--max_iters=600"])
+    assert given == {"max_iters"}  # given, though equal to its default
+    assert common.given_settings(train.TrainConfig(seed=3)) == {"seed"}  # built in code: what differs
