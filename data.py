@@ -125,11 +125,14 @@ class PrepareConfig:
     val_split: Literal["auto", "hash"] = "auto"  # auto: the source's own validation split, if it has one
     text_field: str = "text"  # column holding the text (.jsonl, .parquet, hub datasets)
     tokenizer: str = "gpt2"
-    val_fraction: float = 0.05  # share of the documents' bytes held out for validation (by hash)
-    max_docs: int | None = None  # stop after this many documents
-    max_tokens: int | None = None  # stop after the document that reaches this many tokens
-    num_proc: int = 1  # tokeniser processes
-    tokenizer_docs: int = 100_000  # bpe:N learns from at most this many of the source's training documents
+    # share of the documents' bytes held out for validation (by hash)
+    val_fraction: float = field(default=0.05, metadata={"range": (0, 1, "()")})
+    max_docs: int | None = field(default=None, metadata={"range": (1, 1 << 50)})  # stop after this many documents
+    # stop after the document that reaches this many tokens
+    max_tokens: int | None = field(default=None, metadata={"range": (1, 1 << 50)})
+    num_proc: int = field(default=1, metadata={"range": (1, 1024)})  # tokeniser processes
+    # bpe:N learns from at most this many of the source's training documents
+    tokenizer_docs: int = field(default=100_000, metadata={"range": (1, 1 << 50)})
     name: str | None = None  # the dataset's folder under data_root; default: from the source and tokenizer
     data_root: str = "data"
 
@@ -238,12 +241,10 @@ def write_dataset(cfg: PrepareConfig, out: Path, enc: Any, source: str, items: I
 
 
 def check_config(cfg: PrepareConfig) -> None:
-    """Counts within bounds; no setting the source would not use (the built-in corpus has its own text and
-    split, a tokenizer other than bpe:N learns nothing)."""
-    common.in_range(cfg, "val_fraction", 0, 1, "()")
-    for name in ("max_docs", "max_tokens", "tokenizer_docs"):
-        common.bounded(cfg, name, 1, 1 << 50)
-    common.bounded(cfg, "num_proc", 1, 1024)
+    """Each setting within its field's range (built in code too); no setting the source would not use (the built-in
+    corpus has its own text and split, a tokenizer other than bpe:N learns nothing)."""
+    if why := doors.settings_problem(cfg):
+        raise UserError(why)
     idle = {"tokenizer_docs": "without --tokenizer=bpe:N (only a BPE is learned from the source)"}
     if cfg.dataset == "shakespeare":
         idle.update(dict.fromkeys(("subset", "split", "val_split", "text_field"),

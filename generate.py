@@ -32,12 +32,14 @@ class GenerateConfig:
     ckpt: str = "out/ckpt.safetensors"  # a train.py or finetune.py checkpoint
     prompt: list[str] = field(default_factory=list, metadata={"repeatable": True})  # repeat for several
     prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
-    max_new_tokens: int = 200  # per sample; fewer if the model writes end-of-text first
-    temperature: float = 0.8  # 0: greedy (always the most likely token)
-    top_k: int = 200  # sample among the k most likely tokens only (0: off)
-    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p (1: off)
-    num_samples: int = 1  # samples per prompt
-    seed: int = 1337
+    max_new_tokens: int = field(default=200, metadata={"range": (1, 1 << 24)})  # per sample; fewer at end-of-text
+    temperature: float = field(default=0.8, metadata={"range": (0, 100)})  # 0: greedy (always the most likely)
+    # sample among the k most likely tokens only (0: off)
+    top_k: int = field(default=200, metadata={"range": (0, doors.MAXIMA["vocab_size"])})
+    # nucleus: the smallest set of tokens whose probability reaches top_p (1: off)
+    top_p: float = field(default=1.0, metadata={"range": (0, 1, "(]")})
+    num_samples: int = field(default=1, metadata={"range": (1, 1 << 20)})  # samples per prompt
+    seed: int = field(default=1337, metadata={"range": (0, 2**64 - 1)})  # torch's generators take any 64-bit seed
     kv_cache: bool = True  # false: recompute the whole context for every token (slow; for checking)
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
@@ -143,12 +145,6 @@ def main(argv: list[str]) -> None:
     cfg = common.parse_flags(GenerateConfig, argv)
     common.declare_io(reads={"--ckpt": cfg.ckpt, "--prompt_file": cfg.prompt_file,
                              "--config": common.config_path(argv)}, writes={})
-    common.bounded(cfg, "top_k", 0, doors.MAXIMA["vocab_size"])
-    common.bounded(cfg, "max_new_tokens", 1, 1 << 24)
-    common.bounded(cfg, "num_samples", 1, 1 << 20)
-    common.in_range(cfg, "top_p", 0, 1, "(]")
-    common.in_range(cfg, "temperature", 0, 100)
-    common.in_range(cfg, "seed", 0, 2**64 - 1)  # torch's generators take any 64-bit seed
     if cfg.temperature == 0:
         common.refuse_idle(cfg, dict.fromkeys(("top_k", "top_p", "seed"), "with --temperature=0 (greedy: always the "
                                                                          "most likely token, nothing is drawn)"))

@@ -237,7 +237,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     ("generate", ["--prompt=Hi", "--temperature=1e-40"], "too small to mean anything but greedy"),
     ("generate", ["--prompt_file=LATIN1"], "is not UTF-8 (byte 3)"),
     ("data", ["--val_fraction=nan"], "--val_fraction must be a finite number, got nan"),
-    ("data", ["--num_proc=0"], "--num_proc must be at least 1, got 0"),
+    ("data", ["--num_proc=0"], "--num_proc must be in [1, 1024], got 0"),
 ])
 def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_path):
     mains = {"train": train.main, "finetune": finetune.main, "data": data.main, "generate": generate.main}
