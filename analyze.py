@@ -543,7 +543,7 @@ def check_config(cfg: AnalyzeConfig) -> None:
     if not cfg.data_root:
         raise UserError("--data_root must be given (not empty)")
     if cfg.plot:
-        import_pyplot()  # matplotlib is optional: its absence is one line now, not after the work
+        import_pyplot(cfg.plot)  # matplotlib is optional: its absence is one line now, not after the work
 
 
 def main(argv: list[str]) -> list[dict]:

@@ -1373,7 +1373,7 @@ def main(argv: list[str]) -> None:
             print(table)
         return
     if cfg.plot:
-        import_pyplot()
+        import_pyplot(cfg.plot)
     if cfg.negatives_sweep:
         rows = run_negatives_sweep(cfg)
         print(negatives_table(rows))

@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import fcntl
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -373,6 +374,23 @@ def is_main_process() -> bool:
     return rank() == 0  # the one process that prints progress and writes logs and checkpoints
 
 
+def ranks_agree(settings: Any, device: torch.device, flag: bool) -> int:
+    """In one all-reduce at a run's start: refuse ranks started with other settings (a 60-bit digest of each
+    rank's, compared through the sums of its parts and of their squares, equal everywhere only if every rank's is the
+    same), so that no rank trains another run or waits for ever for the others; and count the ranks where `flag`
+    holds."""
+    text = json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).digest()
+    parts = [int.from_bytes(digest[i:i + 3], "big") >> 4 for i in (0, 3, 6)]  # 20 bits each: squares sum exactly
+    total = all_reduce_sum(torch.tensor([int(flag), *parts, *(p * p for p in parts)], dtype=torch.int64,
+                                        device=device)).tolist()
+    n = world_size()
+    if any(n * squares != part * part for part, squares in zip(total[1:4], total[4:7], strict=True)):
+        raise UserError("the ranks were started with different settings (their digests differ); start every rank "
+                        "with the same flags and --config")
+    return total[0]
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         torch.distributed.all_reduce(values)
@@ -707,14 +725,20 @@ def declare_io(reads: dict[str, Any], writes: dict[str, Any], kinds: dict[str, s
 
 
 def check_distinct_outputs(writes: dict[str, list[str]]) -> None:
-    """Two outputs of one command at one path: the second would replace the first (--json=X --plot=X)."""
-    seen: dict[str, str] = {}
+    """Two outputs of one command at one path, or one inside another's folder: the second would replace the first
+    or one of its files (--json=X --plot=X; compare.py's --json naming one of its runs' log.jsonl)."""
+    seen: dict[str, tuple[str, str]] = {}
     for flag, paths in writes.items():
         for path in paths:
             where = os.path.realpath(path)
             if where in seen:
-                raise UserError(f"{seen[where]} and {flag} both name {path}; give each output its own path")
-            seen[where] = flag
+                raise UserError(f"{seen[where][0]} and {flag} both name {path}; give each output its own path")
+            seen[where] = (flag, path)
+    for where, (flag, path) in seen.items():
+        for folder, (other, folder_path) in seen.items():
+            if other != flag and where.startswith(folder.rstrip(os.sep) + os.sep):
+                raise UserError(f"{flag}={path} lies inside {folder_path}, which {other} writes; give it a path of its "
+                                "own")
 
 
 def named_paths(value: Any) -> list[str]:

@@ -823,7 +823,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg)
     declared_io(cfg, argv)
     if cfg.plot:
-        import_pyplot()  # fail before training, not after
+        import_pyplot(cfg.plot)  # fail before training, not after
     negatives = bool(cfg.negatives_sweep or cfg.negatives_batch_sizes)
     sweep = bool(cfg.vocab_sizes)
     result = run_negatives_sweep(cfg) if negatives else run_vocab_sweep(cfg) if sweep else run_compare(cfg)

@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 
 import doors
-from common import UserError, check_hub, first_line, through_door
+from common import UserError, check_hub, first_line, refuse_idle, through_door
 from data import PrepareConfig, encode_batches, load_meta, split_by_hash
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 SPLIT_WORDS = {"train": ("train", "training"), "val": ("validation", "valid", "val", "dev")}
+OWN_VAL = "with the source's own validation split (nothing is held out by hash; --val_split=hash would)"
 
 
 def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
@@ -47,6 +48,7 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
     own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
     if not own_val:
         return source, Items([train], split_by_hash(train, cfg.val_fraction), cfg), None
+    refuse_idle(cfg, {"val_fraction": OWN_VAL})
     val = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
                      streaming=True), cfg.text_field, source + " (validation)")
     return source + " + its validation split", Items([train, val], own_splits(train, val), cfg), None
@@ -65,12 +67,17 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
     if len(builders) > 1:
         raise UserError(f"{path} mixes file formats ({', '.join(sorted(builders))}); use one format per folder")
     builder = builders.pop()
+    local = "for a local path (its files are the data; name them train and validation to give it splits)"
+    refuse_idle(cfg, {"subset": local, "split": local,
+                      **({"text_field": "for .txt files (each file is one document's text)"} if builder == "text"
+                         else {})})
     for file in files:
         check_corpus_file(file)
     field = "text" if builder == "text" else cfg.text_field
     source = f"{path.resolve()} ({len(files)} {builder} file(s))"
     by_split = {s: [f for f in files if split_of(f) == s] for s in ("train", "val")}
     if cfg.val_split == "auto" and by_split["val"]:
+        refuse_idle(cfg, {"val_fraction": OWN_VAL})
         if stray := [f for f in files if split_of(f) is None]:
             raise UserError(f"{stray[0]} is named neither as train nor as validation data while {path} has "
                             "both; move it out, or pass --val_split=hash")

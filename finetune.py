@@ -21,7 +21,7 @@ from common import UserError, note
 from data import recorded_dataset
 from loss import LossName
 from model import GPTConfig
-from train import SAME, TrainConfig, resumed_settings, train
+from train import SAME, TrainConfig, idle_anywhere, resumed_settings, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
 # shapes follow the official fine-tune config, which settles what the paper leaves open (1e-4 in its text,
@@ -159,7 +159,7 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
         idle["budget_fraction"] = "with --max_iters or --tokens (they set the budget)"
     if cfg.max_iters is not None:
         idle["tokens"] = "with --max_iters (it sets the number of steps)"
-    return idle
+    return {**idle, **idle_anywhere(cfg)}
 
 
 def main(argv: list[str]) -> None:

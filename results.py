@@ -61,14 +61,20 @@ def write_json(path: str | Path, obj: Any) -> None:
     print(f"results written to {path}", file=sys.stderr)
 
 
-def import_pyplot():
-    """matplotlib is optional (--plot): a one-line error without it."""
+def import_pyplot(plot: str | Path = ""):
+    """matplotlib is optional (--plot): a one-line error without it; and, given the --plot path, one if matplotlib
+    writes no file of its extension (before any work, not after)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise UserError("--plot needs matplotlib, an optional extra: pip install matplotlib") from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if plot and (ext := Path(plot).suffix[1:] or "png") not in formats:
+        raise UserError(f"--plot={plot}: matplotlib writes no .{ext} file; name it .png, or one of: "
+                        f"{', '.join(sorted(formats))}")
     return plt
 
 
@@ -166,7 +172,7 @@ def main(argv: list[str]) -> None:
     if not cfg.log or not cfg.plot:
         raise UserError("pass --log=out/log.jsonl[,out-ce/log.jsonl,...] and --plot=FILE.png")
     declare_io(reads={"--log": cfg.log}, writes={"--plot": cfg.plot})
-    import_pyplot()  # fail before reading anything
+    import_pyplot(cfg.plot)  # fail before reading anything
     runs = {label: log_curves(through_door(doors.run_log, path, True))
             for label, path in zip(run_labels(cfg.log), cfg.log)}
     if empty := [label for label, curves in runs.items() if not curves]:

@@ -10,8 +10,10 @@ alone writes, as for log.jsonl. For train.py, finetune.py and each run of compar
 
 A resumed run (--resume) continues the same curves: TensorBoard's are purged of the steps after the checkpoint
 (as log.jsonl is), and W&B goes on with the same run id. A new run in out_dir (--overwrite, say) starts them over:
-the files tracking wrote there are removed first, and nothing else. W&B logs offline when WANDB_MODE=offline or
-its server cannot be reached (a quick check); `wandb sync` uploads such a run later.
+the files tracking recorded writing there (out_dir/tracked.jsonl) are removed first, and nothing else; a tracker's
+file it did not write (a user's own tb/events.out.tfevents.*) is refused before any work, never deleted. W&B logs
+offline when WANDB_MODE=offline or its server cannot be reached (a quick check); `wandb sync` uploads such a run
+later.
 
 What each keeps when a run stops: TensorBoard's event file is flushed at every record. W&B's records go through
 its own process (wandb-core), which writes the run's .wandb file every WANDB_FLUSH_SECONDS (its default is 15 s:
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -30,19 +33,71 @@ from pathlib import Path
 from typing import Any
 
 import common
+import doors
 from common import UserError, note
 
 WANDB_SERVER = "https://api.wandb.ai"  # or WANDB_BASE_URL: a W&B server of your own
 WANDB_FLUSH_SECONDS = 0.2  # how often W&B writes its .wandb file (a killed run loses what came since)
-TENSORBOARD_FILES = ("events.out.tfevents.*",)  # in out_dir/tb: what SummaryWriter writes
-WANDB_FILES = ("offline-run-*", "run-*", "latest-run", "debug.log", "debug-internal.log", "debug-cli.*.log")
+# The folder each tracker writes in, under out_dir, and the names it writes there (what another tracker's run of
+# the same kind would write too: a file of these names that no run here recorded writing would mix with the curves)
+FOLDERS = {"tensorboard": ("tb", ("events.out.tfevents.*",)),
+           "wandb": ("wandb", ("offline-run-*", "run-*", "latest-run", "debug.log", "debug-internal.log",
+                               "debug-cli.*.log"))}
+WRITTEN = "tracked.jsonl"  # in out_dir: each name tracking created in those folders, relative to out_dir
 
 
 def check_packages(cfg: Any) -> None:
-    """Before any work: a tracking flag whose package is missing is one line naming its pip install."""
-    for package in ("tensorboard", "wandb"):
+    """Before any work: a tracking flag whose package is missing is one line naming its pip install; a tracker's
+    folder holding a file of its kind that no run here recorded writing is refused (never deleted, never mixed)."""
+    for package in FOLDERS:
         if getattr(cfg, package):
             common.need_package(package, f"--{package}")
+    mine = set(recorded(Path(cfg.out_dir)))
+    for package, (folder, patterns) in FOLDERS.items():
+        theirs = sorted(name for name in entries(Path(cfg.out_dir), folder, patterns) if name not in mine)
+        if getattr(cfg, package) and theirs:
+            raise UserError(f"{Path(cfg.out_dir) / theirs[0]} is a {package} file that no run in --out_dir recorded "
+                            f"writing: this run's curves would mix with it; move it away or pick another --out_dir")
+
+
+def entries(out_dir: Path, folder: str, patterns: tuple[str, ...] = ("*",)) -> set[str]:
+    """The names of out_dir/folder matching `patterns`, as paths relative to out_dir; none through a link."""
+    path = out_dir / folder
+    if path.is_symlink() or not path.is_dir():
+        return set()
+    return {f"{folder}/{p.name}" for pattern in patterns for p in path.glob(pattern)}
+
+
+def all_entries(out_dir: Path) -> set[str]:
+    return set().union(*(entries(out_dir, folder) for folder, _ in FOLDERS.values()))
+
+
+def recorded(out_dir: Path) -> list[str]:
+    """The names tracking recorded creating in out_dir (WRITTEN, through its door): each one name in tb/ or
+    wandb/ (no link followed, nothing outside them)."""
+    path = out_dir / WRITTEN
+    if not os.path.lexists(path):
+        return []
+    fix = f"move {path} away (tracking's list of what it wrote there)"
+    rows = common.through_door(lambda: list(doors.jsonl_rows(path, "tracking's list", fix, cut_ok=True)))
+    folders = {folder for folder, _ in FOLDERS.values()}
+    for number, name in rows:
+        parts = name.split("/") if isinstance(name, str) else []
+        if len(parts) != 2 or parts[0] not in folders or parts[1] in ("", ".", ".."):
+            raise UserError(f"{path} line {number}: {doors.brief(name)} is not a name in tb/ or wandb/; {fix}")
+    return [name for _, name in rows]
+
+
+def record(out_dir: Path, names: set[str]) -> None:
+    """Add what tracking created to out_dir's WRITTEN list (before it writes any record there)."""
+    if not names:
+        return
+    try:
+        with open(out_dir / WRITTEN, "a", opener=common.no_link) as f:
+            f.writelines(json.dumps(name) + "\n" for name in sorted(names))
+    except OSError as e:
+        raise UserError(f"cannot append to {out_dir / WRITTEN} ({e.strerror}); free some space or fix the "
+                        "folder") from None
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -69,11 +124,13 @@ class Tracker:
         cfg, out_dir, resumed = self.run.cfg, self.run.out_dir, self.run.resumed_step
         if resumed is None:  # a new run in out_dir: earlier curves would mix with its own
             remove_tracking_files(out_dir)
+        self.before = all_entries(out_dir)
         try:
             if cfg.tensorboard:
                 self.writer = tensorboard_writer(out_dir, resumed)
             if cfg.wandb:
                 self.wandb_run = start_wandb(cfg, out_dir, resumed)
+            record(out_dir, all_entries(out_dir) - self.before)
         except BaseException:
             self.close(failed=True)
             raise
@@ -98,6 +155,9 @@ class Tracker:
             self.writer.close()
         if self.wandb_run:
             self.wandb_run.finish(exit_code=1 if failed else 0)
+        out_dir = self.run.out_dir
+        with contextlib.suppress(UserError):  # what the trackers created since the start (W&B's later logs)
+            record(out_dir, all_entries(out_dir) - self.before - set(recorded(out_dir)))
 
 
 def tensorboard_writer(out_dir: Path, resumed: int | None):
@@ -144,15 +204,16 @@ def earlier_wandb_id(out_dir: Path) -> str | None:
 
 
 def remove_tracking_files(out_dir: Path) -> None:
-    """What tracking wrote in out_dir (TensorBoard's event files, W&B's run folders and logs), and the folders
-    they were in once empty; nothing else, and never through a link."""
-    for folder, patterns in ((out_dir / "tb", TENSORBOARD_FILES), (out_dir / "wandb", WANDB_FILES)):
-        if folder.is_symlink() or not folder.is_dir():
-            continue
-        for path in [p for pattern in patterns for p in folder.glob(pattern)]:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    """What tracking recorded writing in out_dir (TensorBoard's event files, W&B's run folders and logs: WRITTEN),
+    the list itself, and the folders they were in once empty; nothing else, and never through a link."""
+    for name in recorded(out_dir):
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / WRITTEN).unlink()
+    for folder, _ in FOLDERS.values():
         with contextlib.suppress(OSError):  # something else is in it: kept
-            folder.rmdir()
+            (out_dir / folder).rmdir()

@@ -17,6 +17,7 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -198,7 +199,7 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.
     (those not given filled in), the model, the counts, the checkpoint started from (if any) and whether it
     resumes."""
     found = ckpt_path.is_file()
-    if common.all_reduce_sum(torch.tensor([float(found)], device=device)).item() not in (0, common.world_size()):
+    if common.ranks_agree(cfg, device, found) not in (0, common.world_size()):  # and the same settings everywhere
         raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
                         "every node shares")
     if cfg.resume is True and not found:
@@ -796,6 +797,17 @@ def idle_settings(cfg: TrainConfig) -> dict[str, str]:
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
     if not cfg.init_from or cfg.resume is True:
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
+    return {**idle, **idle_anywhere(cfg)}
+
+
+def idle_anywhere(cfg: TrainConfig) -> dict[str, str]:
+    """The settings that change nothing in a train.py or finetune.py run alike."""
+    idle = {}
+    if not cfg.wandb:
+        idle.update(dict.fromkeys(("wandb_project", "wandb_run_name"), "without --wandb"))
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # torchrun sets it: the ranks the process group will have
+        idle["negatives_scope"] = ("on one process (global scores against every rank's micro-batch: it is the local "
+                                   "one here); run under torchrun")
     return idle
 
 

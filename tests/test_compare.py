@@ -182,6 +182,8 @@ COMPARE_CASES = {  # case: (flags given tmp_path; what the one line says)
                                    "--json={t}/l.jsonl is also an input of this command (--lambada={t}/l.jsonl)"),
     "--json= its --plot": (lambda t: [f"--json={t / 'c.png'}", f"--plot={t / 'c.png'}"],
                            "--json and --plot both name {t}/c.png; give each output its own path"),
+    "--json= a run's log": (lambda t: [f"--json={t / 'cmp' / 'cwt' / 'log.jsonl'}"],
+                            "--json={t}/cmp/cwt/log.jsonl lies inside {t}/cmp/cwt, which --out_dir writes"),
     "--seeds=1,2**32 (refused after seed 1's points)": (
         lambda t: ["--negatives_sweep=all", "--seeds=1,4294967296"], "--seeds must be in [0, 4.29497e+09]"),
     "--seed=2**32": (lambda t: ["--seed=4294967296"], "--seed must be in [0, 4.29497e+09]"),

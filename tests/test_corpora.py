@@ -28,7 +28,8 @@ def test_local_files_round_trip(tmp_path, fmt):
                                             + json.dumps({"body": None}) + "\n")
         else:
             pq.write_table(pa.table({"body": [text], "n": [i]}), src / f"{i}.parquet")
-    out = prepare_files(tmp_path, dataset=str(src), text_field="body", val_fraction=0.5)
+    field = {} if fmt == "txt" else {"text_field": "body"}  # a .txt file has no field: refused there as idle
+    out = prepare_files(tmp_path, dataset=str(src), val_fraction=0.5, **field)
     assert out == tmp_path / "out" / "corpus"
     train, val = expected_splits(DOCS, 0.5)  # the first document is held out, whole
     assert open_split(out, "train", 50257).tolist() == train and open_split(out, "val").tolist() == val
@@ -128,13 +129,29 @@ def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
     assert "..." not in str(e.value) and f"--data_root={tmp_path / 'd'}" in str(e.value)
 
 
+@pytest.mark.parametrize("file, flags, words", [
+    ("a.txt", {"text_field": "body"}, "--text_field=body changes nothing for .txt files"),
+    ("a.txt", {"split": "test"}, "--split=test changes nothing for a local path"),
+    ("a.jsonl", {"subset": "en"}, "--subset=en changes nothing for a local path"),
+])
+def test_a_flag_a_local_source_never_reads_is_refused(tmp_path, file, flags, words):
+    """Issue 42, contract 10: no idle flag is accepted silently."""
+    (tmp_path / file).write_text('{"text": "one two"}\n' if file.endswith(".jsonl") else "one two\nthree")
+    with pytest.raises(UserError, match=words):
+        prepare_files(tmp_path, dataset=str(tmp_path / file), **flags)
+    left = sorted(p.name for p in (tmp_path / "out").rglob("*")) if (tmp_path / "out").exists() else []
+    assert left == [], left
+
+
 def test_a_folder_with_its_own_validation_files_uses_them(tmp_path):
     src = tmp_path / "corpus"
     src.mkdir()
     train_docs, val_docs = ["one\ntwo three " * 20, "four five\nsix " * 20], ["held out " * 30]
     (src / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in train_docs))
     (src / "validation.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in val_docs))
-    out = prepare_files(tmp_path, dataset=str(src), val_fraction=0.99)  # by hash, nearly all would go to val
+    with pytest.raises(UserError, match=r"--val_fraction=0.99 changes nothing with the source's own validation"):
+        prepare_files(tmp_path / "idle", dataset=str(src), val_fraction=0.99)  # issue 42: an idle flag is refused
+    out = prepare_files(tmp_path, dataset=str(src))
     enc = data.load_tokenizer()
     assert open_split(out, "val").tolist() == enc.encode_ordinary(val_docs[0]) + [50256]
     assert open_split(out, "train").tolist() == sum((enc.encode_ordinary(t) + [50256] for t in train_docs), [])

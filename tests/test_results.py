@@ -58,6 +58,7 @@ def test_results_plot_draws_each_metric_against_tokens_a_line_a_run(tiny_data_di
 def test_results_plot_refuses_in_one_line_before_drawing(tmp_path, monkeypatch):
     """No matplotlib, a log line that is not a record, a missing flag: one line, nothing written; a last line a
     crash cut short is left out, as --resume does."""
+    import importlib.util
     import sys
 
     import pytest
@@ -77,6 +78,9 @@ def test_results_plot_refuses_in_one_line_before_drawing(tmp_path, monkeypatch):
         doors.run_log(log, cut_ok=True)
     with pytest.raises(UserError, match="pass --log=out/log.jsonl"):
         results.main([f"--log={log}"])
+    if importlib.util.find_spec("matplotlib"):  # issue 42: a format matplotlib cannot write, before any work
+        with pytest.raises(UserError, match=r"--plot=.*c.xyz: matplotlib writes no .xyz file; name it .png"):
+            results.main([f"--log={log}", f"--plot={tmp_path / 'c.xyz'}"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(UserError, match="pip install matplotlib"):
         results.main([f"--log={log}", f"--plot={tmp_path / 'c.png'}"])

@@ -256,3 +256,24 @@ def test_a_run_stopped_by_a_signal_keeps_every_wandb_record(tiny_data_dir, tmp_p
     records = read_log(out)
     assert records[-1]["step"] == 4
     assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(records))
+
+
+def test_a_trackers_file_no_run_recorded_writing_is_refused_and_kept(tiny_data_dir, tmp_path):
+    """Issue 42, contract 7: tracking deletes only what it recorded writing (out_dir/tracked.jsonl); a user's own
+    event file in out_dir/tb is refused before any work, never deleted, never mixed with the run's curves."""
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "out"
+    (out / "tb").mkdir(parents=True)
+    (out / "tb" / "events.out.tfevents.mine").write_bytes(b"my curves")
+    with pytest.raises(common.UserError, match=r"events.out.tfevents.mine is a tensorboard file that no run in "
+                                               r"--out_dir recorded writing"):
+        train.train(tiny_config(tiny_data_dir, out, tensorboard=True, **{**SMALL, "max_iters": 1}))
+    assert sorted(p.name for p in out.rglob("*")) == ["events.out.tfevents.mine", "tb"]
+    (out / "tb" / "events.out.tfevents.mine").rename(tmp_path / "kept")
+    train.train(tiny_config(tiny_data_dir, out, tensorboard=True, **{**SMALL, "max_iters": 1}))
+    written = [json.loads(line) for line in (out / "tracked.jsonl").read_text().splitlines()]
+    assert written == [f"tb/{p.name}" for p in (out / "tb").iterdir()] and len(written) == 1
+    (out / "tb" / "notes.txt").write_text("mine")  # not of a tracker's kind: kept by --overwrite
+    train.train(tiny_config(tiny_data_dir, out, tensorboard=True, overwrite=True, **{**SMALL, "max_iters": 1}))
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1 and (out / "tb" / "notes.txt").exists()
+    assert written[0] not in [json.loads(line) for line in (out / "tracked.jsonl").read_text().splitlines()]

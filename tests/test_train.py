@@ -360,3 +360,19 @@ def test_no_core_script_writes_over_into_or_around_its_inputs(tmp_path_factory, 
     lies inside the input; directly, through a link or a hard link, spelled absolute, relative or with `..`) are
     refused in one line, exit 2, nothing changed. generate.py writes no file."""
     io_pairs(CORE_IO, max_examples=15)(tmp_path_factory, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("script, flag, words", [
+    ("train", "--wandb_project=p", "--wandb_project=p changes nothing without --wandb"),
+    ("train", "--wandb_run_name=r", "--wandb_run_name=r changes nothing without --wandb"),
+    ("train", "--negatives_scope=global", "--negatives_scope=global changes nothing on one process"),
+    ("finetune", "--wandb_project=p", "--wandb_project=p changes nothing without --wandb"),
+])
+def test_a_flag_that_changes_nothing_is_refused_before_any_work(tmp_path, monkeypatch, script, flag, words):
+    """Issue 42, contract 10: the tracking flags without --wandb, and the global scope of negatives on one
+    process, are refused in one line, with nothing written."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    main = train.main if script == "train" else finetune.main
+    with pytest.raises(UserError, match=words):
+        main([flag, f"--out_dir={tmp_path / 'out'}", "--ckpt=x.safetensors"][: 2 if script == "train" else 3])
+    assert not (tmp_path / "out").exists()
