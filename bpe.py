@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import UserError, atomic_file, config_path, declare_io, first_line, parse_flags, run_main
+from common import UserError, atomic_file, config_path, declare_io, first_line, local_source, parse_flags, run_main
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> None:
     from data import PrepareConfig, documents
     from doors import MAXIMA
     cfg = parse_flags(MixConfig, argv)
-    declare_io(reads={"--sources": [s for s in cfg.sources.split(",") if os.path.exists(os.path.expanduser(s))],
+    declare_io(reads={"--sources": [local_source(s) for s in cfg.sources.split(",")],
                       "--config": config_path(argv)}, writes={"--out": cfg.out}, kinds={"--out": "tokenizer"})
     if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
         raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")

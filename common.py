@@ -741,6 +741,12 @@ def check_distinct_outputs(writes: dict[str, list[str]]) -> None:
                                 "own")
 
 
+def local_source(name: str) -> str | None:
+    """A source (a dataset, a corpus) that names a local path, as declare_io takes it as read: one that exists, or
+    one starting with ~ (refused there: ~ is expanded nowhere); None for a name (a hub id, a prepared name)."""
+    return name if os.path.exists(name) or name.startswith("~") else None
+
+
 def named_paths(value: Any) -> list[str]:
     """The paths a flag names: a path, or each of a list; none for None or ""; "hf:X" names the folder X."""
     values = value if isinstance(value, (list, tuple)) else [value]
@@ -752,9 +758,17 @@ def check_path_names(paths: dict[str, list[str]]) -> None:
     for flag, values in paths.items():
         for path in values:
             data = os.fsencode(path)
+            try:  # bytes that are no UTF-8 (argv keeps them as surrogates): written, no command could name it again
+                path.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError(f"{named(flag, ascii(path))} is not UTF-8 text (its bytes: {data[:80]!r}); pass a "
+                                "path of UTF-8 characters") from None
             if b"\0" in data:
                 raise UserError(f"{named(flag, repr(path))} holds a NUL character, which no path can; pass a real "
                                 "path")
+            if path.split("/", 1)[0].startswith("~"):  # one meaning everywhere: read and written as the shell left it
+                raise UserError(f"{named(flag, path)}: a path starting with ~ is not expanded here (the shell leaves "
+                                "--flag=~/x as it is); write $HOME/... or the full path")
             longest = max((len(part) for part in data.split(b"/")), default=0)
             if longest > NAME_MAX or len(data) > PATH_MAX:
                 what = (f"a name of {longest} bytes (at most {NAME_MAX})" if longest > NAME_MAX else
@@ -766,10 +780,10 @@ def check_path_names(paths: dict[str, list[str]]) -> None:
 def check_overlap(reads: dict[str, list[str]], writes: dict[str, list[str]]) -> None:
     for out_flag, outs in writes.items():
         for out in outs:
-            target = os.path.realpath(os.path.expanduser(out))
+            target = os.path.realpath(out)
             for in_flag, ins in reads.items():
                 for source in ins:
-                    found = os.path.realpath(os.path.expanduser(source))
+                    found = os.path.realpath(source)
                     if target == found or same_file(target, found):
                         raise UserError(f"{named(out_flag, out)} is also an input of this command "
                                         f"({named(in_flag, source)}); it would be replaced: pass another path")
@@ -789,7 +803,7 @@ def named(flag: str, path: str) -> str:
 def same_file(a: str, b: str) -> bool:
     """Two names of one file (a hard link); False where either is missing."""
     try:
-        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+        return os.path.samefile(a, b)
     except OSError:
         return False
 
@@ -871,11 +885,10 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
     log, ckpt = run_files(out_dir)[1], run_files(out_dir)[0]
     if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
         raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
-    if log.is_symlink() or log.is_dir():
-        raise UserError(f"{log} is a folder or a link, not a run's log; move it away or pick another --out_dir")
-    if ckpt.exists() and not ckpt.is_file():
-        raise UserError(f"{ckpt} is a folder or not a regular file, not a run's checkpoint: it would never be "
-                        "replaced; move it away or pick another --out_dir")
+    for path, what in ((log, "log"), (ckpt, "checkpoint")):  # a link (dangling too), folder, FIFO, socket, device
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+            raise UserError(f"{path} is a link, a folder or a special file, not a run's {what}: it is never written "
+                            "through, replaced or removed; move it away or pick another --out_dir")
     resuming = resumes(out_dir, resume)
     if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({(ckpt if ckpt.exists() else log).name}); continue "

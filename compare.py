@@ -62,6 +62,7 @@ from common import (
     init_distributed,
     is_main_process,
     load_checkpoint,
+    local_source,
     need_extra,
     parse_flags,
     pick_device,
@@ -202,9 +203,8 @@ def planned_folders(cfg: CompareConfig) -> list[Path]:
 
 def declared_io(cfg: CompareConfig, argv: list[str]) -> None:
     """What compare.py reads and writes, declared before any work (common.declare_io)."""
-    source = os.path.expanduser(cfg.dataset)
     if cfg.vocab_sizes:  # a source, and the datasets of each size prepared from it
-        dataset = source if os.path.exists(source) else None
+        dataset = local_source(cfg.dataset)
         prepared = [dataset_dir(f"shakespeare-bpe{n}" if cfg.dataset == "shakespeare" else cfg.dataset, cfg.data_root,
                                 tokenizer="gpt2" if cfg.dataset == "shakespeare" else f"bpe:{n}")
                     for n in sorted(set(cfg.vocab_sizes))]
@@ -435,7 +435,7 @@ def run_vocab_sweep(cfg: CompareConfig) -> dict:
     sizes = sorted(set(cfg.vocab_sizes))
     for n in sizes:
         parse_bpe_name(f"bpe:{n}")  # a bad size is one line before any work
-    if cfg.dataset != "shakespeare" and (Path(cfg.dataset).expanduser() / "meta.json").is_file():
+    if cfg.dataset != "shakespeare" and (Path(cfg.dataset) / "meta.json").is_file():
         raise UserError(f"--vocab_sizes learns a tokenizer per size from a source's text; {cfg.dataset} is a prepared "
                         "dataset: pass its source (shakespeare, a Hugging Face id or local text files)")
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in SWEEP_UNCHECKED}

@@ -34,8 +34,8 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
     """(description, (split, text, ends a document) items, number of documents if known)."""
     if not cfg.dataset.strip():
         raise UserError("--dataset is empty; use shakespeare, a Hugging Face id or a local path")
-    path = Path(cfg.dataset).expanduser()
-    if path.exists() or cfg.dataset.startswith(("/", ".", "~")) or path.suffix in FORMATS:
+    path = Path(cfg.dataset)
+    if path.exists() or cfg.dataset.startswith(("/", ".")) or path.suffix in FORMATS:
         return open_local(path, cfg)
     if not HUB_ID.match(cfg.dataset):
         raise UserError(f"unknown dataset {cfg.dataset!r}: use shakespeare, a Hugging Face id such as "
@@ -209,8 +209,8 @@ class Items:
 
     def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig):
         self.texts, self.items = texts, items
-        path = Path(cfg.dataset).expanduser()
-        self.source_id = str(path.resolve()) if path.exists() or cfg.dataset.startswith(("/", ".", "~")) else \
+        path = Path(cfg.dataset)
+        self.source_id = str(path.resolve()) if path.exists() or cfg.dataset.startswith(("/", ".")) else \
             f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
 
     def check_same_source(self, out: Path) -> None:

@@ -2,7 +2,7 @@
 
     python data.py                                           # the built-in Shakespeare plays
     python data.py --dataset=roneneldan/TinyStories          # a Hugging Face dataset (corpora.py)
-    python data.py --dataset=~/corpus --text_field=body      # local .txt, .jsonl or .parquet files
+    python data.py --dataset=$HOME/corpus --text_field=body  # local .txt, .jsonl or .parquet files
 
 A prepared dataset is a folder of train.bin and val.bin (token ids), val.bytes (the UTF-8 bytes each val token
 stands for) and meta.json, which vouches for them (read through doors.dataset). Validation holds out whole
@@ -180,9 +180,8 @@ def prepare(cfg: PrepareConfig) -> dict:
     vouches for the rest (common.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
     check_config(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    source = os.path.expanduser(cfg.dataset)
     common.declare_io(reads={"--dataset": play_folder() if cfg.dataset == "shakespeare" else
-                             source if os.path.exists(source) else None,
+                             common.local_source(cfg.dataset),
                              "--tokenizer": cfg.tokenizer if cfg.tokenizer.endswith(".json") else None},
                       writes={"the dataset folder": out})
     enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
@@ -318,7 +317,7 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
                 name: str | None = None) -> Path:
     """data_root/NAME: a prepared folder as it is; else the source's last path part, its subset and any tokenizer
     but GPT-2's: roneneldan/TinyStories -> data/tinystories, with bpe:32768 data/tinystories-bpe32768."""
-    path = Path(dataset).expanduser()
+    path = Path(dataset)
     if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
         raise UserError(f"--name={doors.clip(name)} must be one folder name under --data_root (no /, not . or ..)")
     if name or (dataset != "shakespeare" and os.path.exists(path / "meta.json")):  # never raises on a long name

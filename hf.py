@@ -492,7 +492,7 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     """A GPT (fp32, eval mode) from a Hugging Face GPT-NeoX folder or hub id, and the name of its
     tokenizer for load_tokenizer / data_meta (None when the folder has no tokenizer.json)."""
     source = source.removeprefix("hf:")
-    folder = Path(source).expanduser()
+    folder = Path(source)
     hub = not folder.exists() and _looks_like_hub_id(source)
     if hub:
         folder = _download(source)

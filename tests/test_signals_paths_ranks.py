@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, tiny_config
+from helpers import refusal, run_cli, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import common
@@ -279,3 +279,45 @@ def test_a_prompt_file_is_its_prompts_whatever_its_line_ends(tmp_path_factory, p
     path = tmp_path_factory.mktemp("prompts") / "p.txt"
     path.write_bytes((end * 2).join(prompts).encode() + end.encode())
     assert generate.read_prompts(generate.GenerateConfig(prompt_file=str(path))) == prompts
+
+
+@pytest.mark.parametrize("name, make", [
+    ("log.jsonl", lambda p: os.mkfifo(p)),
+    ("ckpt.safetensors", lambda p: p.symlink_to(p.parent / "gone")),
+    ("log.jsonl", lambda p: p.symlink_to(p.parent / "gone")),
+])
+@pytest.mark.parametrize("flag", ["", "--overwrite"])
+def test_a_run_file_that_is_a_link_or_a_special_file_is_refused_and_left(tiny_data_dir, tmp_path, monkeypatch,
+                                                                           capsys, name, make, flag):
+    """Issue 42, contract 5: a FIFO named log.jsonl or a dangling link named ckpt.safetensors is never written
+    through, replaced or deleted, --overwrite or not."""
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out / name)
+    argv = [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--max_iters=1", "--device=cpu", *filter(None, [flag])]
+    err = refusal(train.main, argv, monkeypatch, capsys)  # exit 2, one line
+    assert f"{out / name} is a link, a folder or a special file" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [name] and os.path.lexists(out / name)
+    assert (out / name).is_symlink() or (out / name).is_fifo()
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_any_work(tiny_data_dir, tmp_path, monkeypatch, capsys):
+    """Issue 42, contract 5: an --out_dir of bytes that are no UTF-8 (as argv keeps them) would be written, and no
+    command could name it again: refused in one line, nothing made."""
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/out-\xff")
+    err = refusal(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"], monkeypatch, capsys)
+    assert "is not UTF-8 text" in err, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script, flag", [
+    ("train", "--out_dir=~/r"), ("train", "--init_from=~/run/ckpt.safetensors"), ("data", "--dataset=~/corpus"),
+    ("generate", "--ckpt=~user/ckpt.safetensors")])
+def test_a_path_starting_with_a_tilde_means_one_thing_everywhere(script, flag, tmp_path, monkeypatch, capsys):
+    """Issue 42, contract 5: `--out_dir=~/r` was checked as $HOME/r and written as ./~/r (a fine-tune replaced its
+    own input). ~ is expanded nowhere: such a path is refused in one line naming the fix, before any work."""
+    monkeypatch.chdir(tmp_path)
+    main = {"train": train.main, "data": data.main, "generate": generate.main}[script]
+    err = refusal(main, [flag, "--prompt=a"] if script == "generate" else [flag], monkeypatch, capsys)
+    assert "a path starting with ~ is not expanded here" in err and "$HOME" in err, err
+    assert os.listdir(tmp_path) == []
