@@ -289,7 +289,7 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
         "--out_dir={t}/run/ckpt.safetensors is also an input of this command (--init_from={t}/run/ckpt.safetensors)"),
     "--overwrite over a ckpt.safetensors that is a folder": (
         lambda t, d: (t / "o" / "ckpt.safetensors").mkdir(parents=True) or [f"--out_dir={t / 'o'}", "--overwrite"],
-        "{t}/o/ckpt.safetensors is a folder or not a regular file, not a run's checkpoint"),
+        "{t}/o/ckpt.safetensors is a link, a folder or a special file, not a run's checkpoint"),
     "--overwrite over a ckpt.safetensors that is not a run's": (
         lambda t, d: (t / "o").mkdir() or (t / "o" / "ckpt.safetensors").write_text("a user's file") and
         [f"--out_dir={t / 'o'}", "--overwrite"],
