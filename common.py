@@ -119,13 +119,15 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     to save) is one line and exit 130 or 143, as a shell expects (SIGTERM unwinds as Ctrl-C does, so that what
     was half-written is removed); a closed stdout (`| head`) ends quietly with 0, another stdout failure, out of
     memory, or a rank whose peer failed in one line."""
+    SIGNALLED.clear()
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
     if signal.getsignal(signal.SIGINT) is stop_at_once:  # Ctrl-C unwinds as KeyboardInterrupt while main runs
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _terminate)
     stdout = sys.stdout
     sys.stdout = GuardedStdout(stdout)
     try:
         main(sys.argv[1:])
+        stop_if_signalled()  # a signal something swallowed still ends the command with its code
         sys.stdout.flush()  # what is still buffered fails here, not at the interpreter's exit
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -199,8 +201,20 @@ def close_progress_bars() -> None:
             bar.close()
 
 
+SIGNALLED: list[int] = []  # the signals run_main's handlers raised: one that a library swallowed is not forgotten
+
+
 def _terminate(signum: int, frame: Any) -> None:
+    """SIGINT and SIGTERM while a script's main runs: unwind as Ctrl-C does (remembered: a KeyboardInterrupt raised
+    inside what Python ignores, an import lock's callback say, would be lost; stop_if_signalled raises it again)."""
+    SIGNALLED.append(signum)
     raise Interrupted(signum)
+
+
+def stop_if_signalled() -> None:
+    """Raise again a signal whose first raise something swallowed (called between the steps of long work)."""
+    if SIGNALLED:
+        raise Interrupted(SIGNALLED[0])
 
 
 def through_door(read: Callable[..., Any], *args: Any) -> Any:

@@ -91,6 +91,7 @@ def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature
                         torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype,
                         length=len(todo) + max_new_tokens)  # not a whole (maybe huge) context for a short run
     for _ in range(max_new_tokens):
+        common.stop_if_signalled()  # a Ctrl-C an import swallowed (run_main's handlers; never in a notebook)
         if cache is None:
             todo = ids[-block:]
         elif cache.pos + len(todo) > cache.length:  # the window is full: re-prefill from its last half

@@ -549,7 +549,8 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
     for extra in (["--overwrite"], ["--resume=auto"]):
         shutil.rmtree(tmp_path / "o", ignore_errors=True)
         (tmp_path / "o" / "log.jsonl").mkdir(parents=True)
-        refused(train.main, flags + extra, "log.jsonl is a link, a folder or a special file", monkeypatch, capsys, tmp_path / "o")
+        refused(train.main, flags + extra, "log.jsonl is a link, a folder or a special file", monkeypatch, capsys,
+                tmp_path / "o")
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     refused(bpe.main, [f"--out={tmp_path / 'tok.json'}", "--vocab_size=300"], "is not writable", monkeypatch,
             capsys, tmp_path)
