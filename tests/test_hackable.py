@@ -5,6 +5,7 @@ data stream; the scored count of an encoder is one function's; the random stream
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_ckpt, read_log, save_ckpt, snapshot, tiny_config
+from helpers import read_ckpt, read_log, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import common
@@ -186,29 +187,55 @@ def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_d
     assert train_py.read_text().count(line) == 1
     train_py.write_text(train_py.read_text().replace(
         line, line + '\n    probe_every: int = field(default=3, metadata={"range": (1, 8)})', 1))
+    (fork / "c.toml").write_text("probe_every = 0\n")
     flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--eval_interval=1",
              "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-
-    def run(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
-                              env=env, timeout=300)
-    helped = subprocess.run([sys.executable, "train.py", "--help"], cwd=fork, capture_output=True, text=True, env=env)
-    assert "--probe_every" in helped.stdout and "default: 3, in [1, 8]" in helped.stdout
-    assert "--probe_every must be in [1, 8], got 9" in run("--probe_every=9", "--out_dir=b").stderr
-    (fork / "c.toml").write_text("probe_every = 0\n")
-    assert "--probe_every must be in [1, 8], got 0" in run("--config=c.toml", "--out_dir=b").stderr
+    steps = [["--help"], ["--probe_every=9", "--out_dir=b"], ["--config=c.toml", "--out_dir=b"],
+             ["--probe_every=5", "--max_iters=1", "--out_dir=a"], ["--resume", "--max_iters=2", "--out_dir=a"],
+             "set 99", ["--resume", "--max_iters=3", "--out_dir=a"]]
+    done = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(flags), json.dumps(steps)], cwd=fork,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                          timeout=300)
+    helped, too_big, config_file, trained, resumed, saved, refused = json.loads(done.stdout.splitlines()[-1])
+    assert "--probe_every" in helped[1] and "default: 3, in [1, 8]" in helped[1]
+    assert too_big[0] == 2 and "--probe_every must be in [1, 8], got 9" in too_big[2]
+    assert config_file[0] == 2 and "--probe_every must be in [1, 8], got 0" in config_file[2]
     assert not (fork / "b").exists()
-    assert run("--probe_every=5", "--max_iters=1", "--out_dir=a").returncode == 0
-    path = fork / "a" / "ckpt.safetensors"
-    assert doors.checkpoint_file(path)["train_config"]["probe_every"] == 5
-    resumed = run("--resume", "--max_iters=2", "--out_dir=a")  # not given: the run's own 5, not the default 3
-    assert resumed.returncode == 0 and doors.checkpoint_file(path)["train_config"]["probe_every"] == 5
-    ckpt = doors.checkpoint_file(path)
-    ckpt["train_config"]["probe_every"] = 99
-    save_ckpt(ckpt, path)
-    refused = run("--resume", "--max_iters=3", "--out_dir=a")
-    assert refused.returncode == 2 and "train_config.probe_every is 99, outside [1, 8]" in refused.stderr
+    assert trained[0] == 0 and trained[3] == 5
+    assert resumed[0] == 0 and resumed[3] == 5  # not given: the run's own 5, not the default 3
+    assert saved == "set 99"
+    assert refused[0] == 2 and "train_config.probe_every is 99, outside [1, 8]" in refused[2]
+
+
+# One process runs each step of a fork's commands as `python train.py ARGV` would (run_main: exit code, stdout,
+# stderr), and reads the checkpoint's probe_every after each: one start-up of torch, not seven
+FORK_DRIVER = """
+import contextlib, io, json, sys
+sys.path.insert(0, "tests")
+import common, doors, train
+from helpers import save_ckpt
+flags, steps, said = json.loads(sys.argv[1]), json.loads(sys.argv[2]), []
+for argv in steps:
+    if argv == "set 99":
+        ckpt = doors.checkpoint_file("a/ckpt.safetensors")
+        ckpt["train_config"]["probe_every"] = 99
+        save_ckpt(ckpt, "a/ckpt.safetensors")
+        said.append(argv)
+        continue
+    sys.argv = ["train.py", *(argv if argv == ["--help"] else [*flags, *argv])]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            common.run_main(train.main)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    saved = None
+    with contextlib.suppress(Exception):
+        saved = doors.checkpoint_file("a/ckpt.safetensors")["train_config"].get("probe_every")
+    said.append([code, out.getvalue(), err.getvalue(), saved])
+print(json.dumps(said))
+"""
 
 
 # ------------------------------------------------------------------------------------------ the optimizer
