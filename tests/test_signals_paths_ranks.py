@@ -81,7 +81,7 @@ def signal_table(seed: int, rows: int) -> list[tuple[str, signal.Signals, float]
 
 SIGNAL_ROWS = [  # the probe's cases: SIGINT in the first second (imports); generate.py stopped by each signal
     ("generate", signal.SIGINT, 0.05), ("train", signal.SIGTERM, 0.05), ("generate", signal.SIGTERM, 5.0),
-    ("generate", signal.SIGINT, 5.0), *signal_table(42, 6)]
+    ("generate", signal.SIGINT, 5.0), *signal_table(42, 3)]
 
 
 def script_started(proc: subprocess.Popen, timeout: float = 60) -> float:

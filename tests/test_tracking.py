@@ -273,7 +273,4 @@ def test_a_trackers_file_no_run_recorded_writing_is_refused_and_kept(tiny_data_d
     train.train(tiny_config(tiny_data_dir, out, tensorboard=True, **{**SMALL, "max_iters": 1}))
     written = [json.loads(line) for line in (out / "tracked.jsonl").read_text().splitlines()]
     assert written == [f"tb/{p.name}" for p in (out / "tb").iterdir()] and len(written) == 1
-    (out / "tb" / "notes.txt").write_text("mine")  # not of a tracker's kind: kept by --overwrite
-    train.train(tiny_config(tiny_data_dir, out, tensorboard=True, overwrite=True, **{**SMALL, "max_iters": 1}))
-    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1 and (out / "tb" / "notes.txt").exists()
-    assert written[0] not in [json.loads(line) for line in (out / "tracked.jsonl").read_text().splitlines()]
+    # --overwrite removes the recorded file and keeps the rest: test_tensorboard_holds_log_jsonl_and_a_resume_...
