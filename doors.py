@@ -297,6 +297,8 @@ def print_help(cls: type, hints: dict[str, Any]) -> None:
             bounds = field_meta(cls, f.name).get("range")
             low, high, ends = (*bounds, "[]")[:3] if bounds else (0, 0, "")
             shown = f", in {ends[0]}{low:g}, {high:g}{ends[1]}" if bounds else ""
+            if bounds and high == math.inf:  # "lr: > 0", not "in (0, inf]"
+                shown = f", {'>' if ends[0] == '(' else '>='} {low:g}"
             print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}{shown}")
 
 
