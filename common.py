@@ -142,6 +142,8 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
             print(STOP_LINES.get(signum, "interrupted"), file=sys.stderr)
         sys.exit(128 + signum)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if peer_failed(e):
+            fail(f"another rank of this job stopped ({first_line(e)[:160]}); its own line says why")
         if not out_of_memory(e):
             raise
         script = Path(getattr(main, "__globals__", {}).get("__file__") or "").stem
@@ -151,6 +153,13 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
         sys.stdout = stdout
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def peer_failed(error: BaseException) -> bool:
+    """A collective that failed because another rank of the job is gone (it stopped on its own error)."""
+    text = str(error)
+    return torch.distributed.is_initialized() and (isinstance(error, torch.distributed.DistError) or any(
+        words in text for words in ("Connection closed by peer", "Connection reset by peer", "remote worker")))
 
 
 def fail(message: str) -> None:

@@ -303,3 +303,30 @@ def test_without_torchrun_there_is_no_process_group(monkeypatch):
     assert common.init_distributed(torch.device("cpu")) == torch.device("cpu")
     assert not torch.distributed.is_initialized() and common.world_size() == 1 and common.is_main_process()
     assert common.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+PEER_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import common, torch
+def main(argv):
+    common.init_distributed(torch.device("cpu"))
+    if common.rank() == 1:
+        raise common.UserError("a setting this rank refuses")
+    common.all_reduce_sum(torch.ones(1))  # rank 0 waits for a rank that is gone
+common.run_main(main)
+"""
+
+
+def test_a_rank_that_fails_ends_the_job_in_one_line_on_every_rank(tmp_path):
+    """Issue 42, contract 8: rank 1 stops on its own error; rank 0, in a collective with it, says in one line that
+    another rank stopped (it printed gloo's traceback), and both exit 2."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, str(ROOT)], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
+    said = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2]
+    assert said[1].strip() == "error (rank 1): a setting this rank refuses"
+    assert said[0].count("\n") == 1 and said[0].startswith("error (rank 0): another rank of this job stopped"), said[0]
