@@ -163,17 +163,11 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
     model_py.write_text(source.replace(line, line + '\n    mlp: Literal["gelu", "swiglu"] = "gelu"', 1))
     flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--max_iters=1", "--eval_interval=1",
              "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-
-    def run(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "train.py", *flags, *extra], cwd=fork, capture_output=True, text=True,
-                              env=env, timeout=300)
-    assert run("--mlp=swiglu", "--out_dir=a").returncode == 0
-    assert doors.checkpoint_file(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
-    bad = run("--mlp=relu", "--out_dir=b")
-    assert bad.returncode == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad.stderr
-    other = run("--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c")
-    assert other.returncode == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other.stderr
+    trained, bad, other = run_fork(fork, flags, [["--mlp=swiglu", "--out_dir=a"], ["--mlp=relu", "--out_dir=b"],
+                                                 ["--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c"]])
+    assert trained[0] == 0 and doors.checkpoint_file(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
+    assert bad[0] == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad[2]
+    assert other[0] == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other[2]
 
 
 def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_data_dir, tmp_path):
@@ -193,10 +187,7 @@ def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_d
     steps = [["--help"], ["--probe_every=9", "--out_dir=b"], ["--config=c.toml", "--out_dir=b"],
              ["--probe_every=5", "--max_iters=1", "--out_dir=a"], ["--resume", "--max_iters=2", "--out_dir=a"],
              "set 99", ["--resume", "--max_iters=3", "--out_dir=a"]]
-    done = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(flags), json.dumps(steps)], cwd=fork,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-                          timeout=300)
-    helped, too_big, config_file, trained, resumed, saved, refused = json.loads(done.stdout.splitlines()[-1])
+    helped, too_big, config_file, trained, resumed, saved, refused = run_fork(fork, flags, steps)
     assert "--probe_every" in helped[1] and "default: 3, in [1, 8]" in helped[1]
     assert too_big[0] == 2 and "--probe_every must be in [1, 8], got 9" in too_big[2]
     assert config_file[0] == 2 and "--probe_every must be in [1, 8], got 0" in config_file[2]
@@ -207,8 +198,17 @@ def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_d
     assert refused[0] == 2 and "train_config.probe_every is 99, outside [1, 8]" in refused[2]
 
 
+def run_fork(fork: Path, flags: list[str], steps: list) -> list:
+    """Each step in one process of the fork (FORK_DRIVER): one start-up of torch, not one a command."""
+    done = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(flags), json.dumps(steps)], cwd=fork,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 # One process runs each step of a fork's commands as `python train.py ARGV` would (run_main: exit code, stdout,
-# stderr), and reads the checkpoint's probe_every after each: one start-up of torch, not seven
+# stderr), and reads the checkpoint's probe_every after each ("set 99" writes 99 there)
 FORK_DRIVER = """
 import contextlib, io, json, sys
 sys.path.insert(0, "tests")
