@@ -164,8 +164,8 @@ def check_config(cfg: CompareConfig) -> None:
                         "without a sweep pass --seed")
     if cfg.tensorboard or cfg.wandb:  # before any work, as train.py's check would be only at the first run
         need_extra("tracking", "--tensorboard and --wandb")
-        from tracking import check_packages
-        check_packages(cfg)
+        from tracking import check_tracking
+        check_tracking(cfg)
     bounded(cfg, "negatives_batch_sizes", 1, 1 << 20)
     in_range(cfg, "seeds", 0, 2**32 - 1)
     for name in ("negatives_batch_sizes", "seeds"):

@@ -46,7 +46,7 @@ FOLDERS = {"tensorboard": ("tb", ("events.out.tfevents.*",)),
 WRITTEN = "tracked.jsonl"  # in out_dir: each name tracking created in those folders, relative to out_dir
 
 
-def check_packages(cfg: Any) -> None:
+def check_tracking(cfg: Any) -> None:
     """Before any work: a tracking flag whose package is missing is one line naming its pip install; a tracker's
     folder holding a file of its kind that no run here recorded writing is refused (never deleted, never mixed)."""
     for package in FOLDERS:

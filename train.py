@@ -134,8 +134,8 @@ def check_config(cfg: TrainConfig) -> None:
         common.need_extra("mixing", "--dataset=A,B,...")
     if cfg.tensorboard or cfg.wandb:
         common.need_extra("tracking", "--tensorboard and --wandb")
-        from tracking import check_packages
-        check_packages(cfg)
+        from tracking import check_tracking
+        check_tracking(cfg)
     if cfg.untied_head and cfg.loss not in ("ce", "ce+cwt"):
         raise UserError(f"--untied_head gives cross-entropy its own output matrix; --loss={cfg.loss} has none")
     if cfg.freeze_body and not (cfg.add_lm_head or cfg.loss == "nce"):
