@@ -20,11 +20,10 @@ from __future__ import annotations
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
 
 # isort: split
-import dataclasses
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from tqdm import tqdm
 from common import (
     DeviceName,
     UserError,
-    bounded,
     checkpoint_model,
     config_path,
     declare_io,
@@ -46,6 +44,7 @@ from common import (
     parse_flags,
     pick_device,
     run_main,
+    within_ranges,
 )
 from data import (
     BatchSampler,
@@ -64,13 +63,18 @@ from train import TrainConfig
 
 @dataclass
 class AnalyzeConfig:
-    ckpts: list[str] = dataclasses.field(default_factory=list)  # checkpoints to put side by side (required)
-    data_root: str = "data"  # where each checkpoint's dataset is read (prepared if it is the built-in one)
-    tokens: int = 4096  # validation positions whose final hidden states are measured
-    words: list[str] = dataclasses.field(default_factory=lambda: ["king", "love", "death", "night", "sweet"])  # or none
-    device: DeviceName = "auto"
-    json: str = ""  # one row per checkpoint
-    plot: str = ""  # spectra, row norms and drift, validation CE by frequency bin (needs matplotlib)
+    ckpts: list[str] = field(default_factory=list, metadata={
+        "help": "the checkpoints to put side by side, comma-separated (required)"})
+    data_root: str = field(default="data", metadata={
+        "help": "where each checkpoint's dataset is read (prepared if it is the built-in one)"})
+    tokens: int = field(default=4096, metadata={  # at most 2^20 positions: a few GB of hidden states at d 768
+        "range": (2, 1 << 20), "help": "validation positions whose final hidden states are measured"})
+    words: list[str] = field(default_factory=lambda: ["king", "love", "death", "night", "sweet"], metadata={
+        "help": "words whose nearest neighbours in E are listed; empty: none"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    json: str = field(default="", metadata={"help": "also write one row per checkpoint to this file"})
+    plot: str = field(default="", metadata={
+        "help": "an image of the spectra, row norms and drift, validation CE by frequency bin (matplotlib)"})
 
 
 NEIGHBOURS = 5  # nearest neighbours shown per word
@@ -535,7 +539,7 @@ def check_config(cfg: AnalyzeConfig) -> None:
                         "out/ckpt.safetensors,out-ce/ckpt.safetensors)")
     if repeated := sorted({c for c in cfg.ckpts if cfg.ckpts.count(c) > 1}):
         raise UserError(f"--ckpts lists {', '.join(repeated)} more than once; pass each checkpoint once")
-    bounded(cfg, "tokens", 2, 1 << 20)  # hidden states of at most 2^20 positions: a few GB at d 768
+    within_ranges(cfg)
     if cfg.words == [""]:  # --words= : none
         cfg.words = []
     if "" in cfg.words:

@@ -80,11 +80,9 @@ from common import (
     all_reduce_sum,
     autocast_context,
     barrier,
-    bounded,
     config_path,
     declare_io,
     first_line,
-    in_range,
     init_distributed,
     is_main_process,
     parse_flags,
@@ -94,6 +92,7 @@ from common import (
     rank,
     refuse_idle,
     run_main,
+    within_ranges,
     world_size,
 )
 from doors import MAXIMA
@@ -110,50 +109,57 @@ MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) mi
                       "excluded)"}
 
 
+MAX_TOKENS = 1 << 22  # tokens of a measured step (a real one: ~500k, the paper's 256 x 2048)
+
+
 @dataclass
 class BenchConfig:
-    # both: loss, step, mlm
-    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val", "checkpoint", "resume"] = "both"
-    preset: PresetName = "pythia-70m"  # shape (d) for both kinds of rows
-    vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000])
-    tokens: list[int] = field(default_factory=lambda: [256, 1024])  # tokens per micro-batch, loss rows
-    variants: list[str] = field(default_factory=lambda: ["ce", "cwt", "cwt-unique", "cwt-k256"])
-    step_tokens: list[int] = field(default_factory=lambda: [256])  # tokens per micro-batch, step rows
-    step_variants: list[str] = field(default_factory=lambda: ["ce", "cwt"])
-    block_size: int = 256  # step rows: sequences of this length, batch = tokens // block_size
-    max_logits: int = 1 << 26  # skip configurations whose CE logits (scored tokens x V) exceed this
-    warmup: int = 1
-    repeats: int = 3
-    memory: bool = True
-    device: DeviceName = "auto"
-    dtype: DtypeName = "auto"
-    seed: int = 0
-    json: str = ""
-    plot: str = ""
-    quick: bool = False  # a small grid: fills the settings not given on the command line
-    gpu_check: bool = False  # run the GPU check instead (gpu_check); without CUDA or with --device=cpu, its dry run
-    check_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # --gpu_check's torch.compile backend
-    check_presets: list[PresetName] = field(default_factory=list)  # --gpu_check's step rows (CHECK_PRESETS)
-    vocab_sweep: list[int] = field(default_factory=list)  # V sizes: CE vs CWT across vocabularies (run_vocab_sweep)
-    negatives_sweep: list[str] = field(default_factory=list)  # k, unique, all: CWT's cost (run_negatives_sweep)
-    val_chunk: int = 1024  # --mode=val: rows scored at a time by the chunked validation pass
-    chunked_ref: str = ""  # loss rows: another chunked.py, timed beside this one as '<variant>@ref' (-chunkN ones)
-
-
-MAX_TOKENS = 1 << 22  # tokens of a measured step (a real one: ~500k, the paper's 256 x 2048)
+    mode: Literal["both", "loss", "step", "mlm", "data", "ddp", "val", "checkpoint", "resume"] = field(
+        default="both", metadata={"help": "what to measure (the docstring above); both: loss and step rows"})
+    preset: PresetName = field(default="pythia-70m", metadata={"help": "the model's shape (d) for every row"})
+    vocab: list[int] = field(default_factory=lambda: [8192, 32768, 50304, 100352, 256000], metadata={
+        "range": (2, MAXIMA["vocab_size"]), "help": "vocabulary sizes V"})
+    tokens: list[int] = field(default_factory=lambda: [256, 1024], metadata={
+        "range": (1, MAX_TOKENS), "help": "tokens per micro-batch, loss rows"})
+    variants: list[str] = field(default_factory=lambda: ["ce", "cwt", "cwt-unique", "cwt-k256"], metadata={
+        "help": "loss rows: ce, cwt, cwt-unique, cwt-kN or cwt-unique-kN, each optionally with -chunkN"})
+    step_tokens: list[int] = field(default_factory=lambda: [256], metadata={
+        "range": (1, MAX_TOKENS), "help": "tokens per micro-batch, step rows"})
+    step_variants: list[str] = field(default_factory=lambda: ["ce", "cwt"], metadata={
+        "help": "step rows' variants, as --variants"})
+    block_size: int = field(default=256, metadata={
+        "range": (1, MAXIMA["block_size"]), "help": "step rows: the length of each sequence of a micro-batch"})
+    max_logits: int = field(default=1 << 26, metadata={
+        "range": (1, 2**62), "help": "skip configurations whose CE logits (scored tokens x V) exceed this"})
+    warmup: int = field(default=1, metadata={"range": (0, 10**6), "help": "untimed steps before the timed ones"})
+    repeats: int = field(default=3, metadata={"range": (1, 10**6), "help": "timed steps of each variant"})
+    memory: bool = field(default=True, metadata={"help": "also measure each step's extra memory"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
+    seed: int = field(default=0, metadata={"range": (0, 2**32 - 1), "help": "the random inputs' seed"})
+    json: str = field(default="", metadata={"help": "also write the rows to this file"})
+    plot: str = field(default="", metadata={"help": "an image of the rows (matplotlib)"})
+    quick: bool = field(default=False, metadata={"help": "a small grid: fills the settings not given"})
+    gpu_check: bool = field(default=False, metadata={
+        "help": "run the GPU check instead; without CUDA or with --device=cpu, its dry run"})
+    check_backend: Literal["inductor", "aot_eager", "eager"] = field(default="inductor", metadata={
+        "help": "--gpu_check's torch.compile backend"})
+    check_presets: list[PresetName] = field(default_factory=list, metadata={
+        "help": "--gpu_check's step rows; empty: CHECK_PRESETS"})
+    vocab_sweep: list[int] = field(default_factory=list, metadata={
+        "range": (2, MAXIMA["vocab_size"]), "help": "sizes V: CE vs CWT across vocabularies"})
+    negatives_sweep: list[str] = field(default_factory=list, metadata={
+        "help": "k, unique, all: CWT's cost as its negatives grow"})
+    val_chunk: int = field(default=1024, metadata={
+        "range": (1, MAX_TOKENS), "help": "--mode=val: rows scored at a time by the chunked validation pass"})
+    chunked_ref: str = field(default="", metadata={
+        "help": "loss rows: another chunked.py, timed beside this one as '<variant>@ref'"})
 
 
 def check_config(cfg: BenchConfig) -> None:
     """Every shape and count within bounds (a model's maxima, MAX_TOKENS), every variant valid and given once."""
-    for name in ("tokens", "step_tokens", "val_chunk"):
-        bounded(cfg, name, 1, MAX_TOKENS)
-    bounded(cfg, "block_size", 1, MAXIMA["block_size"])
-    bounded(cfg, "max_logits", 1, 2**62)
-    bounded(cfg, "repeats", 1, 10**6)
-    bounded(cfg, "warmup", 0, 10**6)
-    bounded(cfg, "vocab", 2, MAXIMA["vocab_size"])
-    bounded(cfg, "vocab_sweep", 2, MAXIMA["vocab_size"])
-    in_range(cfg, "seed", 0, 2**32 - 1)
+    within_ranges(cfg)
     for name in ("vocab", "tokens", "variants", "step_tokens", "step_variants", "vocab_sweep"):
         values = getattr(cfg, name)
         if not values and name != "vocab_sweep":

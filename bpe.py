@@ -28,11 +28,12 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import UserError, atomic_file, config_path, declare_io, first_line, local_source, parse_flags, run_main
+from doors import MAXIMA
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges
@@ -42,7 +43,6 @@ _BPE_NAME = re.compile(r"bpe:([0-9]{1,8})")  # ASCII digits (\d takes "２５７
 def parse_bpe_name(name: str) -> int | None:
     """The N of a "bpe:N" tokenizer name; None for any other name (gpt2, hf:..., a tokenizer.json). N is a size
     a real vocabulary could have (doors.MAXIMA), checked before any work: the trainer aborts on absurd ones."""
-    from doors import MAXIMA
     if not name.startswith("bpe:"):
         return None
     match = _BPE_NAME.fullmatch(name)
@@ -156,12 +156,16 @@ def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Pa
 
 @dataclass
 class MixConfig:
-    sources: str = "shakespeare"  # comma-separated sources, as data.py's --dataset takes them
-    vocab_size: int = 32768
-    mix_alpha: float = 0.3  # each source's share of the text ~ its bytes^alpha (XLM-R's 0.3)
-    docs_per_source: int = 20_000  # read at most this many training documents of each source
-    text_field: str = "text"
-    out: str = "tokenizer.json"
+    sources: str = field(default="shakespeare", metadata={
+        "help": "comma-separated sources, as data.py's --dataset takes them"})
+    vocab_size: int = field(default=32768, metadata={"range": (MIN_VOCAB, MAXIMA["vocab_size"]),
+                                                     "help": "tokens of the BPE, the 256 bytes and EOT included"})
+    mix_alpha: float = field(default=0.3, metadata={  # XLM-R's 0.3
+        "range": (0, 1, "(]"), "help": "each source's share of the text ~ its bytes^alpha"})
+    docs_per_source: int = field(default=20_000, metadata={
+        "range": (1, 1 << 40), "help": "read at most this many training documents of each source"})
+    text_field: str = field(default="text", metadata={"help": "the column holding the text (.jsonl, .parquet, hub)"})
+    out: str = field(default="tokenizer.json", metadata={"help": "the tokenizer.json to write"})
 
 
 def mixed_documents(sources: list[list[str]], alpha: float) -> list[str]:
@@ -186,14 +190,9 @@ def main(argv: list[str]) -> None:
     """python bpe.py --sources=A,B,C --vocab_size=N --out=DIR/tokenizer.json: one byte-level BPE for a mix of
     sources, then `python data.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
     from data import PrepareConfig, documents
-    from doors import MAXIMA
     cfg = parse_flags(MixConfig, argv)
     declare_io(reads={"--sources": [local_source(s) for s in cfg.sources.split(",")],
                       "--config": config_path(argv)}, writes={"--out": cfg.out}, kinds={"--out": "tokenizer"})
-    if not 0 < cfg.mix_alpha <= 1 or cfg.docs_per_source < 1:
-        raise UserError("--mix_alpha must be in (0, 1] and --docs_per_source at least 1")
-    if not MIN_VOCAB <= cfg.vocab_size <= MAXIMA["vocab_size"]:
-        raise UserError(f"--vocab_size must be from {MIN_VOCAB} to {MAXIMA['vocab_size']:,}, got {cfg.vocab_size}")
     per_source = []
     for source in cfg.sources.split(","):
         items = documents(PrepareConfig(dataset=source, text_field=cfg.text_field))[1]

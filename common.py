@@ -323,20 +323,17 @@ def format_metric(value: float | None, digits: int = 4) -> str:
 
 def in_range(cfg: Any, name: str, low: float = -math.inf, high: float = math.inf, ends: str = "[]") -> None:
     """Refuse cfg.<name> (each item of a list; None is unset) if it is not finite or lies outside low..high;
-    `ends` says whether each end is included: "[]", "[)", "(]" or "()". (A dataclass field declares its own
-    range instead: doors.field_rules.)"""
+    `ends` says whether each end is included: "[]", "[)", "(]" or "()". For a bound that depends on other settings
+    or files (min_lr <= lr, a checkpoint's context); a field declares its own range instead (within_ranges)."""
     if why := doors.bound_problem(getattr(cfg, name), low, high, ends):
         raise UserError(f"--{name} {why}")
 
 
-def bounded(cfg: Any, name: str, low: float, most: float) -> None:
-    """in_range(cfg, name, low), and at most `most`: every count has an upper bound (no value a real run could
-    want lies beyond it; an absurd one would overflow, allocate or run for ever before failing)."""
-    in_range(cfg, name, low)
-    value = getattr(cfg, name)
-    for v in [x for x in (value if isinstance(value, list) else [value]) if x is not None]:
-        if v > most:
-            raise UserError(f"--{name} must be at most {most:,}, got {v}")
+def within_ranges(cfg: Any) -> None:
+    """Refuse the first setting of `cfg` outside its field's declared range (doors.field_rules): the flags' door
+    checks them as they are given; this checks settings built in code the same way."""
+    if why := doors.settings_problem(cfg):
+        raise UserError(why)
 
 
 # Device, precision, and processes (torchrun starts one per GPU; without it, this is rank 0 of 1)

@@ -41,7 +41,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +53,10 @@ from common import (
     Interrupted,
     UserError,
     barrier,
-    bounded,
     checkpoint_model,
     config_path,
     declare_io,
     format_metric,
-    in_range,
     init_distributed,
     is_main_process,
     load_checkpoint,
@@ -70,6 +68,7 @@ from common import (
     refuse_idle,
     run_main,
     through_door,
+    within_ranges,
 )
 from data import (
     BatchSampler,
@@ -106,35 +105,47 @@ from train import (
 @dataclass
 class CompareConfig(ModelSettings):
     """compare.py's settings; the model's (train.py's ModelSettings) are inherited, and given to every run."""
-    preset: PresetName = "tiny"
-    dataset: str = "shakespeare"
-    data_root: str = "data"
+    preset: PresetName = field(default="tiny", metadata={"help": "the model's shape (model.py), for every run"})
+    dataset: str = field(default="shakespeare", metadata={
+        "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (data.py)"})
+    data_root: str = field(default="data", metadata={"help": "where data.py put the datasets"})
     block_size: int = 128
-    batch_size: int = 8
-    ce_iters: int = 240  # length of the CE run: sets the FLOP budget both models get
-    finetune_fraction: float = 0.02  # CWT's head fine-tune, in pre-training tokens (paper: 2%)
-    lr: float = 1e-3
-    warmup_fraction: float = 0.1
-    evals: int = 6  # validation points per pre-training run
-    eval_batches: int = 4
-    lambada: str = ""  # LAMBADA .jsonl for eval.py; skipped when empty
-    out_dir: str = "out-compare"
-    device: DeviceName = "auto"
-    dtype: DtypeName = "auto"
-    seed: int = 1337
-    json: str = ""
-    plot: str = ""
-    quick: bool = False  # a few steps, for tests
-    resume: bool = False  # skip the runs in out_dir that finished; continue an interrupted one
-    overwrite: bool = False  # start every run in out_dir over
-    vocab_sizes: list[int] = dataclasses.field(default_factory=list)  # BPE sizes: one experiment per size
-    negatives_sweep: list[str] = dataclasses.field(default_factory=list)  # k values, unique, all: at --batch_size
-    negatives_batch_sizes: list[int] = dataclasses.field(default_factory=list)  # CE and CWT (all) at each size
-    seeds: list[int] = dataclasses.field(default_factory=list)  # each point of a negatives sweep once per seed
-    tensorboard: bool = False  # each run's records to its out_dir/tb (tracking.py)
-    wandb: bool = False  # ... and to Weights & Biases, a W&B run per run
-    wandb_project: str = "headless-lm"
-    wandb_run_name: str = ""  # NAME: the runs are NAME/ce, NAME/cwt, ...; default: their folders
+    batch_size: int = field(default=8, metadata={"range": (1, 1 << 20), "help": "sequences per micro-batch"})
+    ce_iters: int = field(default=240, metadata={
+        "range": (1, 10**9), "help": "steps of the CE run: they set the FLOP budget both models get"})
+    finetune_fraction: float = field(default=0.02, metadata={
+        "range": (0, 1, "(]"), "help": "CWT's LM-head fine-tune, a share of its pre-training tokens (paper: 2%)"})
+    lr: float = field(default=1e-3, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
+    warmup_fraction: float = field(default=0.1, metadata={"range": (0, 1),
+                                                          "help": "warmup steps, a share of each run's steps"})
+    evals: int = field(default=6, metadata={"range": (1, 10**6), "help": "validation points per pre-training run"})
+    eval_batches: int = field(default=4, metadata={"range": (1, 10**9), "help": "micro-batches of a validation"})
+    lambada: str = field(default="", metadata={"help": "a LAMBADA .jsonl to score every model on; empty: skipped"})
+    out_dir: str = field(default="out-compare", metadata={"help": "the runs' folder: one folder per run"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
+    seed: int = field(default=1337, metadata={"range": (0, 2**32 - 1),  # numpy's generators take no negative seed
+                                              "help": "every run's seed: initial weights, batches"})
+    json: str = field(default="", metadata={"help": "also write the results to this file"})
+    plot: str = field(default="", metadata={"help": "an image of the curves (matplotlib)"})
+    quick: bool = field(default=False, metadata={"help": "a few steps, for tests"})
+    resume: bool = field(default=False, metadata={
+        "help": "skip the runs in out_dir that finished; continue an interrupted one"})
+    overwrite: bool = field(default=False, metadata={"help": "start every run in out_dir over"})
+    vocab_sizes: list[int] = field(default_factory=list, metadata={  # each at least bpe.MIN_VOCAB: run_vocab_sweep
+        "range": (1, MAXIMA["vocab_size"]), "help": "BPE sizes: the experiment once per vocabulary size"})
+    negatives_sweep: list[str] = field(default_factory=list, metadata={
+        "help": "CWT's negatives: k values, unique, all, each at --batch_size (docs/negatives.md)"})
+    negatives_batch_sizes: list[int] = field(default_factory=list, metadata={
+        "range": (1, 1 << 20), "help": "CE and CWT (all negatives) at each of these batch sizes"})
+    seeds: list[int] = field(default_factory=list, metadata={
+        "range": (0, 2**32 - 1), "help": "each point of a negatives sweep once per seed"})
+    tensorboard: bool = field(default=False, metadata={"help": "each run's records to its out_dir/tb (tracking.py)"})
+    wandb: bool = field(default=False, metadata={"help": "each run's records to Weights & Biases, a W&B run each"})
+    wandb_project: str = field(default="headless-lm", metadata={"help": "the W&B project"})
+    wandb_run_name: str = field(default="", metadata={
+        "help": "NAME: the W&B runs are NAME/ce, NAME/cwt, ...; empty: their folders"})
 
 
 RUNS = ("ce", "cwt", "cwt-ft")  # out_dir's folders, in the order they run
@@ -147,13 +158,7 @@ SAME_RUN = ("dataset", "preset", "batch_size", "loss", "lr", "min_lr", "warmup_i
 def check_config(cfg: CompareConfig) -> None:
     """Every setting within bounds, and every run's settings as train.py checks them, before any work: a bad
     seed of a sweep is refused before the first point trains."""
-    for name, most in (("batch_size", 1 << 20), ("ce_iters", 10**9), ("evals", 10**6), ("eval_batches", 10**9)):
-        bounded(cfg, name, 1, most)
-    bounded(cfg, "block_size", 2, MAXIMA["block_size"])
-    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
-    in_range(cfg, "finetune_fraction", 0, 1, "(]")
-    in_range(cfg, "lr", 0, ends="(]")
-    in_range(cfg, "warmup_fraction", 0, 1)
+    within_ranges(cfg)
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume continues the runs in --out_dir and --overwrite starts them over: pass one")
     negatives = bool(cfg.negatives_sweep or cfg.negatives_batch_sizes)
@@ -166,8 +171,6 @@ def check_config(cfg: CompareConfig) -> None:
         need_extra("tracking", "--tensorboard and --wandb")
         from tracking import check_tracking
         check_tracking(cfg)
-    bounded(cfg, "negatives_batch_sizes", 1, 1 << 20)
-    in_range(cfg, "seeds", 0, 2**32 - 1)
     for name in ("negatives_batch_sizes", "seeds"):
         values = getattr(cfg, name)
         if repeated := sorted({v for v in values if values.count(v) > 1}):

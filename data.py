@@ -119,22 +119,29 @@ def clean_play(markdown: str) -> str:
 
 @dataclass
 class PrepareConfig:
-    dataset: str = "shakespeare"  # "shakespeare", a Hugging Face id, or a local file/folder
-    subset: str | None = None  # Hugging Face config name, e.g. sample-10BT for fineweb-edu
-    split: str = "train"  # which split of the source to read
-    val_split: Literal["auto", "hash"] = "auto"  # auto: the source's own validation split, if it has one
-    text_field: str = "text"  # column holding the text (.jsonl, .parquet, hub datasets)
-    tokenizer: str = "gpt2"
-    # share of the documents' bytes held out for validation (by hash)
-    val_fraction: float = field(default=0.05, metadata={"range": (0, 1, "()")})
-    max_docs: int | None = field(default=None, metadata={"range": (1, 1 << 50)})  # stop after this many documents
-    # stop after the document that reaches this many tokens
-    max_tokens: int | None = field(default=None, metadata={"range": (1, 1 << 50)})
-    num_proc: int = field(default=1, metadata={"range": (1, 1024)})  # tokeniser processes
-    # bpe:N learns from at most this many of the source's training documents
-    tokenizer_docs: int = field(default=100_000, metadata={"range": (1, 1 << 50)})
-    name: str | None = None  # the dataset's folder under data_root; default: from the source and tokenizer
-    data_root: str = "data"
+    dataset: str = field(default="shakespeare", metadata={
+        "help": "the built-in shakespeare, a Hugging Face dataset id, or a local file or folder (corpora.py)"})
+    subset: str | None = field(default=None, metadata={
+        "help": "the Hugging Face dataset's config name, e.g. sample-10BT for fineweb-edu"})
+    split: str = field(default="train", metadata={"help": "which split of the source to read"})
+    val_split: Literal["auto", "hash"] = field(default="auto", metadata={
+        "help": "auto: the source's own validation split, if it has one; hash: by --val_fraction"})
+    text_field: str = field(default="text", metadata={
+        "help": "the column holding the text (.jsonl, .parquet, hub datasets)"})
+    tokenizer: str = field(default="gpt2", metadata={
+        "help": "gpt2, bpe:N (learned from the source), a tokenizer.json file, or hf:ORG/NAME"})
+    val_fraction: float = field(default=0.05, metadata={
+        "range": (0, 1, "()"), "help": "share of the documents' bytes held out for validation (by hash)"})
+    max_docs: int | None = field(default=None, metadata={"range": (1, 1 << 50),
+                                                         "help": "stop after this many documents"})
+    max_tokens: int | None = field(default=None, metadata={
+        "range": (1, 1 << 50), "help": "stop after the document that reaches this many tokens"})
+    num_proc: int = field(default=1, metadata={"range": (1, 1024), "help": "tokenizer processes"})
+    tokenizer_docs: int = field(default=100_000, metadata={
+        "range": (1, 1 << 50), "help": "bpe:N learns from at most this many of the source's training documents"})
+    name: str | None = field(default=None, metadata={
+        "help": "the dataset's folder under data_root; none: named from the source and tokenizer"})
+    data_root: str = field(default="data", metadata={"help": "where prepared datasets are written"})
 
 
 def split_by_hash(docs: Iterable[str], fraction: float) -> Iterator[tuple[str, str, bool]]:

@@ -155,13 +155,15 @@ def tokenizer_text(data: bytes, where: str, fix: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- settings
 
-# A setting's rule is declared once, on its dataclass field: its type hint, and in the field's metadata
-#   "range": (low, high) or (low, high, ends): a number's bounds, `ends` "[]" (the default), "(]", "[)" or "()"
+# A setting's rule and meaning are declared once, on its dataclass field: its type hint, and in the field's metadata
+#   "help": what it means, one line (--help shows it beside the type, default and range; docs/training.md's table)
+#   "range": (low, high) or (low, high, ends): a number's bounds (each of a list's), `ends` "[]" (the default),
+#       "(]", "[)" or "()"
 #   "resume": what --resume does with it (train.resumed_settings): "kept" (the default: the run's own unless given,
 #       a given one applies from there on), "same" (a given one must be the run's own: another value is another
 #       experiment), "here" (this command's: where files are, the device, --resume itself)
 # The flag, a --config file, --help and a checkpoint's train_config / model_config all follow it (field_rules). A
-# subclass that redeclares a field to change its default keeps the base field's rule (field_meta).
+# subclass that redeclares a field to change its default keeps the base field's rule and meaning (field_meta).
 
 
 def field_meta(cls: type, name: str) -> dict[str, Any]:
@@ -195,26 +197,28 @@ def config_file(path: str | Path) -> dict[str, Any]:
 UNSET = (None, "", "none", "None", "null")  # what an optional field takes as null when no other member takes it
 
 
-def coerce(key: str, raw: Any, kind: Any) -> Any:
-    """A flag or config value as the field's type, or a refusal saying what is expected. A union takes the value
-    as its first member that can (`--qk_norm=none` is the Literal's "none" where it has one), else as null."""
+def coerce(key: str, raw: Any, kind: Any, where: str = "") -> Any:
+    """A flag or config value as the field's type, or a refusal saying what is expected, naming the value where the
+    user gave it (`where`: "--key", the default, or "config file PATH: key"). A union takes the value as its first
+    member that can (`--qk_norm=none` is the Literal's "none" where it has one), else as null."""
+    said = f"{where or '--' + key}={brief(raw, 200)}"
     args = typing.get_args(kind)
     if typing.get_origin(kind) is Literal:
         if raw not in args:
-            raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(map(str, args))}")
+            raise Refused(f"{said} is not valid; choose one of: {', '.join(map(str, args))}")
         return raw
     if typing.get_origin(kind) is list:  # comma-separated on the command line, a list in a config file
-        return [coerce(key, item, args[0]) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
+        return [coerce(key, item, args[0], where) for item in (raw if isinstance(raw, list) else str(raw).split(","))]
     if args:  # X | None, or bool | Literal["auto"]: the first member that takes the value
         for member in [a for a in args if a is not type(None)]:
             with contextlib.suppress(Refused):
-                return coerce(key, raw, member)
+                return coerce(key, raw, member, where)
         if type(None) in args and raw in UNSET:
             return None
         if len(args) == 2 and type(None) in args:
-            return coerce(key, raw, args[0])  # its own message
+            return coerce(key, raw, args[0], where)  # its own message
         choices = ["true", "false"] + [str(c) for a in args if typing.get_origin(a) is Literal for c in a.__args__]
-        raise Refused(f"--{key}={raw!r} is not valid; choose one of: {', '.join(choices)}")
+        raise Refused(f"{said} is not valid; choose one of: {', '.join(choices)}")
     if kind is bool and str(raw).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return str(raw).lower() in ("1", "true", "yes", "on")
     try:
@@ -222,15 +226,16 @@ def coerce(key: str, raw: Any, kind: Any) -> Any:
         if kind is bool or isinstance(raw, (bool, list, dict)) or (kind is int and float(raw) != value):
             raise ValueError
     except (TypeError, ValueError, OverflowError):
-        raise Refused(f"--{key}={raw!r} is not a valid {kind.__name__}") from None
+        raise Refused(f"{said} is not a valid {kind.__name__}") from None
     return value
 
 
 def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> tuple[Any, frozenset[str]]:
     """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file, each value of its
     field's type and within its range; and the names of the settings given (on the command line or in the file:
-    not --quick's, not the defaults). --help lists the settings. A field with metadata repeatable (generate's
-    --prompt) takes every occurrence of its flag."""
+    not --quick's, not the defaults). A refusal names the value as the user gave it: --key, or the file and its
+    key. --help lists the settings. A field with metadata repeatable (generate's --prompt) takes every occurrence
+    of its flag."""
     hints = typing.get_type_hints(cls)
     if "--help" in argv or "-h" in argv:
         print_help(cls, hints)
@@ -243,28 +248,34 @@ def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) ->
         key, sep, raw = arg[2:].partition("=")
         key = key.replace("-", "_")
         values[key] = [*values.get(key, []), raw] if key in repeat else raw if sep else "true"
+    where = {key: f"--{key}" for key in values}
     if "config" in values:
-        values = {**config_file(values.pop("config")), **values}
+        path = values.pop("config")
+        in_file = config_file(path)
+        where = {**{key: f"config file {path}: {key}" for key in in_file}, **where}
+        values = {**in_file, **values}
     for key in values:
         if key not in hints:
+            dash = "--" if where[key].startswith("--") else ""
             close = difflib.get_close_matches(key, hints, n=1)
-            raise Refused(f"unknown setting --{key}; {f'did you mean --{close[0]}? ' if close else ''}"
-                          f"valid settings: {', '.join(hints)}")
+            raise Refused(f"{where[key].removesuffix(key)}unknown setting {dash}{key}; "
+                          f"{f'did you mean {dash}{close[0]}? ' if close else ''}valid settings: {', '.join(hints)}")
     given = frozenset(values)
-    if quick and coerce("quick", values.get("quick", False), bool):  # fills defaults, never a user's flag
+    if quick and coerce("quick", values.get("quick", False), bool, where.get("quick", "")):  # fills defaults only
         values = {**quick, **values}
-    cfg = cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k])
+    cfg = cls(**{k: coerce(k, [v] if k in repeat and isinstance(v, str) else v, hints[k], where.get(k, ""))
                  for k, v in values.items()})
-    if why := settings_problem(cfg):
+    if why := settings_problem(cfg, where):
         raise Refused(why)
     return cfg, given
 
 
-def settings_problem(cfg: Any) -> str | None:
-    """The first setting of `cfg` outside its field's declared range, as its flag's message."""
+def settings_problem(cfg: Any, where: dict[str, str] | None = None) -> str | None:
+    """The first setting of `cfg` outside its field's declared range, named as the user gave it (`where`: --key, or
+    "config file PATH: key"; --key where not told)."""
     for name, (_, *bounds) in field_rules(type(cfg)).items():
         if bounds and (why := bound_problem(getattr(cfg, name), *bounds)):
-            return f"--{name} {why}"
+            return f"{(where or {}).get(name, '--' + name)} {why}"
     return None
 
 
@@ -275,15 +286,31 @@ def bound_problem(value: Any, low: float = -math.inf, high: float = math.inf, en
         if not math.isfinite(v):
             return f"must be a finite number, got {v}"
         if v < low or v > high or (v == low and ends[0] == "(") or (v == high and ends[1] == ")"):
-            shown = (f"in {ends[0]}{low:g}, {high:g}{ends[1]}" if high < math.inf else
-                     "positive" if (low, ends[0]) == (0, "(") else f"at least {low:g}")
-            return f"must be {shown}, got {v}"
+            return f"must be {shown_range(low, high, ends)}, got {v}"
     return None
+
+
+def shown_range(low: float, high: float, ends: str = "[]") -> str:
+    """A declared range as --help and the refusals show it, each end exactly as declared: "in [1, 4294967296]",
+    "in (0, 1]", an open-ended one "> 0" or ">= 0"."""
+    if high == math.inf:
+        return f"{'>' if ends[0] == '(' else '>='} {shown_number(low)}"
+    return f"in {ends[0]}{shown_number(low)}, {shown_number(high)}{ends[1]}"
+
+
+def shown_number(x: float) -> str:
+    """A bound exactly as declared: an int in all its digits, a float in its short form where that is exact (1e+12,
+    0.001), else as Python writes it back."""
+    if isinstance(x, int):
+        return str(x)
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def print_help(cls: type, hints: dict[str, Any]) -> None:
     """The script's docstring, then its settings, grouped by the dataclass that declares them (train.py's model
-    settings and objective settings each under their own heading), each with its default and range."""
+    settings and objective settings each under their own heading), each with its type, default and range, and
+    under it its meaning (the field's "help")."""
     print((sys.modules["__main__"].__doc__ or "").strip())
     groups: dict[type, list[dataclasses.Field]] = {}
     for f in dataclasses.fields(cls):
@@ -293,13 +320,11 @@ def print_help(cls: type, hints: dict[str, Any]) -> None:
         title = "settings (--key=value)" if owner is cls else (owner.__doc__ or owner.__name__).split("\n")[0]
         print(f"\n{title.rstrip('.')}:")
         for f in fields:
+            meta = field_meta(cls, f.name)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            bounds = field_meta(cls, f.name).get("range")
-            low, high, ends = (*bounds, "[]")[:3] if bounds else (0, 0, "")
-            shown = f", in {ends[0]}{low:g}, {high:g}{ends[1]}" if bounds else ""
-            if bounds and high == math.inf:  # "lr: > 0", not "in (0, inf]"
-                shown = f", {'>' if ends[0] == '(' else '>='} {low:g}"
+            shown = f", {shown_range(*meta['range'])}" if "range" in meta else ""
             print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}{shown}")
+            print(f"      {meta.get('help', '(no meaning declared)')}")
 
 
 def shown_type(hint: Any) -> str:
@@ -338,7 +363,8 @@ def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, en
         return f"is {brief(value)}, not {' or '.join(getattr(k, '__name__', 'null') for k in kinds)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
             low <= value <= high and (value != low or ends[0] == "[") and (value != high or ends[1] == "]")):
-        return f"is {brief(value)}, outside {ends[0]}{low:g}, {'inf)' if high >= BIG else f'{high:g}{ends[1]}'}"
+        top = "inf)" if high >= BIG else shown_number(high) + ends[1]
+        return f"is {brief(value)}, outside {ends[0]}{shown_number(low)}, {top}"
     return None
 
 

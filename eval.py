@@ -31,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +44,6 @@ from common import (
     DtypeName,
     UserError,
     autocast_context,
-    bounded,
     check_hub as common_check_hub,
     checkpoint_model,
     config_path,
@@ -57,6 +56,7 @@ from common import (
     pick_dtype,
     refuse_idle,
     run_main,
+    within_ranges,
 )
 from data import (
     ValSplit,
@@ -79,18 +79,27 @@ LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, co
 
 @dataclass
 class EvalConfig:
-    ckpt: str = "out/ckpt.safetensors"  # a checkpoint written by train.py or finetune.py
-    task: Literal["lambada", "val"] = "lambada"
-    data: str | None = None  # lambada: a local .jsonl ({"text": ...} per line); default: the hub dataset
-    batch_size: int | None = None  # lambada: examples per pass (16); val: the checkpoint's micro-batch
-    device: DeviceName = "auto"
-    dtype: DtypeName = "float32"  # as lm-evaluation-harness; bfloat16 (autocast) on request
-    max_examples: int | None = None  # lambada: only the first N texts (quick runs; not comparable)
-    split: Literal["train", "val"] = "val"  # val: which split of the checkpoint's dataset
-    dataset: str | None = None  # val: a prepared dataset (default: the checkpoint's), under --data_root
-    data_root: str = "data"  # where datasets are read and prepared: never taken from the checkpoint
-    max_batches: int | None = None  # val: stop after this many batches (default: the whole split)
-    json: str | None = None  # also write the results to this file
+    ckpt: str = field(default="out/ckpt.safetensors", metadata={"help": "a train.py or finetune.py checkpoint"})
+    task: Literal["lambada", "val"] = field(default="lambada", metadata={
+        "help": "lambada: last-word accuracy and perplexity; val: the validation metrics of a prepared dataset"})
+    data: str | None = field(default=None, metadata={
+        "help": "lambada: a local .jsonl ({\"text\": ...} per line); none: the hub dataset"})
+    batch_size: int | None = field(default=None, metadata={
+        "range": (1, 1 << 20), "help": "lambada: examples a pass (none: 16); val: none: the checkpoint's micro-batch"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="float32", metadata={  # as lm-evaluation-harness
+        "help": "float32; bfloat16 or float16 (autocast) on request; auto: as train.py's"})
+    max_examples: int | None = field(default=None, metadata={
+        "range": (1, 1 << 40), "help": "lambada: only the first N texts (quick runs; not comparable)"})
+    split: Literal["train", "val"] = field(default="val", metadata={
+        "help": "val: which split of the checkpoint's dataset"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "val: a prepared dataset under --data_root; none: the checkpoint's"})
+    data_root: str = field(default="data", metadata={  # never taken from the checkpoint
+        "help": "val: where datasets are read and prepared"})
+    max_batches: int | None = field(default=None, metadata={
+        "range": (1, 1 << 40), "help": "val: stop after this many batches; none: the whole split"})
+    json: str | None = field(default=None, metadata={"help": "also write the results to this file"})
 
 
 LAMBADA_BATCH = 16
@@ -296,9 +305,7 @@ def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
 
 def check_config(cfg: EvalConfig) -> None:
     """Counts within bounds, and no setting of the other task (it would change nothing)."""
-    bounded(cfg, "batch_size", 1, 1 << 20)
-    for name in ("max_examples", "max_batches"):
-        bounded(cfg, name, 1, 1 << 40)
+    within_ranges(cfg)
     lambada_only = ("data", "max_examples")
     val_only = ("split", "dataset", "data_root", "max_batches")
     refuse_idle(cfg, dict.fromkeys(val_only if cfg.task == "lambada" else lambada_only,

@@ -39,13 +39,16 @@ FINETUNE_RECIPES = {
 class FinetuneConfig(TrainConfig):
     """finetune.py's settings: train.py's, some with other defaults (a field redeclared keeps its rule). Those of
     INHERITED that are not given are the pre-training run's, whatever their default."""
-    ckpt: str = field(default="", metadata=SAME)  # the pre-trained checkpoint (required), or hf:ORG/NAME
-    budget_fraction: float = field(default=0.02, metadata={"range": (0, 1, "(]")})  # of the pre-training tokens
-    tokens: int | None = field(default=None, metadata={"range": (1, 1 << 50)})  # an explicit token budget instead
-    max_iters: int | None = None  # or an explicit number of steps
-    loss: LossName = "ce"
-    lr: float | None = None  # None: the preset's recipe
-    lr_schedule: Literal["cosine", "constant"] | None = None
+    ckpt: str = field(default="", metadata={**SAME, "help": "the pre-trained checkpoint (required), or hf:ORG/NAME"})
+    budget_fraction: float = field(default=0.02, metadata={
+        "range": (0, 1, "(]"), "help": "the budget: this share of the checkpoint's pre-training tokens"})
+    tokens: int | None = field(default=None, metadata={"range": (1, 1 << 50),
+                                                       "help": "the budget in tokens instead"})
+    max_iters: int | None = field(default=None, metadata={"help": "the budget in optimizer steps instead"})
+    loss: LossName = field(default="ce", metadata={"help": "ce: finetune.py trains the LM head with cross-entropy"})
+    lr: float | None = field(default=None, metadata={"help": "peak learning rate; none: the preset's recipe"})
+    lr_schedule: Literal["cosine", "constant"] | None = field(default=None, metadata={
+        "help": "after the warmup: cosine decay to min_lr, or constant; none: the preset's recipe"})
     eval_interval: int = 50
     out_dir: str = "out-ft"
 

@@ -29,20 +29,26 @@ from train import TrainConfig
 
 @dataclass
 class GenerateConfig:
-    ckpt: str = "out/ckpt.safetensors"  # a train.py or finetune.py checkpoint
-    prompt: list[str] = field(default_factory=list, metadata={"repeatable": True})  # repeat for several
-    prompt_file: str = ""  # or a UTF-8 file of prompts separated by blank lines
-    max_new_tokens: int = field(default=200, metadata={"range": (1, 1 << 24)})  # per sample; fewer at end-of-text
-    temperature: float = field(default=0.8, metadata={"range": (0, 100)})  # 0: greedy (always the most likely)
-    # sample among the k most likely tokens only (0: off)
-    top_k: int = field(default=200, metadata={"range": (0, doors.MAXIMA["vocab_size"])})
-    # nucleus: the smallest set of tokens whose probability reaches top_p (1: off)
-    top_p: float = field(default=1.0, metadata={"range": (0, 1, "(]")})
-    num_samples: int = field(default=1, metadata={"range": (1, 1 << 20)})  # samples per prompt
-    seed: int = field(default=1337, metadata={"range": (0, 2**64 - 1)})  # torch's generators take any 64-bit seed
-    kv_cache: bool = True  # false: recompute the whole context for every token (slow; for checking)
-    device: DeviceName = "auto"
-    dtype: DtypeName = "auto"
+    ckpt: str = field(default="out/ckpt.safetensors", metadata={"help": "a train.py or finetune.py checkpoint"})
+    prompt: list[str] = field(default_factory=list, metadata={
+        "repeatable": True, "help": "the text to continue; repeat the flag for several prompts"})
+    prompt_file: str = field(default="", metadata={"help": "or a UTF-8 file of prompts separated by blank lines"})
+    max_new_tokens: int = field(default=200, metadata={
+        "range": (1, 1 << 24), "help": "tokens to sample per sample; fewer at end-of-text"})
+    temperature: float = field(default=0.8, metadata={"range": (0, 100),
+                                                      "help": "divides the scores; 0: greedy (the most likely)"})
+    top_k: int = field(default=200, metadata={"range": (0, doors.MAXIMA["vocab_size"]),
+                                              "help": "sample among the k most likely tokens only; 0: off"})
+    top_p: float = field(default=1.0, metadata={
+        "range": (0, 1, "(]"), "help": "nucleus: the fewest tokens whose probability reaches top_p; 1: off"})
+    num_samples: int = field(default=1, metadata={"range": (1, 1 << 20), "help": "samples per prompt"})
+    seed: int = field(default=1337, metadata={"range": (0, 2**64 - 1),  # torch's generators take any 64-bit seed
+                                              "help": "the sampling's random seed"})
+    kv_cache: bool = field(default=True, metadata={
+        "help": "cache the keys and values; false: recompute the context for every token (slow; for checking)"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -28,7 +28,7 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -43,17 +43,16 @@ from common import (
     DtypeName,
     UserError,
     autocast_context,
-    bounded,
     check_hub,
     checkpoint_model,
     config_path,
     declare_io,
-    in_range,
     load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
     run_main,
+    within_ranges,
 )
 from data import dataset_tokenizer
 from doors import MAXIMA
@@ -90,21 +89,30 @@ TASKS: dict[str, Task] = {
 
 @dataclass
 class GlueConfig:
-    ckpt: str = "out/ckpt.safetensors"  # an encoder checkpoint (train.py --objective=mlm)
-    task: TaskName = "sst2"
-    data: str | None = None  # a folder with train.jsonl and validation.jsonl (GLUE's columns); default: hub
-    epochs: int = 3
-    batch_size: int = 32
-    lr: float = 5e-5
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.01
-    dropout: float = 0.1  # in the encoder and before the head, as BERT fine-tunes
-    max_length: int = 128  # tokens per example (at most the checkpoint's context)
-    max_train_examples: int | None = None  # only the first N training examples (quick runs; not comparable)
-    device: DeviceName = "auto"
-    dtype: DtypeName = "auto"
-    seed: int = 0
-    json: str | None = None  # also write the results to this file
+    ckpt: str = field(default="out/ckpt.safetensors", metadata={
+        "help": "an encoder checkpoint (train.py --objective=mlm)"})
+    task: TaskName = field(default="sst2", metadata={"help": "the GLUE task"})
+    data: str | None = field(default=None, metadata={
+        "help": "a folder with train.jsonl and validation.jsonl (GLUE's columns); none: the hub"})
+    epochs: int = field(default=3, metadata={"range": (1, 1 << 20), "help": "passes over the training examples"})
+    batch_size: int = field(default=32, metadata={"range": (1, 1 << 20), "help": "examples per optimizer step"})
+    lr: float = field(default=5e-5, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
+    warmup_fraction: float = field(default=0.1, metadata={
+        "range": (0, 1, "[)"), "help": "warmup over this share of the steps, then linear decay to zero"})
+    weight_decay: float = field(default=0.01, metadata={"range": (0, math.inf),
+                                                        "help": "AdamW's, on matrices only"})
+    dropout: float = field(default=0.1, metadata={"range": (0, 1, "[)"),  # as BERT fine-tunes
+                                                  "help": "dropout in the encoder and before the head"})
+    max_length: int = field(default=128, metadata={"range": (2, MAXIMA["block_size"]),
+                                                   "help": "tokens per example (at most the checkpoint's context)"})
+    max_train_examples: int | None = field(default=None, metadata={
+        "range": (1, 1 << 40), "help": "only the first N training examples (quick runs; not comparable)"})
+    device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
+    seed: int = field(default=0, metadata={"range": (0, 2**32 - 1),  # numpy's generators take no negative seed
+                                           "help": "the head's initial weights, dropout, the examples' order"})
+    json: str | None = field(default=None, metadata={"help": "also write the results to this file"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,15 +305,7 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
 
 
 def check_config(cfg: GlueConfig) -> None:
-    bounded(cfg, "epochs", 1, 1 << 20)
-    bounded(cfg, "batch_size", 1, 1 << 20)
-    bounded(cfg, "max_train_examples", 1, 1 << 40)
-    bounded(cfg, "max_length", 2, MAXIMA["block_size"])
-    in_range(cfg, "lr", 0, ends="(]")
-    in_range(cfg, "weight_decay", 0)
-    for name in ("warmup_fraction", "dropout"):
-        in_range(cfg, name, 0, 1, "[)")
-    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
+    within_ranges(cfg)
 
 
 def load_encoder(cfg: GlueConfig, ckpt: dict, task: Task, device: torch.device) -> GPT:

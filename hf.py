@@ -707,8 +707,9 @@ def export(ckpt: str, out: str) -> Path:
 
 @dataclass
 class ExportConfig:
-    ckpt: str = "out/ckpt.safetensors"  # a train.py or finetune.py checkpoint
-    out: str = ""  # the folder to write (must not exist, or be empty)
+    ckpt: str = dataclasses.field(default="out/ckpt.safetensors", metadata={
+        "help": "a train.py or finetune.py checkpoint"})
+    out: str = dataclasses.field(default="", metadata={"help": "the folder to write (must not exist, or be empty)"})
 
 
 def main(argv: list[str]) -> None:

@@ -29,15 +29,19 @@ class LossConfig:
     training_loss and validation_sums take. Each field's rule is on it (its range; "resume": "same": a resumed run
     keeps it, another value is another experiment). A field added here is a flag, travels to the losses and must
     match on --resume, with no other edit (docs/hacking.md). Built by keyword: a field goes in its natural place."""
-    loss: LossName = field(default="cwt", metadata={"resume": "same"})
-    temperature: float = field(default=1.0, metadata={"range": (1e-3, 1e3), **CONTRASTIVE})  # the paper's: 1
-    # unique: each distinct target token once; num_negatives: a random subset of k candidates; global: every rank's
-    # micro-batch (negatives.py)
-    negatives: Literal["all", "unique"] = field(default="all", metadata=CONTRASTIVE)
-    num_negatives: int | None = field(default=None, metadata={"range": (1, 1 << 30), **CONTRASTIVE})
-    negatives_scope: Literal["local", "global"] = field(default="local", metadata=CONTRASTIVE)
-    # score this many rows at a time: the same loss, memory O(chunk x columns) (chunked.py); may change on resume
-    loss_chunk_size: int = field(default=0, metadata={"range": (0, 1 << 30)})
+    loss: LossName = field(default="cwt", metadata={
+        "resume": "same", "help": "cwt: headless; ce: a head tied to E; ce+cwt: both; nce: cwt against a head"})
+    temperature: float = field(default=1.0, metadata={"range": (1e-3, 1e3), **CONTRASTIVE,
+                                                      "help": "divides the contrastive scores (the paper's: 1)"})
+    negatives: Literal["all", "unique"] = field(default="all", metadata={
+        **CONTRASTIVE, "help": "all: every position of the micro-batch; unique: each distinct target once"})
+    num_negatives: int | None = field(default=None, metadata={
+        "range": (1, 1 << 30), **CONTRASTIVE, "help": "a random subset of this many candidates; none: every one"})
+    negatives_scope: Literal["local", "global"] = field(default="local", metadata={
+        **CONTRASTIVE, "help": "local: this rank's micro-batch; global: every rank's (negatives.py)"})
+    # the same loss, memory O(chunk x columns); may change on resume
+    loss_chunk_size: int = field(default=0, metadata={
+        "range": (0, 1 << 30), "help": "score this many rows at a time (chunked.py); 0: all at once"})
 
     @classmethod
     def of(cls, settings: Any) -> LossConfig:

@@ -20,22 +20,27 @@ class GPTConfig:
     """The model's shape and switches. A field's range (metadata "range") is its rule for train.py's flag of the
     same name and for a checkpoint's model_config (doors.field_rules); "resume": "kept" marks the one a run from a
     checkpoint may change (train.with_model: any other given must be the checkpoint's)."""
-    vocab_size: int = field(default=50304, metadata={"range": (1, 1 << 22)})  # GPT-2's 50257 padded to 64s
-    block_size: int = field(default=256, metadata={"range": (2, 1 << 20)})  # context length
-    n_layer: int = field(default=4, metadata={"range": (1, 1024)})
-    n_head: int = field(default=4, metadata={"range": (1, 1024)})
-    d_model: int = field(default=128, metadata={"range": (1, 1 << 16)})
-    mlp_hidden: int | None = field(default=None, metadata={"range": (1, 1 << 18)})  # MLP width; None: 4 * d_model
-    dropout: float = field(default=0.0, metadata={"range": (0, 0.999999), "resume": "kept"})
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = field(default=1e-5, metadata={"range": (1e-30, 1)})
-    bias: bool = True  # on every linear layer but the output head
-    parallel_residual: bool = True  # else x += attn(ln1(x)); x += mlp(ln2(x))
-    rotary_pct: float = field(default=0.25, metadata={"range": (0, 1)})  # share of a head's channels rotated
-    rope_base: float = field(default=10000.0, metadata={"range": (1, 1e12)})
-    gelu: Literal["exact", "tanh"] = "exact"
-    lm_head: bool = False  # an untied output matrix (V x d) instead of scoring with E
-    causal: bool = True  # False: a bidirectional masked-LM encoder (train.py --objective=mlm)
+    vocab_size: int = field(default=50304, metadata={  # GPT-2's 50257 padded to 64s
+        "range": (1, 1 << 22), "help": "rows of the embedding table E: the tokenizer's ids, padded to 64s"})
+    block_size: int = field(default=256, metadata={"range": (2, 1 << 20), "help": "context length, in tokens"})
+    n_layer: int = field(default=4, metadata={"range": (1, 1024), "help": "transformer blocks"})
+    n_head: int = field(default=4, metadata={"range": (1, 1024), "help": "attention heads (dividing d_model)"})
+    d_model: int = field(default=128, metadata={"range": (1, 1 << 16), "help": "width of the hidden states"})
+    mlp_hidden: int | None = field(default=None, metadata={"range": (1, 1 << 18),
+                                                           "help": "the MLP's inner width; none: 4 * d_model"})
+    dropout: float = field(default=0.0, metadata={"range": (0, 0.999999), "resume": "kept",
+                                                  "help": "dropout on attention and MLP outputs"})
+    norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "the blocks' normalisation"})
+    norm_eps: float = field(default=1e-5, metadata={"range": (1e-30, 1), "help": "the norms' epsilon"})
+    bias: bool = field(default=True, metadata={"help": "a bias on every linear layer but the output head"})
+    parallel_residual: bool = field(default=True, metadata={
+        "help": "x + attn(ln1(x)) + mlp(ln2(x)); false: x += attn(ln1(x)); x += mlp(ln2(x))"})
+    rotary_pct: float = field(default=0.25, metadata={"range": (0, 1),
+                                                      "help": "share of a head's channels rotated (rotary positions)"})
+    rope_base: float = field(default=10000.0, metadata={"range": (1, 1e12), "help": "the rotary angles' base"})
+    gelu: Literal["exact", "tanh"] = field(default="exact", metadata={"help": "the MLP's GELU, or its tanh form"})
+    lm_head: bool = field(default=False, metadata={"help": "an untied output matrix (V x d) instead of scoring with E"})
+    causal: bool = field(default=True, metadata={"help": "causal attention; false: a bidirectional masked-LM encoder"})
 
     @property
     def mlp_width(self) -> int:

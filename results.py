@@ -157,8 +157,9 @@ def short_number(value: float, position: Any = None) -> str:
 
 @dataclass
 class PlotConfig:
-    log: list[str] = dataclasses.field(default_factory=list)  # log.jsonl files of train.py / finetune.py runs
-    plot: str = ""  # the image to write: .png, .pdf or .svg
+    log: list[str] = dataclasses.field(default_factory=list, metadata={
+        "help": "log.jsonl files of train.py / finetune.py runs, comma-separated: a line each"})
+    plot: str = dataclasses.field(default="", metadata={"help": "the image to write: .png, .pdf or .svg"})
 
 
 def run_labels(paths: list[str]) -> list[str]:

@@ -70,46 +70,68 @@ class TrainConfig(ModelSettings, LossConfig):
     field's rule is on it (doors.field_rules): its type, its "range" (the flag's, a --config file's and a
     checkpoint's train_config's), and what --resume does with it ("resume": resumed_settings)."""
     # data and model
-    dataset: str = field(default="shakespeare", metadata=SAME)  # a dataset name or folder (data.py); A,B,C: a mix
-    data_root: str = field(default="data", metadata=HERE)
-    mix_alpha: float = field(default=0.3, metadata={"range": (0, 100, "(]")})  # a mix's source p ~ tokens^alpha
-    preset: PresetName | None = None  # model shape; default: tiny, or the checkpoint's when starting from one
+    dataset: str = field(default="shakespeare", metadata={
+        **SAME, "help": "a prepared dataset under --data_root, or its folder (data.py); A,B,C: a mix of several"})
+    data_root: str = field(default="data", metadata={**HERE, "help": "where data.py put the datasets"})
+    mix_alpha: float = field(default=0.3, metadata={
+        "range": (0, 100, "(]"), "help": "with several datasets: a source is drawn with probability ~ tokens^alpha"})
+    preset: PresetName | None = field(default=None, metadata={
+        "help": "the model's shape (model.py); none: tiny, or the checkpoint's when starting from one"})
     # objective (the loss and its negatives: loss.LossConfig)
-    objective: Literal["causal", "mlm"] = field(default="causal", metadata=SAME)  # mlm: BERT masking (masking.py)
-    untied_head: bool = field(default=False, metadata=SAME)  # ce: a separate output matrix, as Pythia's config
+    objective: Literal["causal", "mlm"] = field(default="causal", metadata={
+        **SAME, "help": "causal: next-token; mlm: a bidirectional encoder with BERT masking (masking.py)"})
+    untied_head: bool = field(default=False, metadata={
+        **SAME, "help": "with ce: a separate output matrix, as Pythia's config"})
     # optimisation
-    batch_size: int = field(default=8, metadata={"range": (1, 1 << 16), **SAME})  # sequences per micro-batch, rank
-    grad_accum: int = field(default=1, metadata={"range": (1, 1 << 16)})  # micro-batches per rank per step
-    max_iters: int = field(default=600, metadata={"range": (1, 1 << 32)})
-    lr: float = field(default=1e-3, metadata={"range": (0, math.inf, "(]")})  # AdamW's: the paper's Pythia settings
-    min_lr: float | None = field(default=None, metadata={"range": (0, math.inf)})  # default: the preset's recipe
-    warmup_iters: int | None = field(default=None, metadata={"range": (0, 1 << 32)})  # default: the recipe's
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = field(default=0.1, metadata={"range": (0, math.inf)})
-    beta1: float = field(default=0.9, metadata={"range": (0, 1, "[)")})
-    beta2: float = field(default=0.95, metadata={"range": (0, 1, "[)")})
-    eps: float = field(default=1e-8, metadata={"range": (0, math.inf, "(]")})
-    grad_clip: float = field(default=1.0, metadata={"range": (0, math.inf)})  # 0 disables clipping
+    batch_size: int = field(default=8, metadata={
+        "range": (1, 1 << 16), **SAME, "help": "sequences per micro-batch and rank: CWT's negatives come from it"})
+    grad_accum: int = field(default=1, metadata={"range": (1, 1 << 16),
+                                                 "help": "micro-batches per optimizer step, per rank"})
+    max_iters: int = field(default=600, metadata={"range": (1, 1 << 32), "help": "optimizer steps"})
+    lr: float = field(default=1e-3, metadata={"range": (0, 10, "(]"),  # the paper's Pythia settings
+                                              "help": "peak learning rate (AdamW)"})
+    min_lr: float | None = field(default=None, metadata={
+        "range": (0, math.inf), "help": "final learning rate; none: the preset's recipe (lr / 10; pythia: 0)"})
+    warmup_iters: int | None = field(default=None, metadata={
+        "range": (0, 1 << 32), "help": "linear warmup steps; none: the recipe's (10% of max_iters; pythia: 1%)"})
+    lr_schedule: Literal["cosine", "constant"] = field(default="cosine", metadata={
+        "help": "after the warmup: cosine decay to min_lr, or constant"})
+    weight_decay: float = field(default=0.1, metadata={
+        "range": (0, math.inf), "help": "AdamW's, on matrices and embeddings, not norms nor biases"})
+    beta1: float = field(default=0.9, metadata={"range": (0, 1, "[)"), "help": "AdamW's beta1"})
+    beta2: float = field(default=0.95, metadata={"range": (0, 1, "[)"), "help": "AdamW's beta2"})
+    eps: float = field(default=1e-8, metadata={"range": (0, math.inf, "(]"), "help": "AdamW's epsilon"})
+    grad_clip: float = field(default=1.0, metadata={"range": (0, math.inf),
+                                                    "help": "clip the gradient's norm to this; 0: no clipping"})
     # validation, logs and checkpoints
-    eval_interval: int = field(default=100, metadata={"range": (1, 1 << 32)})  # steps between validations (+ saves)
-    eval_batches: int = field(default=20, metadata={"range": (1, 1 << 20)})
-    log_interval: int = field(default=10, metadata={"range": (1, 1 << 32)})
-    out_dir: str = field(default="out", metadata=HERE)
-    resume: bool | Literal["auto"] = field(default=False, metadata=HERE)  # continue the run in out_dir; auto: if any
-    overwrite: bool = field(default=False, metadata=HERE)  # start over in an out_dir that holds another run
-    tensorboard: bool = False  # also log every log.jsonl record to out_dir/tb (tracking.py)
-    wandb: bool = False  # ... and to Weights & Biases, files under out_dir (tracking.py)
-    wandb_project: str = "headless-lm"
-    wandb_run_name: str = ""  # default: the out_dir
+    eval_interval: int = field(default=100, metadata={"range": (1, 1 << 32),
+                                                      "help": "steps between validations (each saves a checkpoint)"})
+    eval_batches: int = field(default=20, metadata={"range": (1, 1 << 20), "help": "micro-batches of a validation"})
+    log_interval: int = field(default=10, metadata={"range": (1, 1 << 32), "help": "steps between progress lines"})
+    out_dir: str = field(default="out", metadata={**HERE, "help": "the run's folder: ckpt.safetensors, log.jsonl"})
+    resume: bool | Literal["auto"] = field(default=False, metadata={
+        **HERE, "help": "continue the run in out_dir, settings not given its own; auto: if there is one"})
+    overwrite: bool = field(default=False, metadata={
+        **HERE, "help": "start over in an out_dir that holds another run (otherwise refused)"})
+    tensorboard: bool = field(default=False, metadata={
+        "help": "also log every log.jsonl record to out_dir/tb (tracking.py)"})
+    wandb: bool = field(default=False, metadata={
+        "help": "also log every record to Weights & Biases, its files under out_dir (tracking.py)"})
+    wandb_project: str = field(default="headless-lm", metadata={"help": "the W&B project"})
+    wandb_run_name: str = field(default="", metadata={"help": "the W&B run's name; empty: the out_dir"})
     # system
-    device: DeviceName = field(default="auto", metadata=HERE)
-    dtype: DtypeName = "auto"
-    compile: bool = False
-    seed: int = field(default=1337, metadata={"range": (0, 2**32 - 1), **SAME})  # init, data stream; numpy: >= 0
+    device: DeviceName = field(default="auto", metadata={**HERE, "help": "auto: CUDA if there is one, else the CPU"})
+    dtype: DtypeName = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model and loss, and validation"})
+    seed: int = field(default=1337, metadata={  # numpy's generators take no negative seed
+        "range": (0, 2**32 - 1), **SAME, "help": "the initial weights, the batches, sampled negatives"})
     # starting from another checkpoint's weights (finetune.py sets these)
-    init_from: str = field(default="", metadata=SAME)  # a checkpoint path, or hf:ORG/NAME / hf:FOLDER (hf.py)
-    add_lm_head: bool = False  # an untied LM head initialised from the input embeddings
-    freeze_body: bool = False  # train only the LM head
+    init_from: str = field(default="", metadata={
+        **SAME, "help": "start from this checkpoint's weights, or hf:ORG/NAME / hf:FOLDER (hf.py); empty: fresh"})
+    add_lm_head: bool = field(default=False, metadata={
+        "help": "add an untied LM head initialised from the input embeddings"})
+    freeze_body: bool = field(default=False, metadata={"help": "train only the LM head"})
 
 
 # The paper's schedule for the Pythia shapes: cosine to 0 after a 1% warmup (1430 of 143,000 steps); lr,

@@ -34,7 +34,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,17 +45,16 @@ from tqdm import tqdm
 import glue
 from common import (
     UserError,
-    bounded,
     check_hub,
     config_path,
     declare_io,
     first_line,
-    in_range,
     load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
     run_main,
+    within_ranges,
 )
 from data import dataset_tokenizer
 from doors import MAXIMA
@@ -74,23 +73,36 @@ DATA_HINT = ("--data=DIR needs one folder per language holding train.jsonl and t
 
 @dataclass
 class XnliConfig:
-    ckpt: str = "out/ckpt.safetensors"  # an encoder checkpoint (train.py --objective=mlm)
-    train_lang: str = "en"  # en: zero-shot transfer to every language; xx: fine-tune on xx; each: every xx in turn
-    data: str | None = None  # a folder with one folder per language (train.jsonl, test.jsonl); default: hub
-    langs: list[str] | None = None  # only these languages (comma separated): scored (en) or fine-tuned (each)
-    epochs: int = 2
-    batch_size: int = 32
-    lr: float = 5e-5
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.01
-    dropout: float = 0.1  # in the encoder and before the head, as BERT fine-tunes
-    max_length: int = 128  # tokens per example (at most the checkpoint's context)
-    max_train_examples: int | None = None  # only the first N training examples (quick runs; not comparable)
-    max_test_examples: int | None = None  # only the first N test examples per language (idem)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    seed: int = 0
-    json: str | None = None  # also write the results to this file
+    ckpt: str = field(default="out/ckpt.safetensors", metadata={
+        "help": "an encoder checkpoint (train.py --objective=mlm)"})
+    train_lang: str = field(default="en", metadata={
+        "help": "en: zero-shot transfer to every language; xx: fine-tune on xx; each: every xx in turn"})
+    data: str | None = field(default=None, metadata={
+        "help": "a folder with one folder per language (train.jsonl, test.jsonl); none: the hub"})
+    langs: list[str] | None = field(default=None, metadata={
+        "help": "only these languages: scored (en) or fine-tuned (each); none: all"})
+    epochs: int = field(default=2, metadata={"range": (1, 1 << 20), "help": "passes over the training examples"})
+    batch_size: int = field(default=32, metadata={"range": (1, 1 << 20), "help": "examples per optimizer step"})
+    lr: float = field(default=5e-5, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
+    warmup_fraction: float = field(default=0.1, metadata={
+        "range": (0, 1, "[)"), "help": "warmup over this share of the steps, then linear decay to zero"})
+    weight_decay: float = field(default=0.01, metadata={"range": (0, math.inf),
+                                                        "help": "AdamW's, on matrices only"})
+    dropout: float = field(default=0.1, metadata={"range": (0, 1, "[)"),  # as BERT fine-tunes
+                                                  "help": "dropout in the encoder and before the head"})
+    max_length: int = field(default=128, metadata={"range": (2, MAXIMA["block_size"]),
+                                                   "help": "tokens per example (at most the checkpoint's context)"})
+    max_train_examples: int | None = field(default=None, metadata={
+        "range": (1, 1 << 40), "help": "only the first N training examples (quick runs; not comparable)"})
+    max_test_examples: int | None = field(default=None, metadata={
+        "range": (1, 1 << 40), "help": "only the first N test examples per language (quick runs; not comparable)"})
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={
+        "help": "auto: CUDA if there is one, else the CPU"})
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
+        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
+    seed: int = field(default=0, metadata={"range": (0, 2**32 - 1),  # numpy's generators take no negative seed
+                                           "help": "the head's initial weights, dropout, the examples' order"})
+    json: str | None = field(default=None, metadata={"help": "also write the results to this file"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,23 +222,8 @@ def load_split(cfg: XnliConfig, lang: str, split: str, limit: int | None) -> tup
 
 
 def check_config(cfg: XnliConfig) -> None:
-    """Refuse settings that cannot work, and an unwritable --json, before any work."""
-    for name, most in (("epochs", 1 << 20), ("batch_size", 1 << 20), ("max_train_examples", 1 << 40),
-                       ("max_test_examples", 1 << 40)):
-        bounded(cfg, name, 1, most)
-    if cfg.max_length < 2:
-        raise UserError(f"--max_length must be at least 2 (a premise and a hypothesis token), "
-                        f"got {cfg.max_length}")
-    bounded(cfg, "max_length", 2, MAXIMA["block_size"])
-    in_range(cfg, "seed", 0, 2**32 - 1)  # numpy's generators take no negative seed
-    if not (0 < cfg.lr < math.inf):
-        raise UserError(f"--lr must be a positive finite number, got {cfg.lr}")
-    if not (0 <= cfg.warmup_fraction < 1):
-        raise UserError(f"--warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
-    if not (0 <= cfg.weight_decay < math.inf):
-        raise UserError(f"--weight_decay must be a finite number of at least 0, got {cfg.weight_decay}")
-    if not (0 <= cfg.dropout < 1):
-        raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    """Refuse settings that cannot work before any work: each outside its field's range."""
+    within_ranges(cfg)
 
 
 def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,
