@@ -312,19 +312,53 @@ def print_help(cls: type, hints: dict[str, Any]) -> None:
     settings and objective settings each under their own heading), each with its type, default and range, and
     under it its meaning (the field's "help")."""
     print((sys.modules["__main__"].__doc__ or "").strip())
+    for title, fields in setting_groups(cls):
+        print(f"\n{title}:")
+        for f in fields:
+            meta = field_meta(cls, f.name)
+            shown = f", {shown_range(*meta['range'])}" if "range" in meta else ""
+            print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default_of(f)!r}{shown}")
+            print(f"      {meta.get('help', '(no meaning declared)')}")
+
+
+def setting_groups(cls: type) -> list[tuple[str, list[dataclasses.Field]]]:
+    """Dataclass `cls`'s fields by the class that declares them, its own first, each group under its title: "settings
+    (--key=value)" for its own, else the first line of the declaring class's docstring."""
     groups: dict[type, list[dataclasses.Field]] = {}
     for f in dataclasses.fields(cls):
         owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
         groups.setdefault(owner, []).append(f)
-    for owner, fields in sorted(groups.items(), key=lambda group: group[0] is not cls):
-        title = "settings (--key=value)" if owner is cls else (owner.__doc__ or owner.__name__).split("\n")[0]
-        print(f"\n{title.rstrip('.')}:")
+    return [("settings (--key=value)" if owner is cls else (owner.__doc__ or owner.__name__).split("\n")[0].rstrip("."),
+             fields) for owner, fields in sorted(groups.items(), key=lambda group: group[0] is not cls)]
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def settings_table(cls: type) -> str:
+    """Dataclass `cls`'s settings as a Markdown table (docs/training.md's, tested equal to it): a row per flag, in
+    --help's groups and order, with its default, range and meaning, each from its field."""
+    rows = ["| flag | default | range | meaning |", "|---|---|---|---|"]
+    for title, fields in setting_groups(cls):
+        rows.append(f"| **{title}** | | | |")
         for f in fields:
             meta = field_meta(cls, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            shown = f", {shown_range(*meta['range'])}" if "range" in meta else ""
-            print(f"  --{f.name:<18} {shown_type(hints[f.name]):<44} default: {default!r}{shown}")
-            print(f"      {meta.get('help', '(no meaning declared)')}")
+            bounds = shown_range(*meta["range"]) if "range" in meta else ""
+            meaning = meta.get("help", "").replace("|", "\\|")  # a cell's own bar
+            rows.append(f"| `--{f.name}` | {shown_default(default_of(f))} | {bounds} | {meaning} |")
+    return "\n".join(rows).replace("|  |", "| |")
+
+
+def shown_default(value: Any) -> str:
+    """A default as a table cell: none, true, false, empty, `text`, a number, a comma-separated list."""
+    if isinstance(value, list):
+        return ",".join(map(shown_default, value)) or "empty"
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        return f"`{value}`" if value else "empty"
+    return shown_number(value)
 
 
 def shown_type(hint: Any) -> str:

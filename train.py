@@ -110,7 +110,7 @@ class TrainConfig(ModelSettings, LossConfig):
     log_interval: int = field(default=10, metadata={"range": (1, 1 << 32), "help": "steps between progress lines"})
     out_dir: str = field(default="out", metadata={**HERE, "help": "the run's folder: ckpt.safetensors, log.jsonl"})
     resume: bool | Literal["auto"] = field(default=False, metadata={
-        **HERE, "help": "continue the run in out_dir, settings not given its own; auto: if there is one"})
+        **HERE, "help": "continue the run in out_dir (a setting not given: the run's own); auto: if there is one"})
     overwrite: bool = field(default=False, metadata={
         **HERE, "help": "start over in an out_dir that holds another run (otherwise refused)"})
     tensorboard: bool = field(default=False, metadata={
@@ -149,6 +149,7 @@ def check_config(cfg: TrainConfig) -> None:
         common.in_range(cfg, "min_lr", 0, cfg.lr)
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
+    common.check_path_names({"--data_root": [cfg.data_root]})  # named as given, before the dataset paths it prefixes
     if cfg.resume and cfg.overwrite:
         raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     check_objective(cfg)

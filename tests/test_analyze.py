@@ -319,7 +319,7 @@ def test_missing_or_non_checkpoint_files_are_one_line_before_any_work(runs, tmp_
 @pytest.mark.parametrize("flags, message", [
     (["--ckpts="], "--ckpts=A,B,... names the checkpoints"),
     (["--ckpts=CKPT,CKPT"], "lists OUT/base.pt more than once"),
-    (["--ckpts=CKPT", "--tokens=0"], "--tokens must be at least 2, got 0"),
+    (["--ckpts=CKPT", "--tokens=0"], "--tokens must be in [2, 1048576], got 0"),
     (["--ckpts=CKPT", "--words=king,,love"], "--words has an empty word"),
     (["--ckpts=CKPT", "--json=OUT"], "is a directory; pass a file path"),
     (["--ckpts=CKPT", "--json=CKPT"], "is also an input of this command"),

@@ -96,8 +96,8 @@ def test_too_many_negatives_are_reported_once(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--repeats=0"], "--repeats must be at least 1, got 0"),
-    (["--tokens=256,0"], "--tokens must be at least 1, got 0"),
+    (["--repeats=0"], "--repeats must be in [1, 1000000], got 0"),
+    (["--tokens=256,0"], "--tokens must be in [1, 4194304], got 0"),
     (["--json=OUT"], "is a directory"),
 ])
 def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
@@ -134,9 +134,9 @@ BENCH_CASES = {  # case: (flags given tmp_path; what the one line says)
     "variants = [] in a config file": (
         lambda t: (t / "c.json").write_text('{"variants": []}') and [*SMALL[:4], f"--config={t / 'c.json'}"],
         "--variants needs at least one value"),
-    "--vocab=1e12": (lambda t: [*SMALL, "--vocab=1e12"], "--vocab must be at most 4,194,304"),
-    "--tokens=1e9": (lambda t: [*SMALL, "--tokens=1e9"], "--tokens must be at most 4,194,304"),
-    "--block_size=1e9": (lambda t: ["--mode=step", "--block_size=1e9"], "--block_size must be at most 1,048,576"),
+    "--vocab=1e12": (lambda t: [*SMALL, "--vocab=1e12"], "--vocab must be in [2, 4194304]"),
+    "--tokens=1e9": (lambda t: [*SMALL, "--tokens=1e9"], "--tokens must be in [1, 4194304]"),
+    "--block_size=1e9": (lambda t: ["--mode=step", "--block_size=1e9"], "--block_size must be in [1, 1048576]"),
 }
 
 

@@ -145,7 +145,7 @@ def test_seeds_give_a_mean_and_a_spread_paired_with_ce():
     (["--negatives_sweep=8,all,08"], "lists k=8 more than once"),
     (["--negatives_sweep=unique,unique"], "lists unique more than once"),
     (["--negatives_batch_sizes=4,4"], "--negatives_batch_sizes lists 4 more than once"),
-    (["--negatives_batch_sizes=0,4"], "--negatives_batch_sizes must be at least 1"),
+    (["--negatives_batch_sizes=0,4"], "--negatives_batch_sizes must be in [1, 1048576]"),
     (["--negatives_sweep=8", "--seeds=1,2,1"], "--seeds lists 1 more than once"),
     (["--seeds=1,2"], "--seeds runs each point of --negatives_sweep"),
     (["--negatives_sweep=8", "--vocab_sizes=1024"], "two sweeps: pass one"),

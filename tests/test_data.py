@@ -321,7 +321,7 @@ DATA_CASES = {  # case: (flags given tmp_path; what the one line says)
     "--tokenizer_docs without bpe:N": (lambda t: [f"--data_root={t / 'd'}", "--tokenizer_docs=5"],
                                        "--tokenizer_docs=5 changes nothing without --tokenizer=bpe:N"),
     "--max_docs=1e20": (lambda t: [f"--data_root={t / 'd'}", "--max_docs=1e20"],
-                        "--max_docs must be in [1, 1.1259e+15], got 100000000000000000000"),
+                        "--max_docs must be in [1, 1125899906842624], got 100000000000000000000"),
 }
 
 

@@ -236,7 +236,7 @@ def bad_inputs(tmp_path):
         ([f"--ckpt={ckpt}", f"--data={tmp_path}/broken.jsonl"], "line 1 is not valid JSON"),
         ([f"--ckpt={ckpt}", f"--data={tmp_path}/empty.jsonl"], "holds no examples"),
         ([f"--ckpt={ckpt}", "--task=hellaswag"], "choose one of: lambada, val"),
-        ([f"--ckpt={ckpt}", "--batch_size=0"], "--batch_size must be at least 1"),
+        ([f"--ckpt={ckpt}", "--batch_size=0"], "--batch_size must be in [1, 1048576]"),
         ([f"--ckpt={ckpt}"], "pass --data=FILE.jsonl"),  # tests run offline: the hub is unreachable
     ]
 
@@ -304,7 +304,7 @@ def test_eval_val_matches_the_training_log_by_default(tiny_data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--ckpt=CKPT", "--batch_size=0"], "--batch_size must be at least 1, got 0"),
+    (["--ckpt=CKPT", "--batch_size=0"], "--batch_size must be in [1, 1048576], got 0"),
     (["--ckpt=CKPT", "--json=OUT"], "is a directory; pass a file path"),
 ])
 def test_bad_numbers_are_refused_before_any_work(flags, message, tmp_path):
@@ -415,7 +415,7 @@ EVAL_CASES = {  # case: (flags given tmp_path, the checkpoint, the test dataset;
     "--data with --task=val": (lambda t, c, d: [f"--ckpt={c}", "--task=val", f"--data={t / 'x.jsonl'}"],
                                "changes nothing with --task=val"),
     "--batch_size=1e9": (lambda t, c, d: [f"--ckpt={c}", "--batch_size=1e9"],
-                         "--batch_size must be at most 1,048,576, got 1000000000"),
+                         "--batch_size must be in [1, 1048576], got 1000000000"),
     "a --json name too long for the file system": (lambda t, c, d: [f"--ckpt={c}", f"--json={t / ('j' * 300)}"],
                                                    "is too long for a file system: a name of 300 bytes"),
 }

@@ -248,8 +248,8 @@ GENERATE_CASES = {  # case: (flags; what the one line says)
                                  "--top_k=5 changes nothing with --temperature=0"),
     "--seed at temperature 0": (["--prompt=Hi", "--temperature=0", "--seed=3"],
                                 "--seed=3 changes nothing with --temperature=0"),
-    "--max_new_tokens=1e12": (["--prompt=Hi", "--max_new_tokens=1e12"], "--max_new_tokens must be in [1, 1.67772e+07]"),
-    "--num_samples=1e12": (["--prompt=Hi", "--num_samples=1e12"], "--num_samples must be in [1, 1.04858e+06]"),
+    "--max_new_tokens=1e12": (["--prompt=Hi", "--max_new_tokens=1e12"], "--max_new_tokens must be in [1, 16777216]"),
+    "--num_samples=1e12": (["--prompt=Hi", "--num_samples=1e12"], "--num_samples must be in [1, 1048576]"),
 }
 
 

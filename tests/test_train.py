@@ -202,7 +202,7 @@ def run_train(*flags, cwd=ROOT):
     (["--los=ce"], "unknown setting --los; did you mean --loss?"),
     (["--loss=mse"], "choose one of: ce, cwt, ce+cwt, nce"),
     (["--batch_size=zero"], "--batch_size='zero' is not a valid int"),
-    (["--max_iters=0"], "--max_iters must be in [1, 4.29497e+09], got 0"),
+    (["--max_iters=0"], "--max_iters must be in [1, 4294967296], got 0"),
     (["--config=missing.toml"], "config file missing.toml not found"),
     (["--dataset=no_such_dataset_here"], "python data.py --dataset="),
 ])
