@@ -306,12 +306,12 @@ def given_settings(cfg: Any, given: Iterable[str] | None = None) -> frozenset[st
 def unset_fields(cls: type, leave_out: tuple[str, ...], doc: str) -> type:
     """A dataclass of `cls`'s fields but `leave_out`, each of the same type or None, None by default (unset): flags
     whose values come from elsewhere when not given (train.py's model settings: the preset's, or a checkpoint's),
-    each with its field's rule (its range; "resume": "same" unless it says otherwise). A field added to `cls` is
-    one more flag, with no other code."""
+    each with its field's rule and meaning (its range and help; "resume": "same" unless it says otherwise); its
+    `fields_of` is `cls`, where they are declared. A field added to `cls` is one more flag, with no other code."""
     hints = typing.get_type_hints(cls)
     fields = [(f.name, hints[f.name] | None, dataclasses.field(default=None, metadata={"resume": "same", **f.metadata}))
               for f in dataclasses.fields(cls) if f.name not in leave_out]
-    return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields, namespace={"__doc__": doc})
+    return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields, namespace={"__doc__": doc, "fields_of": cls})
 
 
 def format_metric(value: float | None, digits: int = 4) -> str:

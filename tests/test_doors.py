@@ -22,8 +22,11 @@ from helpers import DELETE, run_cli, save_ckpt, snapshot
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
+import analyze
+import bench
 import bpe
 import common
+import compare
 import data
 import doors
 import eval as evaluation
@@ -33,6 +36,7 @@ import glue
 import hf
 import model
 import train
+import xnli
 from common import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -718,3 +722,157 @@ def test_the_settings_given_are_the_flags_and_the_config_files_not_the_defaults(
     cfg, given = common.parse_given(train.TrainConfig, ["--max_iters=600"])
     assert given == {"max_iters"}  # given, though equal to its default
     assert common.given_settings(train.TrainConfig(seed=3)) == {"seed"}  # built in code: what differs
+
+
+# ------------------------------------------------------------------------------------------ settings: on their fields
+
+
+def script_settings() -> dict[str, type]:
+    """Every script's settings: the class each *.py of the repository passes to parse_flags or parse_given (a
+    fork's new script is found too), by "SCRIPT's CLASS"."""
+    import importlib
+    import re
+
+    found = {}
+    for path in sorted(ROOT.glob("*.py")):
+        for name in sorted(set(re.findall(r"parse_(?:flags|given)\((\w+)", path.read_text())) - {"cls"}):
+            found[f"{path.name}'s {name}"] = getattr(importlib.import_module(path.stem), name)
+    return found
+
+
+def declared_in(cls: type, name: str) -> str:
+    """Where field `name` of `cls` is declared, as a fix names it: "GPTConfig in model.py"."""
+    owner = next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+    owner = owner.__dict__.get("fields_of", owner)  # common.unset_fields: train.py's model settings are GPTConfig's
+    return f"{owner.__qualname__} in {owner.__module__}.py"
+
+
+def test_every_setting_of_every_script_declares_its_meaning_on_its_field():
+    """Issue 51.2: a setting's meaning is declared once, on its field (metadata "help": one short ASCII line, as
+    --help shows it and docs/training.md's table); a field a fork adds without one is named with the fix."""
+    import dataclasses
+
+    classes = script_settings()
+    assert len(classes) >= 13, classes  # train, finetune, generate, data, eval, analyze, compare, glue, xnli, ...
+    for script, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            meaning = doors.field_meta(cls, f.name).get("help", "")
+            assert meaning and meaning.isascii() and meaning.isprintable() and len(meaning) <= 100, (
+                f"{script} --{f.name} has no meaning of one short line ({meaning!r}): declare it on its field in "
+                f'{declared_in(cls, f.name)}: metadata={{"help": "what it does, one line"}}')
+
+
+HELP_ROWS = [  # (the settings, a flag, its line in --help from the default on, the meaning under it)
+    (train.TrainConfig, "max_iters", "default: 600, in [1, 4294967296]", "optimizer steps"),
+    (train.TrainConfig, "lr", "default: 0.001, in (0, 10]", "peak learning rate (AdamW)"),
+    (train.TrainConfig, "eps", "default: 1e-08, > 0", "AdamW's epsilon"),
+    (train.TrainConfig, "temperature", "default: 1.0, in [0.001, 1000]", "divides the contrastive scores"),
+    (train.TrainConfig, "rope_base", "default: None, in [1, 1e+12]", "the rotary angles' base"),
+    (train.TrainConfig, "n_layer", "default: None, in [1, 1024]", "transformer blocks"),
+    (finetune.FinetuneConfig, "n_layer", "default: None, in [1, 1024]", "transformer blocks"),
+    (generate.GenerateConfig, "seed", "default: 1337, in [0, 18446744073709551615]", "the sampling's random seed"),
+    (evaluation.EvalConfig, "batch_size", "default: None, in [1, 1048576]", "lambada: examples a pass"),
+    (glue.GlueConfig, "dropout", "default: 0.1, in [0, 1)", "dropout in the encoder and before the head"),
+]
+
+
+@pytest.mark.parametrize("cls, name, line, meaning", HELP_ROWS, ids=[f"{c.__name__}-{n}" for c, n, _, _ in HELP_ROWS])
+def test_help_shows_a_settings_range_exactly_as_declared_and_its_meaning(cls, name, line, meaning, capsys):
+    """Issues 50.4 and 51.2: --help shows each range as declared (an int in all its digits, never 4.29497e+09) and
+    the meaning under the flag; the model's settings (common.unset_fields) keep GPTConfig's meanings."""
+    with pytest.raises(SystemExit) as e:
+        doors.settings(cls, ["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    flag = next(row for row in out.splitlines() if row.startswith(f"  --{name} "))
+    assert flag.endswith(line), flag
+    assert f"{flag}\n      {meaning}" in out
+
+
+def test_every_scripts_help_shows_each_settings_meaning_under_it(capsys):
+    import dataclasses
+
+    for script, cls in script_settings().items():
+        with pytest.raises(SystemExit):
+            doors.settings(cls, ["--help"])
+        out = capsys.readouterr().out
+        for f in dataclasses.fields(cls):
+            meaning = doors.field_meta(cls, f.name)["help"]
+            assert any(row.startswith(f"  --{f.name} ") and below == f"      {meaning}"
+                       for row, below in zip(out.splitlines(), out.splitlines()[1:])), (script, f.name)
+
+
+REFUSED_SETTINGS = [  # (the settings, the flags, a --config file's text or None, what the one line says)
+    (train.TrainConfig, ["--max_iters=4294968000"], None, "--max_iters must be in [1, 4294967296], got 4294968000"),
+    (train.TrainConfig, [], "batch_size = 0\n", "config file {config}: batch_size must be in [1, 65536], got 0"),
+    (train.TrainConfig, ["--batch_size=70000"], "batch_size = 2\n", "--batch_size must be in [1, 65536], got 70000"),
+    (train.TrainConfig, [], 'los = "ce"\n', "config file {config}: unknown setting los; did you mean loss?"),
+    (train.TrainConfig, [], 'loss = "mse"\n', "config file {config}: loss='mse' is not valid; choose one of: ce,"),
+    (train.TrainConfig, [], "n_layer = 0\n", "config file {config}: n_layer must be in [1, 1024], got 0"),
+    (train.TrainConfig, ["--rope_base=0.5"], None, "--rope_base must be in [1, 1e+12], got 0.5"),
+    (train.TrainConfig, ["--lr=1e19"], None, "--lr must be in (0, 10], got 1e+19"),
+    (compare.CompareConfig, ["--vocab_sizes=-1"], None, "--vocab_sizes must be in [1, 4194304], got -1"),
+    (compare.CompareConfig, ["--lr=9.2e18"], None, "--lr must be in (0, 10], got 9.2e+18"),
+    (compare.CompareConfig, [], "seeds = [1, -4]\n", "config file {config}: seeds must be in [0, 4294967295], got -4"),
+    (compare.CompareConfig, ["--finetune_fraction=0"], None, "--finetune_fraction must be in (0, 1], got 0.0"),
+    (evaluation.EvalConfig, ["--max_batches=0"], None, "--max_batches must be in [1, 1099511627776], got 0"),
+    (analyze.AnalyzeConfig, ["--tokens=1"], None, "--tokens must be in [2, 1048576], got 1"),
+    (glue.GlueConfig, ["--warmup_fraction=1"], None, "--warmup_fraction must be in [0, 1), got 1.0"),
+    (xnli.XnliConfig, ["--max_length=1"], None, "--max_length must be in [2, 1048576], got 1"),
+    (bench.BenchConfig, ["--vocab_sweep=8192,1"], None, "--vocab_sweep must be in [2, 4194304], got 1"),
+    (bpe.MixConfig, ["--vocab_size=100"], None, "--vocab_size must be in [257, 4194304], got 100"),
+    (generate.GenerateConfig, ["--seed=-1"], None, "--seed must be in [0, 18446744073709551615], got -1"),
+]
+
+
+@pytest.mark.parametrize("cls, flags, config, words", REFUSED_SETTINGS, ids=[w[:50] for *_, w in REFUSED_SETTINGS])
+def test_a_setting_is_refused_by_its_fields_range_naming_it_as_given(cls, flags, config, words, tmp_path):
+    """Issue 50.4: every script's ranges are on its fields (the flag's, a --config file's), printed as declared,
+    and a refusal names what the user gave: --flag, or the config file and its key."""
+    path = tmp_path / "run.toml"
+    if config is not None:
+        path.write_text(config)
+        flags = [f"--config={path}", *flags]
+    with pytest.raises(UserError) as e:
+        common.parse_given(cls, flags)
+    assert words.format(config=path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_settings_built_in_code_share_the_fields_ranges():
+    """Issue 50.4: a script's check refuses a setting built in code by the same declared range as its flag (the
+    hand-written checks they replace are gone)."""
+    cases = [(compare.check_config, compare.CompareConfig(lr=2.0**63), "--lr must be in (0, 10], got 9.22337"),
+             (compare.check_config, compare.CompareConfig(vocab_sizes=[-1]), "--vocab_sizes must be in [1, 4194304]"),
+             (glue.check_config, glue.GlueConfig(dropout=1.0), "--dropout must be in [0, 1), got 1.0"),
+             (xnli.check_config, xnli.XnliConfig(lr=0.0), "--lr must be in (0, 10], got 0.0"),
+             (evaluation.check_config, evaluation.EvalConfig(batch_size=0), "--batch_size must be in [1, 1048576]"),
+             (analyze.check_config, analyze.AnalyzeConfig(ckpts=["a"], tokens=1), "--tokens must be in [2, 1048576]"),
+             (bench.check_config, bench.BenchConfig(repeats=0), "--repeats must be in [1, 1000000], got 0")]
+    for check, cfg, words in cases:
+        with pytest.raises(UserError) as e:
+            check(cfg)
+        assert words in str(e.value)
+    assert not hasattr(common, "bounded")
+
+
+@given(st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=False)))
+def test_a_bound_is_shown_exactly(value):
+    """Issue 50.4: a declared bound reads back as itself (:g printed 4294968000's bound 2^32 as 4.29497e+09)."""
+    shown = doors.shown_number(value)
+    assert (int(shown) if isinstance(value, int) else float(shown)) == value
+
+
+def test_docs_training_table_is_the_fields_declarations():
+    """Issue 51.2: docs/training.md's table of train.py's settings is doors.settings_table(TrainConfig): each row
+    the flag's default, range and meaning as declared on its field; a row that differs is named with its fix."""
+    import itertools
+
+    doc = (ROOT / "docs" / "training.md").read_text()
+    start = "<!-- settings table: doors.settings_table(train.TrainConfig) -->\n"
+    assert start in doc
+    rows = doc.split(start, 1)[1].split("\n<!-- end of settings table -->", 1)[0].splitlines()
+    want = doors.settings_table(train.TrainConfig).splitlines()
+    for number, (row, line) in enumerate(itertools.zip_longest(rows, want), 1):
+        assert row == line, (f"docs/training.md's settings table, row {number}, reads {row!r}; the fields say {line!r} "
+                             "(the whole table: python -c 'import doors, train; "
+                             "print(doors.settings_table(train.TrainConfig))')")

@@ -226,39 +226,6 @@ def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
 
 
-def documented_defaults(doc: str) -> dict[str, str]:
-    """docs/training.md's train.py table: each flag's default cell (a row naming several flags gives each its
-    comma-separated part, or all of them its one value)."""
-    import re
-
-    table = doc.split("## train.py", 1)[1].split("\n\n| flag | default | meaning |", 1)[1].split("\n\n", 1)[0]
-    defaults = {}
-    for row in table.strip().splitlines()[1:]:  # after the |---| line
-        flags_cell, default_cell, _ = row.strip("|").split(" | ", 2)
-        flags = re.findall(r"`--(\w+)`", flags_cell)
-        values = [v.strip() for v in default_cell.split(",")]
-        defaults.update(zip(flags, values if len(values) == len(flags) else values * len(flags), strict=True))
-    return defaults
-
-
-def test_docs_training_table_gives_the_default_help_prints_for_each_flag_it_lists():
-    """A newcomer reads the defaults in docs/training.md and in --help (TrainConfig's): the same, for every flag the
-    table lists (and it lists all of today's; a flag a fork adds need not be there for a green suite)."""
-    import dataclasses
-
-    words = {"none": None, "false": False, "true": True, "empty": ""}
-    documented = documented_defaults((ROOT / "docs" / "training.md").read_text())
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    assert set(documented) <= set(fields), set(documented) - set(fields)
-    assert len(documented) >= 50  # today's flags: train.py's, the objective's and the model's
-    for field in (fields[name] for name in documented):
-        cell = documented[field.name].split(" (")[0].strip("`")
-        want = words.get(cell, cell)
-        if isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
-            want = float(cell)
-        assert want == field.default and type(want) in (type(field.default), float), (field.name, cell)
-
-
 # ------------------------------------------------------------- issue 33: contracts 1, 2, 5, 6 (docs/failures.md)
 
 
