@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -244,7 +245,7 @@ def bad_inputs(tmp_path):
 def test_bad_inputs_raise_user_errors(tmp_path):
     _, cases = bad_inputs(tmp_path)
     for argv, message in cases:
-        with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        with pytest.raises(UserError, match=re.escape(message)):
             evaluation.main(argv)
 
 
