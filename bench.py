@@ -131,7 +131,7 @@ class BenchConfig:
         "range": (1, MAXIMA["block_size"]), "help": "step rows: the length of each sequence of a micro-batch"})
     max_logits: int = field(default=1 << 26, metadata={
         "range": (1, 2**62), "help": "skip configurations whose CE logits (scored tokens x V) exceed this"})
-    warmup: int = field(default=1, metadata={"range": (0, 10**6), "help": "untimed steps before the timed ones"})
+    warmup: int = field(default=1, metadata={"range": (0, 10**6), "help": "untimed steps of each variant first"})
     repeats: int = field(default=3, metadata={"range": (1, 10**6), "help": "timed steps of each variant"})
     memory: bool = field(default=True, metadata={"help": "also measure each step's extra memory"})
     device: DeviceName = field(default="auto", metadata={"help": "auto: CUDA if there is one, else the CPU"})

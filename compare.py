@@ -117,7 +117,7 @@ class CompareConfig(ModelSettings):
         "range": (0, 1, "(]"), "help": "CWT's LM-head fine-tune, a share of its pre-training tokens (paper: 2%)"})
     lr: float = field(default=1e-3, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
     warmup_fraction: float = field(default=0.1, metadata={"range": (0, 1),
-                                                          "help": "warmup steps, a share of each run's steps"})
+                                                          "help": "warmup, a share of each pre-training run's steps"})
     evals: int = field(default=6, metadata={"range": (1, 10**6), "help": "validation points per pre-training run"})
     eval_batches: int = field(default=4, metadata={"range": (1, 10**9), "help": "micro-batches of a validation"})
     lambada: str = field(default="", metadata={"help": "a LAMBADA .jsonl to score every model on; empty: skipped"})

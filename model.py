@@ -18,8 +18,9 @@ import torch.nn.functional as F
 @dataclass
 class GPTConfig:
     """The model's shape and switches. A field's range (metadata "range") is its rule for train.py's flag of the
-    same name and for a checkpoint's model_config (doors.field_rules); "resume": "kept" marks the one a run from a
-    checkpoint may change (train.with_model: any other given must be the checkpoint's)."""
+    same name and for a checkpoint's model_config (doors.field_rules), its "help" what --help says it means;
+    "resume": "kept" marks the one a run from a checkpoint may change (train.with_model: any other given must be the
+    checkpoint's)."""
     vocab_size: int = field(default=50304, metadata={  # GPT-2's 50257 padded to 64s
         "range": (1, 1 << 22), "help": "rows of the embedding table E: the tokenizer's ids, padded to 64s"})
     block_size: int = field(default=256, metadata={"range": (2, 1 << 20), "help": "context length, in tokens"})

@@ -68,7 +68,8 @@ HERE = {"resume": "here"}  # ... this command's, never the resumed run's: where 
 class TrainConfig(ModelSettings, LossConfig):
     """train.py's settings; the model's (ModelSettings) and the objective's (loss.LossConfig) are inherited. Each
     field's rule is on it (doors.field_rules): its type, its "range" (the flag's, a --config file's and a
-    checkpoint's train_config's), and what --resume does with it ("resume": resumed_settings)."""
+    checkpoint's train_config's), what --resume does with it ("resume": resumed_settings), and its meaning ("help":
+    --help and docs/training.md's table)."""
     # data and model
     dataset: str = field(default="shakespeare", metadata={
         **SAME, "help": "a prepared dataset under --data_root, or its folder (data.py); A,B,C: a mix of several"})
