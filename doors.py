@@ -256,9 +256,9 @@ def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) ->
         values = {**in_file, **values}
     for key in values:
         if key not in hints:
-            dash = "--" if where[key].startswith("--") else ""
+            dash = "--" if where[key].startswith("--") else ""  # a flag, or a config file's "PATH: key"
             close = difflib.get_close_matches(key, hints, n=1)
-            raise Refused(f"{where[key].removesuffix(key)}unknown setting {dash}{key}; "
+            raise Refused(f"{'' if dash else where[key].removesuffix(key)}unknown setting {dash}{key}; "
                           f"{f'did you mean {dash}{close[0]}? ' if close else ''}valid settings: {', '.join(hints)}")
     given = frozenset(values)
     if quick and coerce("quick", values.get("quick", False), bool, where.get("quick", "")):  # fills defaults only
