@@ -905,6 +905,10 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
     log, ckpt = run_files(out_dir)[1], run_files(out_dir)[0]
     if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
         raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
+    if holder := lock_holder(out_dir):  # first: a live run's files, which --resume and --overwrite cannot take
+        raise UserError(f"{out_dir} is in use by another training run, still running ({holder}): wait for it to "
+                        "end, or stop it (Ctrl-C there saves it, and --resume then continues it), or pick another "
+                        "--out_dir")
     for path, what in ((log, "log"), (ckpt, "checkpoint")):  # a link (dangling too), folder, FIFO, socket, device
         if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
             raise UserError(f"{path} is a link, a folder or a special file, not a run's {what}: it is never written "

@@ -95,6 +95,24 @@ def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
     assert not (tmp_path / "log.jsonl").exists() and not (tmp_path / "ckpt.safetensors").exists()
 
 
+def test_a_live_runs_folder_is_named_in_use_at_once_whatever_the_flags(tiny_data_dir, tmp_path):
+    """A second `python train.py` while the first runs and has saved: not "holds another run ... continue it with
+    --resume" (which the lock would then refuse), but the live run, its pid, and what to do."""
+    cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=1)
+    with common.hold_lock(tmp_path, "training run"):  # the first run, which has written its log and a checkpoint
+        (tmp_path / "log.jsonl").write_text('{"step": 0, "tokens": 0}\n')
+        (tmp_path / "ckpt.safetensors").write_bytes(b"the live run's")
+        before = snapshot(tmp_path)
+        for flags in ({}, {"resume": True}, {"resume": "auto"}, {"overwrite": True}):
+            with pytest.raises(UserError) as e:
+                train.train(dataclasses.replace(cfg, **flags))
+            assert str(e.value) == (f"{tmp_path} is in use by another training run, still running ("
+                                    f"{common.lock_info(tmp_path)}): wait for it to end, or stop it (Ctrl-C there "
+                                    "saves it, and --resume then continues it), or pick another --out_dir"), flags
+            assert f"pid {os.getpid()}" in str(e.value)
+            assert snapshot(tmp_path) == before
+
+
 def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
     # What a killed run leaves: the lock file with its details, and a lock the kernel already dropped.
     f = open(tmp_path / ".lock", "w")
