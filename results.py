@@ -1,7 +1,7 @@
 """Results files and plots, and the JSON rows evaluation reads: shared by the scripts that measure (eval.py,
 bench.py, compare.py, glue.py, xnli.py). As a script, it draws the curves of training runs:
 
-    python results.py --log=out/log.jsonl,out-ce/log.jsonl --plot=curves.png
+    python results.py --log=out/log.jsonl,out-ce/log.jsonl --plot=out/curves.png
 
 the training loss and each validation metric against the tokens seen, a panel a metric, a line a run (the log.jsonl
 of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too.
