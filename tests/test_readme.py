@@ -137,20 +137,16 @@ def check_outputs(line: str, words: list[str], printed: str, where: str) -> None
 
 
 def run_readme(text: str, data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """Run every command line of the text's bash blocks in the current folder; the first line is the install."""
-    lines = bash_lines(text)
+    """Run every command line of the text's bash blocks in the current folder. The first line is the install: what
+    its pip commands install is there for every line; a line's own pip commands add to it for that line."""
     every = requirement_names(ROOT / "requirements.txt") | requirement_names(ROOT / "requirements-dev.txt")
-    install = set()
-    for number, line in lines:
+    install = None
+    for number, line in bash_lines(text):
         where = f"README.md:{number}: `{line.partition(' #')[0].strip()}`"
-        own = set()
+        own = set().union(*(installed_by(words, where) for words in commands(line) if words[0] == "pip"))
+        install = own if install is None else install
         for words in commands(line):
-            if words[0] == "pip":
-                own |= installed_by(words, where)
-                continue
-            if number == lines[0][0]:
-                install = set(own)  # the README's install line: what the first command line installs
-            if tuple(words[:3]) in NOT_RUN:
+            if words[0] == "pip" or tuple(words[:3]) in NOT_RUN:
                 continue
             assert words[0] == "python", f"{where}: unknown command {words[0]}"
             with monkeypatch.context() as patch:
@@ -166,12 +162,14 @@ def test_every_readme_command_works_as_printed(tiny_data_dir, tmp_path, monkeypa
     assert (tmp_path / "out" / "curves.png").is_file() and not list(tmp_path.glob("*.png"))  # under a run folder
 
 
-BROKEN = [  # a README line, and what its failure says
-    ("frobnicate --x=1", "README.md:2: `frobnicate --x=1`: unknown command frobnicate"),
+INSTALL = "pip install torch && pip install -r requirements.txt"
+BROKEN = [  # a README line after the install line, and what its failure says
+    ("frobnicate --x=1", "README.md:3: `frobnicate --x=1`: unknown command frobnicate"),
     ("python nothere.py", "unknown command python nothere.py"),
     ("python train.py --no_such_flag=1", "train.py refuses: unknown setting --no_such_flag"),
     ("python results.py --log=out/log.jsonl --plot=out/c.png", "--plot needs matplotlib"),  # not installed
     ("pip install nothere && python train.py", "pip install nothere: not a package of requirements.lock"),
+    ("pip install -r requirements-gpu.txt", "requirements-gpu.txt does not exist"),
     ("python generate.py --help  # -> out/sample.txt", "no out/sample.txt was written"),
 ]
 
@@ -180,8 +178,8 @@ BROKEN = [  # a README line, and what its failure says
 def test_a_readme_line_that_does_not_work_fails_naming_it(line, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises((AssertionError, pytest.fail.Exception)) as e:
-        run_readme(f"```bash\n{line}\n```\n", tmp_path, monkeypatch, capsys)
-    assert f"README.md:2: `{line.partition(' #')[0].strip()}`" in str(e.value) and message in str(e.value), e.value
+        run_readme(f"```bash\n{INSTALL}\n{line}\n```\n", tmp_path, monkeypatch, capsys)
+    assert f"README.md:3: `{line.partition(' #')[0].strip()}`" in str(e.value) and message in str(e.value), e.value
 
 
 def test_the_readme_starts_with_a_run_and_ci_s_test_command_and_stays_short():
