@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shlex
 import stat
 import sys
 import tomllib
@@ -648,8 +649,6 @@ LONG_TEXT = 1 << 12
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL", torch.complex64: "C64"}
-CONVERT = ('python -c "import sys, torch, common; common.save_checkpoint(sys.argv[2], torch.load(sys.argv[1], '
-           'weights_only=True))" {} {}')
 
 
 def encode_checkpoint(payload: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -723,9 +722,8 @@ def checkpoint_file(path: str | Path) -> dict:
     fix = "pass a checkpoint that train.py or finetune.py wrote"
     missing = ("train.py writes out/ckpt.safetensors and `finetune.py --ckpt=out/ckpt.safetensors` writes "
                "out-ft/ckpt.safetensors: run the step that makes it, or pass --ckpt=PATH")
-    convert = CONVERT.format(path, Path(path).with_suffix(".safetensors"))
     old = (f"this project's checkpoints before safetensors (ckpt.pt) are converted once, a file you trust as your "
-           f"own: {convert}")
+           f"own: {convert_command(path)}")
     with safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old) as f:
         metadata = f.metadata() or {}
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
@@ -748,6 +746,16 @@ def checkpoint_file(path: str | Path) -> dict:
     if why:
         raise Refused(f"checkpoint {path}: {why}; {fix}")
     return payload
+
+
+def convert_command(path: str | Path) -> str:
+    """The command that converts a checkpoint from before safetensors (convert.py) into one beside it, to paste in a
+    shell from any folder: this interpreter, the script and both files by their full paths, each quoted."""
+    old = Path(os.path.abspath(path))
+    new = old.with_suffix(".safetensors")
+    new = new if new != old else old.with_name(f"{old.stem}-converted.safetensors")
+    script = Path(__file__).resolve().with_name("convert.py")
+    return shlex.join([sys.executable, str(script), f"--ckpt={old}", f"--out={new}"])
 
 
 def utf8(t: torch.Tensor) -> str | None:

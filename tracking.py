@@ -19,7 +19,12 @@ What each keeps when a run stops: TensorBoard's event file is flushed at every r
 its own process (wandb-core), which writes the run's .wandb file every WANDB_FLUSH_SECONDS (its default is 15 s:
 a run killed then kept none of its history): a run killed outright (SIGKILL, the machine lost) keeps every record
 but those of its last fraction of a second. Ctrl-C and SIGTERM stop the loop, which finishes the W&B run: it keeps
-every record, as an uninterrupted run does (tests/test_tracking.py kills runs both ways).
+every record, as an uninterrupted run does (tests/test_tracking.py kills runs both ways). A run that ends holds
+every record in both files when train.py returns (finish_wandb).
+
+Nothing is written outside out_dir: W&B's own logs and caches (WANDB_CACHE_DIR, WANDB_DATA_DIR; by default under
+$HOME/.cache) go to out_dir/wandb/cache and out_dir/wandb/data for the run, unless you set those variables (then
+they are yours, and W&B writes there). W&B reads your settings and login (WANDB_CONFIG_DIR, ~/.netrc) as always.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ FOLDERS = {"tensorboard": ("tb", ("events.out.tfevents.*",)),
            "wandb": ("wandb", ("offline-run-*", "run-*", "latest-run", "debug.log", "debug-internal.log",
                                "debug-cli.*.log"))}
 WRITTEN = "tracked.jsonl"  # in out_dir: each name tracking created in those folders, relative to out_dir
+WANDB_OWN_DIRS = {"WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data"}  # under out_dir/wandb unless the user set them
 
 
 def check_tracking(cfg: Any) -> None:
@@ -117,6 +123,7 @@ class Tracker:
         self.run = run
         self.writer = None  # a torch.utils.tensorboard SummaryWriter
         self.wandb_run = None
+        self.environ: dict[str, str] = {}  # the variables this run set for W&B (its folders), unset at its end
 
     def __enter__(self) -> Tracker:
         if not common.is_main_process():
@@ -129,6 +136,7 @@ class Tracker:
             if cfg.tensorboard:
                 self.writer = tensorboard_writer(out_dir, resumed)
             if cfg.wandb:
+                self.environ = wandb_folders(out_dir)
                 self.wandb_run = start_wandb(cfg, out_dir, resumed)
             record(out_dir, all_entries(out_dir) - self.before)
         except BaseException:
@@ -154,7 +162,9 @@ class Tracker:
         if self.writer:
             self.writer.close()
         if self.wandb_run:
-            self.wandb_run.finish(exit_code=1 if failed else 0)
+            finish_wandb(self.wandb_run, failed)
+        for name in self.environ:
+            os.environ.pop(name, None)
         out_dir = self.run.out_dir
         with contextlib.suppress(UserError):  # what the trackers created since the start (W&B's later logs)
             record(out_dir, all_entries(out_dir) - self.before - set(recorded(out_dir)))
@@ -186,6 +196,26 @@ def start_wandb(cfg: Any, out_dir: Path, resumed: int | None):
     except Exception as e:  # not logged in, a refused key or project...: wandb's own words, in one line
         raise UserError(f"--wandb could not start a W&B run ({common.first_line(e)}); log in with `wandb login`, "
                         "or log offline with WANDB_MODE=offline") from None
+
+
+def wandb_folders(out_dir: Path) -> dict[str, str]:
+    """W&B's own folders (its logs and caches) under out_dir/wandb, as variables set for this run, but those the user
+    set (theirs). Set before W&B's process starts: it reads them once, at its start."""
+    mine = {name: str(out_dir / "wandb" / folder) for name, folder in WANDB_OWN_DIRS.items() if name not in os.environ}
+    os.environ.update(mine)
+    return mine
+
+
+def finish_wandb(run: Any, failed: bool) -> None:
+    """Finish the W&B run, all of it on disk on return. finish() returns once W&B's process has every record, but
+    that process writes the .wandb file later (every WANDB_FLUSH_SECONDS, and whole when it closes the run): read
+    at once on a busy machine, the file lacked the last records. Stopping the process (wandb.teardown) waits until
+    it has written and closed everything; it is left running while another run of this process (a notebook's own)
+    uses it, which then writes this run's last records within WANDB_FLUSH_SECONDS."""
+    import wandb
+    run.finish(exit_code=1 if failed else 0)
+    if wandb.setup().most_recent_active_run is None:
+        wandb.teardown()
 
 
 def wandb_settings(wandb: Any):

@@ -9,7 +9,6 @@ import copy
 import errno
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -166,23 +165,6 @@ def test_the_checkpoint_door_refuses_what_is_no_checkpoint_and_never_unpickles(c
     monkeypatch.setattr(torch, "load", lambda *a, **k: loaded.append(a) or {})
     refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
     assert not loaded
-
-
-def test_an_old_checkpoint_converts_with_the_command_its_refusal_names(checkpoint_dict, tmp_path):
-    """A ckpt.pt of this project before safetensors: refused in one line naming one command, which converts it (a
-    file its user vouches for) into a checkpoint the door takes whole."""
-    old = tmp_path / "ckpt.pt"
-    torch.save(checkpoint_dict, old)
-    with pytest.raises(doors.Refused) as e:
-        doors.checkpoint(old, model.GPTConfig, train.TrainConfig)
-    command = str(e.value).split(": ", 1)[1].removeprefix("python -c ")
-    code, *paths = shlex.split(command)
-    assert paths == [str(old), str(tmp_path / "ckpt.safetensors")]
-    subprocess.run([sys.executable, "-c", code, *paths], cwd=ROOT, check=True)
-    ckpt = doors.checkpoint(tmp_path / "ckpt.safetensors", model.GPTConfig, train.TrainConfig)
-    assert ckpt["state"] == checkpoint_dict["state"]
-    assert ckpt["optimizer"]["param_groups"][1]["params"] == checkpoint_dict["optimizer"]["param_groups"][1]["params"]
-    assert all(torch.equal(ckpt["model"][k], t) for k, t in checkpoint_dict["model"].items())
 
 
 # Any JSON-like value, the awkward ones often: huge, negative or non-finite numbers, strings of digits, nesting
