@@ -254,6 +254,22 @@ def need_package(module: str, flag: str, pip_name: str | None = None) -> None:
         raise UserError(f"{flag} needs {pip_name or module}, an optional extra: pip install {pip_name or module}")
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for the block, and as they were after it: where a library writes its caches and
+    logs, told for one call (docs/failures.md: the caller leaves out each variable a user set, which is theirs)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def reachable(url: str, timeout: float = 3.0) -> bool:
     """Whether a server answers at all: one TCP connection to the URL's host, within `timeout` seconds. A quiet
     check before calling a library that would print a minute of retries offline (the Hugging Face hub, W&B).
@@ -922,6 +938,23 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
     with hold_lock(out_dir, "training run"):
         remove_stale_temps(out_dir)
         yield
+
+
+@contextlib.contextmanager
+def compiler_cache(out_dir: Path) -> Iterator[None]:
+    """torch's compiler cache (TORCHINDUCTOR_CACHE_DIR) for a run: a temp folder inside out_dir, removed at its end.
+    torch makes its cache folder ($TMPDIR/torchinductor_USER by default) when its compiler is first imported, which
+    building any optimizer does, and --compile keeps its kernels there. Where TORCHINDUCTOR_CACHE_DIR is set (a cache
+    kept from run to run), it is the user's choice. A killed run leaves it to remove_stale_temps."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    folder = temp_path(out_dir / "torch-cache")
+    try:
+        with environment({"TORCHINDUCTOR_CACHE_DIR": str(folder.absolute())}):
+            yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_a_runs_files(ckpt: Path, log: Path) -> None:

@@ -9,9 +9,12 @@ document, split once near its end.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
+import os
 import re
+import shutil
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -20,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+import common
 import doors
 from common import UserError, check_hub, first_line, refuse_idle, through_door
 from data import PrepareConfig, encode_batches, load_meta, split_by_hash
@@ -43,13 +47,13 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
     source = f"hf:{cfg.dataset}" + (f"/{cfg.subset}" if cfg.subset else "") + f" split={cfg.split}"
     hint = "check the id, --subset and --split, and the network (or pass a local path)"
     check_hub(f"dataset {cfg.dataset!r}", "check the network, or pass a local path")  # offline: in seconds
-    train = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split=cfg.split,
+    train = Texts(load(cfg, f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split=cfg.split,
                        streaming=True), cfg.text_field, source)
     own_val = cfg.val_split == "auto" and cfg.split == "train" and "validation" in split_names(cfg)
     if not own_val:
         return source, Items([train], split_by_hash(train, cfg.val_fraction), cfg), None
     refuse_idle(cfg, {"val_fraction": OWN_VAL})
-    val = Texts(load(f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
+    val = Texts(load(cfg, f"dataset {cfg.dataset!r}", hint, cfg.dataset, cfg.subset, split="validation",
                      streaming=True), cfg.text_field, source + " (validation)")
     return source + " + its validation split", Items([train, val], own_splits(train, val), cfg), None
 
@@ -81,9 +85,9 @@ def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str,
         if stray := [f for f in files if split_of(f) is None]:
             raise UserError(f"{stray[0]} is named neither as train nor as validation data while {path} has "
                             "both; move it out, or pass --val_split=hash")
-        train, val = (Texts(read_files(by_split[s], builder, source), field, source) for s in ("train", "val"))
+        train, val = (Texts(read_files(cfg, by_split[s], builder, source), field, source) for s in ("train", "val"))
         return source + ", its own validation files", Items([train, val], own_splits(train, val), cfg), None
-    texts = Texts(read_files(files, builder, source), field, source)
+    texts = Texts(read_files(cfg, files, builder, source), field, source)
     if builder == "text" and len(files) == 1:  # one document: split once, near its end
         return source, Items([texts], (item for text in texts for item in
                                        split_one_document(text, cfg.val_fraction)), cfg), 1
@@ -152,26 +156,58 @@ def own_splits(train: Iterable[str], val: Iterable[str]) -> Iterator[tuple[str, 
 def split_names(cfg: PrepareConfig) -> list[str]:
     import datasets
     try:
-        return datasets.get_dataset_split_names(cfg.dataset, cfg.subset)
+        with datasets_cache(cfg) as cache:
+            return datasets.get_dataset_split_names(cfg.dataset, cfg.subset, cache_dir=cache)
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"could not load dataset {cfg.dataset!r}: {first_line(e)}; check the id, --subset "
                         "and the network, or pass --val_split=hash") from None
 
 
-def read_files(files: list[Path], builder: str, source: str) -> Any:
+def read_files(cfg: PrepareConfig, files: list[Path], builder: str, source: str) -> Any:
     # Streaming reads the files lazily, with no Arrow cache copy; .txt: one file is one document.
     options = {"sample_by": "document"} if builder == "text" else {}
-    return load(source, "is every file valid?", builder, data_files=[str(f) for f in files], split="train",
+    return load(cfg, source, "is every file valid?", builder, data_files=[str(f) for f in files], split="train",
                 streaming=True, **options)
 
 
-def load(what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
+def load(cfg: PrepareConfig, what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
     import datasets  # slow to import, and only real corpora need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported here, in one line
     try:
-        return datasets.load_dataset(*args, **kwargs)
+        with datasets_cache(cfg) as cache:
+            return datasets.load_dataset(*args, cache_dir=cache, **kwargs)
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"could not load {what}: {first_line(e).rstrip('.')}; {hint}") from None
+
+
+@contextlib.contextmanager
+def datasets_cache(cfg: PrepareConfig) -> Iterator[str | None]:
+    """The datasets library's cache for one call, a temp folder inside --data_root, removed after it (with the
+    folders made for it): it writes lock files there (in ~/.cache/huggingface/datasets by default), which a stream
+    needs no more once opened. A data.py killed meanwhile leaves it to the next one's sweep (its pid is in its name).
+    Where HF_DATASETS_CACHE or HF_HOME says where (the user's choice), the library's own (None)."""
+    if os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME"):
+        yield None
+        return
+    root = Path(cfg.data_root)
+    made = [p for p in (root, *root.parents) if not os.path.lexists(p)]
+    cache = common.temp_path(root / "datasets-cache")
+    try:
+        try:
+            cache.mkdir(parents=True)
+        except OSError as e:
+            raise UserError(f"cannot write in --data_root={cfg.data_root} ({e.strerror}); pass a folder you can "
+                            "write") from None
+        yield str(cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        for folder in made:  # the deepest first; only while empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 class Texts:

@@ -61,10 +61,13 @@ def _tiktoken(name: str) -> Any:
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
     files = gpt2_vocab_files()  # tiktoken checks the files' published sha256
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        str(files["merges"]), str(files["vocab"]),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
+    # tiktoken copies each file it reads into $TMPDIR/data-gym-cache, unless told where (a user's choice) or not at all
+    nowhere = {} if {"TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"} & set(os.environ) else {"TIKTOKEN_CACHE_DIR": ""}
+    with common.environment(nowhere):
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            str(files["merges"]), str(files["vocab"]),
+            vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+            encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
 
 # isort: split
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +68,11 @@ def import_pyplot(plot: str | Path = ""):
     """matplotlib is optional (--plot): a one-line error without it; and, given the --plot path, one if matplotlib
     writes no file of its extension (before any work, not after)."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.backend_bases import FigureCanvasBase
+        with matplotlib_folder():
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise UserError("--plot needs matplotlib, an optional extra: pip install matplotlib") from None
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -76,6 +80,18 @@ def import_pyplot(plot: str | Path = ""):
         raise UserError(f"--plot={plot}: matplotlib writes no .{ext} file; name it .png, or one of: "
                         f"{', '.join(sorted(formats))}")
     return plt
+
+
+@contextlib.contextmanager
+def matplotlib_folder() -> Iterator[None]:
+    """matplotlib's config folder while it is imported: a temp folder, removed after it. matplotlib writes its font
+    list there on import (in ~/.cache/matplotlib by default; built again in a quarter of a second). Where MPLCONFIGDIR
+    says where, it is the user's choice."""
+    if "MPLCONFIGDIR" in os.environ or "matplotlib" in sys.modules:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="matplotlib-") as folder, common.environment({"MPLCONFIGDIR": folder}):
+        yield
 
 
 def save_figure(fig: Any, path: str | Path) -> None:

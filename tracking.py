@@ -123,7 +123,7 @@ class Tracker:
         self.run = run
         self.writer = None  # a torch.utils.tensorboard SummaryWriter
         self.wandb_run = None
-        self.environ: dict[str, str] = {}  # the variables this run set for W&B (its folders), unset at its end
+        self.environment = contextlib.ExitStack()  # the variables set for W&B while the run is tracked
 
     def __enter__(self) -> Tracker:
         if not common.is_main_process():
@@ -136,7 +136,7 @@ class Tracker:
             if cfg.tensorboard:
                 self.writer = tensorboard_writer(out_dir, resumed)
             if cfg.wandb:
-                self.environ = wandb_folders(out_dir)
+                self.environment.enter_context(common.environment(wandb_folders(out_dir)))
                 self.wandb_run = start_wandb(cfg, out_dir, resumed)
             record(out_dir, all_entries(out_dir) - self.before)
         except BaseException:
@@ -163,8 +163,7 @@ class Tracker:
             self.writer.close()
         if self.wandb_run:
             finish_wandb(self.wandb_run, failed)
-        for name in self.environ:
-            os.environ.pop(name, None)
+        self.environment.close()
         out_dir = self.run.out_dir
         with contextlib.suppress(UserError):  # what the trackers created since the start (W&B's later logs)
             record(out_dir, all_entries(out_dir) - self.before - set(recorded(out_dir)))
@@ -199,11 +198,9 @@ def start_wandb(cfg: Any, out_dir: Path, resumed: int | None):
 
 
 def wandb_folders(out_dir: Path) -> dict[str, str]:
-    """W&B's own folders (its logs and caches) under out_dir/wandb, as variables set for this run, but those the user
-    set (theirs). Set before W&B's process starts: it reads them once, at its start."""
-    mine = {name: str(out_dir / "wandb" / folder) for name, folder in WANDB_OWN_DIRS.items() if name not in os.environ}
-    os.environ.update(mine)
-    return mine
+    """W&B's own folders (its logs and caches) under out_dir/wandb, as the variables to set for the run, but those the
+    user set (theirs). Set before W&B's process starts: it reads them once, at its start."""
+    return {name: str(out_dir / "wandb" / folder) for name, folder in WANDB_OWN_DIRS.items() if name not in os.environ}
 
 
 def finish_wandb(run: Any, failed: bool) -> None:

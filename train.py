@@ -760,7 +760,7 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[str, Any
     common.declare_io(reads={"--init_from": cfg.init_from,
                              "--dataset": [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]},
                       writes={"--out_dir": common.run_files(cfg.out_dir)}, kinds={"--init_from": "start"})
-    with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite):
+    with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite), common.compiler_cache(Path(cfg.out_dir)):
         return train_claimed(cfg, given)
 
 
