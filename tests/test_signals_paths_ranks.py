@@ -312,7 +312,7 @@ def test_a_path_that_is_not_utf8_is_refused_before_any_work(tiny_data_dir, tmp_p
 
 @pytest.mark.parametrize("script, flag", [
     ("train", "--out_dir=~/r"), ("train", "--init_from=~/run/ckpt.safetensors"), ("data", "--dataset=~/corpus"),
-    ("generate", "--ckpt=~user/ckpt.safetensors")])
+    ("generate", "--ckpt=~user/ckpt.safetensors"), ("train", "--data_root=~/d"), ("data", "--data_root=~/d")])
 def test_a_path_starting_with_a_tilde_means_one_thing_everywhere(script, flag, tmp_path, monkeypatch, capsys):
     """Issue 42, contract 5: `--out_dir=~/r` was checked as $HOME/r and written as ./~/r (a fine-tune replaced its
     own input). ~ is expanded nowhere: such a path is refused in one line naming the fix, before any work."""
@@ -320,6 +320,8 @@ def test_a_path_starting_with_a_tilde_means_one_thing_everywhere(script, flag, t
     main = {"train": train.main, "data": data.main, "generate": generate.main}[script]
     err = refusal(main, [flag, "--prompt=a"] if script == "generate" else [flag], monkeypatch, capsys)
     assert "a path starting with ~ is not expanded here" in err and "$HOME" in err, err
+    if "--data_root" in flag:  # the flag given, not the dataset folder made from it (--dataset=~/d/shakespeare)
+        assert err.startswith(f"error: {flag}: "), err
     assert os.listdir(tmp_path) == []
 
 
