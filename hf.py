@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -372,10 +373,11 @@ def weight_files(folder: Path) -> list[Path]:
         return [folder / name for name in sorted(names)]
     if os.path.lexists(folder / "model.safetensors") or not any(folder.glob("pytorch_model*.bin")):
         return [folder / "model.safetensors"]
-    convert = (f"from transformers import AutoModelForCausalLM as M; M.from_pretrained({str(folder)!r})"
-               f".save_pretrained({str(folder)!r})")
+    where = str(folder.absolute())  # quoted for the shell, from any folder: a folder's name is never run
+    convert = (f"from transformers import AutoModelForCausalLM as M; M.from_pretrained({where!r})"
+               f".save_pretrained({where!r})")
     raise UserError(f"{folder} holds pytorch_model.bin (a pickle) and no model.safetensors; a pickle is never read "
-                    f"here: if you trust it, convert it once with python -c \"{convert}\"")
+                    f"here: if you trust it, convert it once with {shlex.join([sys.executable, '-c', convert])}")
 
 
 def open_weights(path: Path) -> Any:

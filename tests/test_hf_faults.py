@@ -201,8 +201,8 @@ def test_a_pytorch_model_bin_is_refused_naming_the_conversion_that_works(folder)
     expected = load_file(folder / "model.safetensors")
     to_bin(folder)
     message = load_fails(folder, "pytorch_model.bin", "never read", CONVERT)
-    command = message.split('python -c "', 1)[1].removesuffix('"')
-    subprocess.run([sys.executable, "-c", command], check=True, capture_output=True, timeout=120)
+    command = message.split("convert it once with ", 1)[1]  # quoted for the shell, to paste from any folder
+    subprocess.run(["bash", "-c", command], cwd=folder.parent, check=True, capture_output=True, timeout=120)
     assert {"pytorch_model.bin", "model.safetensors"} <= {p.name for p in folder.iterdir()}
     converted = load_file(folder / "model.safetensors")
     assert all(torch.equal(converted.get(k, converted.get(k.replace("embed_out.", "lm_head."))), v)
