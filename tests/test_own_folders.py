@@ -1,6 +1,7 @@
 """Issue 50: a command writes nothing outside the folders it is given, its libraries' caches, logs and temp files
-included (the datasets library's, tiktoken's, matplotlib's, W&B's and TensorBoard's). Every command runs, with tiny
-settings, in one process whose HOME, XDG_*_HOME, TMPDIR and current folder are empty folders; they stay empty."""
+included (the datasets library's, tiktoken's, tokenizers', matplotlib's, torch's, W&B's and TensorBoard's). Every
+command runs, with tiny settings, in one process whose HOME, XDG_*_HOME, TMPDIR and current folder are empty
+folders; they stay empty."""
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ import data, train, finetune, generate, eval, results, analyze, model
 model.PRESETS["tiny"] = dict(n_layer=1, n_head=2, d_model=32, block_size=16)
 corpus, d, out, ft = (f"{WORK}/{name}" for name in ("corpus", "data", "out", "ft"))
 tiny = ["--block_size=16", "--batch_size=2", "--eval_batches=1", "--warmup_iters=1", "--device=cpu"]
-data.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])
-train.main([f"--dataset={d}/corpus", f"--out_dir={out}", "--preset=tiny", "--max_iters=2", "--eval_interval=2",
+data.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])  # GPT-2's tokens (tiktoken)
+data.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5", "--tokenizer=bpe:260"])  # tokenizers'
+train.main([f"--dataset={d}/corpus-bpe260", f"--out_dir={out}", "--preset=tiny", "--max_iters=2", "--eval_interval=2",
             "--tensorboard", "--wandb", *tiny])
 finetune.main([f"--ckpt={out}/ckpt.safetensors", f"--out_dir={ft}", "--max_iters=1", f"--data_root={d}"])
 generate.main([f"--ckpt={ft}/ckpt.safetensors", "--prompt=To be", "--max_new_tokens=2", "--device=cpu"])
@@ -62,4 +64,5 @@ def test_every_command_writes_only_under_the_folders_it_is_given(tmp_path):
     written = {name: sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) for name, folder in folders.items()}
     assert written == {name: [] for name in ELSEWHERE}
     assert list((work / "out" / "wandb" / "cache").rglob("core-debug-*.log"))  # W&B's own log: in its run's folder
-    assert sorted(p.name for p in (work / "data").iterdir()) == [".corpus.lock", "corpus"]  # no cache left
+    datasets = sorted(p.name for p in (work / "data").iterdir())
+    assert datasets == [".corpus-bpe260.lock", ".corpus.lock", "corpus", "corpus-bpe260"]  # no cache left
