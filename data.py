@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -360,7 +361,7 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     common.barrier()
     if not (out / "meta.json").exists():  # there but refused: its door says why, at load_meta
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python data.py "
-                        f"--dataset={dataset} --data_root={data_root}")
+                        f"{shlex.join([f'--dataset={dataset}', f'--data_root={data_root}'])}")
     return out
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+import shlex
 
 import numpy as np
 import pytest
@@ -99,6 +100,19 @@ def test_a_dataset_of_an_older_format_is_refused_and_shakespeare_is_prepared_aga
     out = data.ensure_dataset("shakespeare", str(tmp_path))
     assert "preparing the built-in shakespeare dataset" in capsys.readouterr().err
     assert data.load_meta(out)["format"] == data.DATA_FORMAT and data.load_meta(out)["documents"] == 38
+
+
+def test_the_command_a_refusal_builds_from_a_files_text_is_quoted_for_the_shell(tmp_path):
+    """Issue 50: a meta.json's source pasted into the command that prepares it again is one quoted argument, never a
+    command substitution a shell would run."""
+    folder = tmp_path / "my data" / "books"
+    folder.mkdir(parents=True)
+    source = "corpus $(touch PWNED) `touch PWNED`"
+    (folder / "meta.json").write_text(json.dumps({"settings": {"dataset": source}, "split_rule": 2}))
+    with pytest.raises(UserError) as e:
+        data.load_meta(folder)
+    command = str(e.value).split("prepare its corpus again with ", 1)[1]
+    assert shlex.split(command) == ["python", "data.py", f"--dataset={source}", f"--data_root={folder.parent}"]
 
 
 def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
