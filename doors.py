@@ -492,7 +492,7 @@ def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | N
     at every start), no id beyond the model's vocab_size if given; val.bytes sums to val_bytes."""
     folder = Path(folder)
     meta = dataset_meta(folder)
-    source = clip(meta.get("settings", {}).get("dataset", "..."))  # a file's text: quoted, never run if pasted
+    source = clip(meta.get("settings", {}).get("dataset", "..."), 400)  # a file's text: quoted, never run if pasted
     redo = f"prepare the dataset again: python data.py {shlex.quote(f'--dataset={source}')}"
     path = folder / "tokenizer.json"
     sha256 = meta.get("tokenizer_sha256")  # None: tiktoken's, and no tokenizer.json
@@ -517,7 +517,7 @@ def dataset_meta(folder: Path) -> dict:
     meta = parse(read_small(path, MAX_TEXT_BYTES, "dataset file", redo), str(path), redo)
     settings = meta.get("settings") if isinstance(meta, dict) else None
     if isinstance(settings, dict) and isinstance(settings.get("dataset"), str):
-        redo = redo.replace("--dataset=SOURCE", shlex.quote(f"--dataset={clip(settings['dataset'])}"))
+        redo = redo.replace("--dataset=SOURCE", shlex.quote(f"--dataset={clip(settings['dataset'], 400)}"))
     version = meta.get("format", meta.get("split_rule", 1)) if isinstance(meta, dict) else DATA_FORMAT
     if version in (1, 2):
         old = {1: "by an older rule that cut every document into train and val",
