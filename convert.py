@@ -15,7 +15,7 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 # isort: split
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,8 +29,8 @@ FIX = "pass a ckpt.pt that train.py or finetune.py wrote before checkpoints were
 
 @dataclass
 class ConvertConfig:
-    ckpt: str = ""  # the checkpoint torch.save wrote (ckpt.pt)
-    out: str = ""  # the safetensors checkpoint to write; it must not exist
+    ckpt: str = field(default="", metadata={"help": "the checkpoint torch.save wrote (ckpt.pt)"})
+    out: str = field(default="", metadata={"help": "the safetensors checkpoint to write; it must not exist"})
 
 
 def load_old(path: Path) -> dict:
