@@ -32,14 +32,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import Checkpoint, Init, State, checkpoint_model, load_checkpoint
 from common import (
     DeviceName,
     UserError,
-    checkpoint_model,
     config_path,
     declare_io,
     format_metric,
-    load_checkpoint,
     note,
     parse_flags,
     pick_device,
@@ -56,7 +55,7 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
-from model import GPT, GPTConfig
+from model import GPT
 from results import import_pyplot, save_figure, write_json
 from train import TrainConfig
 
@@ -159,18 +158,18 @@ def read_counts(tokens: np.ndarray, vocab_size: int, starts: np.ndarray, width: 
     return counts
 
 
-def lineage_windows(ckpt: dict, tokens: np.ndarray) -> tuple[np.ndarray | None, str | None]:
+def lineage_windows(ckpt: Checkpoint, tokens: np.ndarray) -> tuple[np.ndarray | None, str | None]:
     """Where every training window the checkpoint's lineage read starts, replayed from its seed, batch and block and
     the micro-batches it consumed (train.py's BatchSampler draws batch i from (seed, i) alone); or None and why not.
     Exact when the lineage kept one seed, batch_size and block_size (a resume and a fine-tune do, unless told
     otherwise): checked against the seed of its first weights and the tokens it counted."""
-    cfg = ckpt.get("train_config") or {}
-    micro_batches = (ckpt.get("state") or {}).get("micro_batches")
+    cfg = ckpt.train_config
+    micro_batches = ckpt.state.micro_batches if ckpt.state else None
     seed, batch, block = cfg.get("seed"), cfg.get("batch_size"), cfg.get("block_size")
     if None in (micro_batches, seed, batch, block):
         return None, "the checkpoint does not record its data position (written before runs counted it)"
-    init_seed = (ckpt.get("init") or {}).get("seed", seed)
-    tokens_read = ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0)
+    init_seed = ckpt.init.seed if ckpt.init else seed
+    tokens_read = ckpt.pretrain_tokens()
     if init_seed != seed or micro_batches * batch * block != tokens_read:
         return None, (f"its lineage changed seed, batch_size or block_size ({micro_batches:,} micro-batches of "
                       f"{batch} x {block} against {tokens_read:,} tokens read, seed {seed} against its init's "
@@ -179,14 +178,14 @@ def lineage_windows(ckpt: dict, tokens: np.ndarray) -> tuple[np.ndarray | None, 
     return np.concatenate([sampler.window_starts(i) for i in range(micro_batches)] or [np.zeros(0, np.int64)]), None
 
 
-def lineage_read_counts(ckpt: dict, tokens: np.ndarray, vocab_size: int,
+def lineage_read_counts(ckpt: Checkpoint, tokens: np.ndarray, vocab_size: int,
                         causal: bool) -> tuple[np.ndarray | None, str | None]:
     """How often the checkpoint's lineage read each id of its training split `tokens`, or None and why not. A window
     is block_size inputs, and for a decoder the last target too (an encoder's targets are its inputs)."""
     starts, why = lineage_windows(ckpt, tokens)
     if starts is None:
         return None, why
-    width = ckpt["train_config"]["block_size"] + causal
+    width = ckpt.train_config["block_size"] + causal
     return read_counts(tokens, vocab_size, starts, width, progress=True), None
 
 
@@ -233,12 +232,12 @@ def nearest_neighbours(table: torch.Tensor, ids: torch.Tensor, query: int, k: in
     return ids[cosine.topk(min(k, len(ids) - 1)).indices].tolist()
 
 
-def initial_model(init: dict) -> GPT:
+def initial_model(init: Init) -> GPT:
     """The lineage's first weights, rebuilt as train.py drew them: torch seeded with its seed, then the model built
     (train.lineage_init records both). The caller's random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init["seed"])
-        return GPT(GPTConfig(**init["model_config"]))
+        torch.manual_seed(init.seed)
+        return GPT(init.model_config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +248,7 @@ def initial_model(init: dict) -> GPT:
 class Subject:
     """A checkpoint to analyse, through its door, with the dataset it is measured on (found before any work)."""
     path: str
-    ckpt: dict
+    ckpt: Checkpoint
     data_dir: Path
     meta: dict
 
@@ -260,8 +259,8 @@ def subjects(cfg: AnalyzeConfig) -> list[Subject]:
     return [Subject(path, ckpt, *dataset_of(path, ckpt, cfg.data_root)) for path, ckpt in loaded]
 
 
-def dataset_of(path: str, ckpt: dict, data_root: str) -> tuple[Path, dict]:
-    dataset = (ckpt.get("train_config") or {}).get("dataset")
+def dataset_of(path: str, ckpt: Checkpoint, data_root: str) -> tuple[Path, dict]:
+    dataset = ckpt.train_config.get("dataset")
     if not dataset:
         raise UserError(f"{path} does not record its dataset (an imported model?); analyze.py measures a checkpoint "
                         "on the data it was trained on: pass a train.py or finetune.py checkpoint")
@@ -270,7 +269,7 @@ def dataset_of(path: str, ckpt: dict, data_root: str) -> tuple[Path, dict]:
                         "analyse checkpoints trained on one")
     data_dir = ensure_dataset(recorded_dataset(dataset, data_root, path), data_root)  # never the path as written
     meta = load_meta(data_dir)
-    theirs = ckpt.get("data_meta") or {}
+    theirs = ckpt.data_meta
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
         raise UserError(f"{path} was trained with tokenizer {theirs['tokenizer']!r} but {data_dir} holds "
                         f"{meta['tokenizer']!r} ids; pass the --data_root where its own dataset is")
@@ -304,7 +303,7 @@ def validation_states(model: GPT, tokens: np.ndarray, n: int, block: int,
 def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
     """One row: what the checkpoint is, then every measure (see the module's docstring)."""
     ckpt, meta = subject.ckpt, subject.meta
-    train_cfg = ckpt.get("train_config") or {}
+    train_cfg = ckpt.train_config
     model = checkpoint_model(ckpt, subject.path).to(device).eval()
     vocab = meta["vocab_size"]  # the tokenizer's ids; the rows past them are padding (and an encoder's [MASK])
     note(f"{subject.path}: counting the training split of {subject.data_dir}")
@@ -319,8 +318,8 @@ def analyse(subject: Subject, cfg: AnalyzeConfig, device: torch.device) -> dict:
     seen = torch.from_numpy(np.flatnonzero(counts))
     drift, drift_from, drift_note = distance_from_init(ckpt, table)
     e_values, h_values = singular_values(table[seen]), singular_values(states)
-    return {"ckpt": subject.path, "loss": ckpt.get("loss"), "step": ckpt["step"],
-            "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
+    state = ckpt.state or State()
+    return {"ckpt": subject.path, "loss": state.loss, "step": state.step, "tokens": ckpt.pretrain_tokens(),
             "objective": objective_label(train_cfg), "encoder": not model.config.causal,
             "masking": "off" if not model.config.causal else None, "dataset": str(subject.data_dir),
             "tokenizer": meta["tokenizer"], "tokenizer_sha256": meta.get("tokenizer_sha256"), "vocab_size": vocab,
@@ -349,9 +348,9 @@ def objective_label(train_cfg: dict) -> str:
     return f"{loss} head fine-tune" if train_cfg.get("add_lm_head") else loss
 
 
-def distance_from_init(ckpt: dict, table: torch.Tensor) -> tuple[torch.Tensor | None, str | None, str | None]:
+def distance_from_init(ckpt: Checkpoint, table: torch.Tensor) -> tuple[torch.Tensor | None, str | None, str | None]:
     """Each row of E's distance from its initial value; what that is (the seed), or why there is none."""
-    init = ckpt.get("init")
+    init = ckpt.init
     if not init:
         return None, None, ("no drift: the checkpoint records no initialisation (written before checkpoints carried "
                             "one, or imported), so its initial weights cannot be rebuilt")
@@ -359,7 +358,7 @@ def distance_from_init(ckpt: dict, table: torch.Tensor) -> tuple[torch.Tensor | 
     if start.shape != table.shape:
         return None, None, (f"no drift: the recorded initialisation's E is {list(start.shape)}, the checkpoint's "
                             f"{list(table.shape)}")
-    return (table - start).norm(dim=1), f"seed {init['seed']}", None
+    return (table - start).norm(dim=1), f"seed {init.seed}", None
 
 
 def word_token(tokenizer: Any, word: str) -> int | None:
@@ -371,7 +370,8 @@ def word_token(tokenizer: Any, word: str) -> int | None:
     return None
 
 
-def neighbours_of(words: list[str], ckpt: dict, table: torch.Tensor, counts: np.ndarray) -> dict[str, list | None]:
+def neighbours_of(words: list[str], ckpt: Checkpoint, table: torch.Tensor,
+                  counts: np.ndarray) -> dict[str, list | None]:
     """Each word's nearest neighbours (decoded) among the tokens seen in training; None for a word that is not one
     token of this checkpoint's tokenizer, or one never seen in training."""
     tokenizer = dataset_tokenizer(ckpt)

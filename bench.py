@@ -37,8 +37,8 @@ position (all), CE beside; loss and step rows at each --vocab and --step_tokens,
 --mode=val: the extra memory and time of one validation pass (train.evaluate) over --step_tokens tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
 --mode=checkpoint: the time to load a checkpoint of --preset (50304 tokens) with its AdamW state, through its
-door (common.load_checkpoint: safetensors, the checksum, every field) and with the resume check of its optimizer
-state (doors.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only, mmap: what
+door (checkpoint.load_checkpoint: safetensors, the checksum, every field) and with the resume check of its optimizer
+state (checkpoint.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only, mmap: what
 the door of a torch.save checkpoint called after its checks), interleaved, --repeats times, from the page cache.
 --mode=resume: a tiny run of 8 steps on the built-in data beside the same run stopped after 4 and resumed, at
 1 and 2 CPU threads: the largest difference of the logged losses, the weights and the optimizer state.
@@ -480,39 +480,39 @@ def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
     logits = model(x[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
     optimizer_step(optimizer, model.parameters())
-    state = {"step": 1, "micro_batches": 1, "tokens": 16, "flops": 1.0, "earlier_tokens": 0, "earlier_flops": 0.0,
-             "loss": 10.0, "first_val": None, "val": None, "val_step": None}
-    return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "objective": {},
-            "optimizer": optimizer.state_dict(), "scaler": None,
-            "train_config": dataclasses.asdict(TrainConfig(preset=preset, block_size=64, lr=1e-4)), "state": state,
-            "step": 1, "loss": 10.0, "val": None, "first_val": None, "tokens_seen": 16, "flops": 1.0,
-            "base_tokens": 0, "base_flops": 0.0, "data_meta": {}, "rng": {"torch": torch.get_rng_state()}}
+    from checkpoint import Checkpoint, Rng, State
+    return Checkpoint(model=model.state_dict(), model_config=model.config, optimizer=optimizer.state_dict(),
+                      train_config=dataclasses.asdict(TrainConfig(preset=preset, block_size=64, lr=1e-4)),
+                      state=State(step=1, micro_batches=1, tokens=16, flops=1.0, loss=10.0),
+                      rng=Rng(torch=torch.get_rng_state()))
 
 
 def bench_checkpoint(cfg: BenchConfig) -> str:
     """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
+    import checkpoint
     import doors
     payload = checkpoint_payload(cfg.preset)
     with tempfile.TemporaryDirectory() as tmp:
         ours, pt = Path(tmp) / "ckpt.safetensors", Path(tmp) / "ckpt.pt"
-        common.save_checkpoint(ours, payload)
-        torch.save(payload, pt)
+        checkpoint.save_checkpoint(ours, payload)
+        torch.save(doors.plain(payload), pt)
         del payload
 
         def resume() -> None:
-            doors.resumable(ours, common.load_checkpoint(ours, TrainConfig))
+            checkpoint.resumable(ours, checkpoint.load_checkpoint(ours, TrainConfig))
 
         def checksum() -> None:
             from safetensors import safe_open
             with safe_open(str(ours), framework="pt") as f:
-                doors.checksum(f.metadata()[doors.CHECKPOINT_KEY], {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+                checkpoint.checksum(f.metadata()[doors.CHECKPOINT_KEY],
+                                    {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
         steps = {"torch.load(weights_only, mmap) of ckpt.pt, no checks": lambda: torch.load(
                      pt, map_location="cpu", weights_only=True, mmap=True),
                  "torch.load(weights_only) of ckpt.pt, no checks": lambda: torch.load(
                      pt, map_location="cpu", weights_only=True),
-                 "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: common.load_checkpoint(
+                 "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: checkpoint.load_checkpoint(
                      ours, TrainConfig),
-                 "  the same + doors.resumable (finite optimizer state)": resume,
+                 "  the same + checkpoint.resumable (finite optimizer state)": resume,
                  "  of which the checksum (read + CRC-32 of every tensor)": checksum}
         times = time_interleaved(steps, cfg.warmup, cfg.repeats, torch.device("cpu"))
         sizes = (ours.stat().st_size, pt.stat().st_size)
@@ -527,6 +527,7 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
 
 def bench_resume() -> str:
     """--mode=resume: how far a run stopped and resumed lies from the straight run, at 1 and 2 CPU threads."""
+    import checkpoint
     import doors
     import train
     from data import ensure_dataset
@@ -547,14 +548,14 @@ def bench_resume() -> str:
                                                   lr_schedule="constant", device="cpu", dtype="float32",
                                                   compile=False, out_dir=str(out), resume=i > 0))
                 runs[name] = (doors.run_log(out / "log.jsonl"),
-                              common.load_checkpoint(out / "ckpt.safetensors", TrainConfig))
+                              checkpoint.load_checkpoint(out / "ckpt.safetensors", TrainConfig))
             (log_a, ckpt_a), (log_b, ckpt_b) = runs["straight"], runs["resumed"]
             losses = max(abs(a[k] - b[k]) for a, b in zip(log_a, log_b, strict=True) for k in a
                          if k in ("loss", "val_ce", "val_cwt"))
-            weights = [max((ckpt_a["model"][k] - other["model"][k]).abs().max().item() for k in ckpt_a["model"])
+            weights = [max((ckpt_a.model[k] - other.model[k]).abs().max().item() for k in ckpt_a.model)
                        for other in (ckpt_b, runs["again"][1])]
-            moments = max((a - ckpt_b["optimizer"]["state"][i][k]).abs().max().item()
-                          for i, state in ckpt_a["optimizer"]["state"].items() for k, a in state.items()
+            moments = max((a - ckpt_b.optimizer["state"][i][k]).abs().max().item()
+                          for i, state in ckpt_a.optimizer["state"].items() for k, a in state.items()
                           if isinstance(a, torch.Tensor) and a.dim() > 0)
             lines.append(f"| {n} | {losses:.3g} | {weights[0]:.3g} | {moments:.3g} | {weights[1]:.3g} |")
     torch.set_num_threads(threads)

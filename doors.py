@@ -1,10 +1,11 @@
 """The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
-checkpoint(path, GPTConfig, TrainConfig), dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and
-compare_result(path) (a run's log, compare.py's state). A door checks a file (a regular one, of a sane size), then
-every field's type and range, and against the weights or the data where they constrain it, before anything is
-allocated or built; bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It
-imports no other file of this project (model.load_model reads through it), so a refusal is a Refused, a
-ValueError: the scripts show it as their one-line UserError (common.through_door)."""
+dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and compare_result(path) (a run's log,
+compare.py's state); a file whose contents are a declared type (a checkpoint: checkpoint.py) is checked by
+declared_problem, from its declaration. A door checks a file (a regular one, of a sane size), then every field's
+type and range, and against the weights or the data where they constrain it, before anything is allocated or built;
+bad input is refused in one line naming it and the fix. Plumbing a learner may skip. It imports no other file of
+this project, so a refusal is a Refused, a ValueError: the scripts show it as their one-line UserError
+(common.through_door)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,7 @@ import sys
 import tomllib
 import types
 import typing
-import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
@@ -396,6 +396,8 @@ def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, en
     types = tuple(k for k in kinds if k is not None) + ((int,) if float in kinds else ())
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in kinds):
         return f"is {brief(value)}, not {' or '.join(getattr(k, '__name__', 'null') for k in kinds)}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"is {value}, not a finite number"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
             low <= value <= high and (value != low or ends[0] == "[") and (value != high or ends[1] == "]")):
         top = "inf)" if high >= BIG else shown_number(high) + ends[1]
@@ -439,16 +441,128 @@ def fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: 
     return None
 
 
+# ---------------------------------------------------------------------------------------------- declared types
+
+# What a file holds is declared once, as a dataclass (a checkpoint's checkpoint.Checkpoint, a dataset's DatasetMeta,
+# a results file's): each field's type hint (int, float, str, bool, a Literal, X | None, list[X], dict[str, X], a
+# nested dataclass, torch.Tensor) and its metadata "range", as a setting's. declared_problem checks a table read from
+# a file against it, every float finite; declared builds the dataclass. A field with a default may be missing (an
+# older file); a key the class does not declare is refused, unless its class declares OTHERS, their type.
+
+
+def declared_problem(values: Any, cls: type, name: str = "", partial: bool = False) -> str | None:
+    """The first way a table (`name`) breaks dataclass `cls`'s declaration, or None; `partial`: the fields it has."""
+    table = f"{name} " if name else ""
+    if not isinstance(values, dict):
+        return f"{table}is {brief(values)}, not a table"
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    needed = [] if partial else [k for k, f in fields.items() if f.default is f.default_factory is dataclasses.MISSING]
+    if missing := [k for k in needed if k not in values]:
+        return f"{table}lacks {', '.join(missing)}"
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        where = f"{name}.{str(key)[:60]}" if name else str(key)[:60]
+        if key in fields:
+            meta = field_meta(cls, key)
+            why = typed_problem(hints[key], value, where, *meta.get("range", ()), dtypes=meta.get("dtypes"))
+        elif hasattr(cls, "OTHERS"):  # the type of the keys it does not declare (Any: carried along, never read)
+            why = typed_problem(cls.OTHERS, value, where)
+        else:
+            why = f"{where} is not a field of this code's"
+        if why:
+            return why
+    return None
+
+
+def typed_problem(hint: Any, value: Any, where: str, *bounds: Any, dtypes: tuple | None = None) -> str | None:
+    """Why `value` is not of type `hint` (within `bounds`, for numbers; of one of `dtypes`, for tensors: a field's
+    metadata "dtypes", a name for them first), as a line naming `where`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None
+    if dataclasses.is_dataclass(hint):
+        return declared_problem(value, hint, where)
+    if origin in (typing.Union, types.UnionType) and value is None and type(None) in args:
+        return None
+    if origin in (typing.Union, types.UnionType) and sum(a is not type(None) for a in args) == 1:
+        return typed_problem(next(a for a in args if a is not type(None)), value, where, *bounds, dtypes=dtypes)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"{where} is {brief(value)}, not a table"
+        return next(filter(None, (f"{where} has a key {brief(k)} that is not a name" if not isinstance(k, str) else
+                                  typed_problem(args[1], v, f"{where}.{k[:60]}", *bounds, dtypes=dtypes)
+                                  for k, v in value.items())),
+                    None)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return f"{where} is {brief(value)}, not a list"
+        return next(filter(None, (typed_problem(args[0], v, where, *bounds, dtypes=dtypes) for v in value)), None)
+    if dtypes and isinstance(value, torch.Tensor) and value.dtype not in dtypes[1:]:
+        return f"{where} is {value.dtype}, not {dtypes[0]}"
+    why = problem(value, hint, *bounds)
+    return why and f"{where} {why}"
+
+
+def declared(cls: type, values: dict) -> Any:
+    """Dataclass `cls` from a table declared_problem let in: nested dataclasses built, lists of tuples as tuples; a
+    missing field its default; an OTHERS class's other keys left out."""
+    hints = typing.get_type_hints(cls)
+    built = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            built[f.name] = typed(hints[f.name], values[f.name])
+    return cls(**built)
+
+
+def typed(hint: Any, value: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(hint):
+        return declared(hint, value)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return typed(args[0], value)
+    return tuple(value) if typing.get_origin(hint) is tuple else value
+
+
+def plain(value: Any) -> Any:
+    """A declared object as the table a file holds (tensors as they are, not copied)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 # ---------------------------------------------------------------------------------------------- datasets
 
 # meta.json's "format": 1 cut the end off every document for val, 2 held out whole documents, 3 added val.bytes
 DATA_FORMAT = 3
-META_RULES = {"format": ([DATA_FORMAT],), "tokenizer": (str,), "tokenizer_sha256": ((str, None),), "dtype": (str,),
-              "documents": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]), "eot_token": (int, 0, BIG),
-              "mask_token": ((int, None), 0, BIG), "special_tokens": ((list, None),), "source": (str,),
-              "source_id": (str,), "skipped_rows": (int, 0, BIG), "settings": (dict,), "checksums": (dict,),
-              "train_tokens": (int, 1, BIG), "val_tokens": (int, 1, BIG), "val_bytes": (int, 0, BIG)}
-META_NEEDS = ("tokenizer", "vocab_size", "dtype", "eot_token", "train_tokens", "val_tokens", "val_bytes", "checksums")
+COUNT_RANGE = {"range": (0, BIG)}  # a field that counts
+
+
+@dataclasses.dataclass
+class DatasetMeta:
+    """A prepared dataset's meta.json (data.py writes it; a checkpoint carries it as data_meta): read as the table it
+    is (data.py reads it by key), checked by this declaration. Other keys are carried along."""
+    OTHERS: typing.ClassVar[Any] = bool | float | str | list | None
+    tokenizer: str
+    vocab_size: int = dataclasses.field(metadata={"range": (1, MAXIMA["vocab_size"])})
+    dtype: str
+    eot_token: int = dataclasses.field(metadata=COUNT_RANGE)
+    train_tokens: int = dataclasses.field(metadata={"range": (1, BIG)})
+    val_tokens: int = dataclasses.field(metadata={"range": (1, BIG)})
+    val_bytes: int = dataclasses.field(metadata=COUNT_RANGE)
+    checksums: dict[str, str]
+    format: int = dataclasses.field(default=DATA_FORMAT, metadata=COUNT_RANGE)  # its door takes DATA_FORMAT alone
+    tokenizer_sha256: str | None = None
+    documents: int = dataclasses.field(default=0, metadata=COUNT_RANGE)
+    mask_token: int | None = dataclasses.field(default=None, metadata=COUNT_RANGE)
+    special_tokens: list[int] | None = None
+    source: str = ""
+    source_id: str = ""
+    skipped_rows: int = dataclasses.field(default=0, metadata=COUNT_RANGE)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -523,7 +637,9 @@ def dataset_meta(folder: Path) -> dict:
         old = {1: "by an older rule that cut every document into train and val",
                2: "before val.bytes (bits per byte) was recorded"}[version]
         raise Refused(f"{folder} was prepared {old}; {redo}")
-    if why := fields_problem(meta, META_RULES, "", META_NEEDS, others=True) or meta_problem(meta):
+    if version != DATA_FORMAT:  # the declaration takes a checkpoint's record of an older dataset too
+        raise Refused(f"{path}: format is {brief(version)}, not one of: {DATA_FORMAT}; {redo}")
+    if why := declared_problem(meta, DatasetMeta) or meta_problem(meta):
         raise Refused(f"{path}: {why}; {redo}")
     sums = meta["checksums"]
     if sorted(sums) != ["train", "val", "val.bytes"] or not all(SHA256.fullmatch(str(v)) for v in sums.values()):
@@ -585,6 +701,7 @@ def special_ids(meta: dict) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- safetensors files
 
+CHECKPOINT_KEY = "headless-lm"  # a checkpoint's document in a safetensors file's metadata (checkpoint.py)
 # The dtypes a weight may have: another kind of number (an integer, true/false) is refused, never cast into the model
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADER_BYTES = MAX_TEXT_BYTES  # a safetensors header: each tensor's name, dtype, shape and offsets, and the
@@ -642,225 +759,7 @@ def holes_problem(fd: int, size: int) -> str | None:
     return f"is a sparse file: {present:,} of its {size:,} bytes are on disk, the rest holes where data should be"
 
 
-# A checkpoint in safetensors: each tensor of the payload (weights, the objective's pieces, the optimizer's state, the
-# random states) by its path in it, "optimizer/state/0/exp_avg"; each text longer than LONG_TEXT (a tokenizer.json)
-# as its UTF-8 bytes; the rest, plain JSON with null where a tensor was, one document in the metadata
-CHECKPOINT_KEY = "headless-lm"
-CHECKSUM_KEY = "headless-lm-crc32"
-LONG_TEXT = 1 << 12
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                      torch.bool: "BOOL", torch.complex64: "C64"}
-
-
-def encode_checkpoint(payload: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A checkpoint's payload as a safetensors file holds it: (tensors by name, metadata), the CRC-32 of both
-    (checksum) in the metadata. A tensor sharing another's storage (tied weights) is stored as a copy."""
-    tensors: dict[str, torch.Tensor] = {}
-    texts: list[str] = []
-    storages: set[int] = set()
-
-    def plain(value: Any, path: str) -> Any:
-        if isinstance(value, str) and len(value) > LONG_TEXT:
-            texts.append(path)
-            value = torch.frombuffer(bytearray(value.encode()), dtype=torch.uint8)
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            storage = t.untyped_storage()
-            t = t.clone() if storage.nbytes() and storage.data_ptr() in storages else t
-            storages.add(t.untyped_storage().data_ptr())
-            tensors[path] = t
-            return None
-        if isinstance(value, dict):
-            if bad := next((k for k in value if not isinstance(k, (str, int)) or "/" in str(k)), None):
-                raise ValueError(f"{path or 'the checkpoint'} has a key {bad!r}: a key is a name without / or a number")
-            return {str(k): plain(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v, f"{path}/{i}") for i, v in enumerate(value)]
-        return value
-
-    document = json.dumps({"payload": plain(payload, ""), "texts": texts}, allow_nan=False)
-    return tensors, {CHECKPOINT_KEY: document, CHECKSUM_KEY: checksum(document, tensors)}
-
-
-def checkpoint_bytes(payload: dict) -> Iterator[Any]:
-    """A checkpoint file's bytes, in pieces (encode_checkpoint's tensors and metadata, as safetensors lays them out:
-    the header's length in 8 bytes, the header, JSON padded with spaces to a multiple of 8, then each tensor's bytes,
-    the widest dtypes first, so that each is aligned to its element). Written here, not by the library, so that
-    common.atomic_file writes them: the library's save_file renames a temp file of its own over the path."""
-    tensors, metadata = encode_checkpoint(payload)
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{name} is a {t.dtype} tensor, which safetensors does not store")
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.numel() * t.element_size()]}
-        offset = header[name]["data_offsets"][1]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    yield len(text).to_bytes(8, "little") + text
-    for name in order:
-        yield tensors[name].reshape(-1).view(torch.uint8).numpy()
-
-
-def checksum(document: str, tensors: dict[str, torch.Tensor]) -> str:
-    """CRC-32 of a checkpoint's document, then of each tensor's name, dtype, shape and bytes, in the order of their
-    names: a byte changed anywhere (in a tensor; in the header, which would then read other tensors or settings)
-    changes it. zlib reads 2 GB/s: 0.25 s for pythia-70m with its optimizer (bench.py --mode=checkpoint)."""
-    crc = zlib.crc32(document.encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        crc = zlib.crc32(f"{name} {t.dtype} {list(t.shape)}".encode(), crc)
-        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
-
-
-def checkpoint_file(path: str | Path) -> dict:
-    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
-    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
-    fix = "pass a checkpoint that train.py or finetune.py wrote"
-    missing = ("train.py writes out/ckpt.safetensors and `finetune.py --ckpt=out/ckpt.safetensors` writes "
-               "out-ft/ckpt.safetensors: run the step that makes it, or pass --ckpt=PATH")
-    old = (f"this project's checkpoints before safetensors (ckpt.pt) are converted once, a file you trust as your "
-           f"own: {convert_command(path)}")
-    with safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old) as f:
-        metadata = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    if CHECKPOINT_KEY not in metadata:
-        raise Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its {CHECKPOINT_KEY} "
-                      f"metadata); {fix}")
-    if metadata.get(CHECKSUM_KEY) != checksum(metadata[CHECKPOINT_KEY], tensors):
-        raise Refused(f"checkpoint {path} does not match its checksum: a byte changed (a damaged copy); copy it "
-                      "again, or resume from a good copy")
-    document = parse(metadata[CHECKPOINT_KEY].encode(), f"checkpoint {path}'s document", fix)
-    why = fields_problem(document, {"payload": (dict,), "texts": (list,)}, "its document", ("payload", "texts"))
-    payload = document.get("payload") if not why else None
-    for name, t in tensors.items() if not why else ():
-        if name in document["texts"]:
-            t = utf8(t)
-        if t is None or not put_back(payload, name, t):
-            why = f"tensor {brief(name, 80)} has no place in its document" if t is not None else \
-                f"text {brief(name, 80)} is not UTF-8"
-            break
-    if why:
-        raise Refused(f"checkpoint {path}: {why}; {fix}")
-    return payload
-
-
-def convert_command(path: str | Path) -> str:
-    """The command that converts a checkpoint from before safetensors (convert.py) into one beside it, to paste in a
-    shell from any folder: this interpreter, the script and both files by their full paths, each quoted."""
-    old = Path(os.path.abspath(path))
-    new = old.with_suffix(".safetensors")
-    new = new if new != old else old.with_name(f"{old.stem}-converted.safetensors")
-    script = Path(__file__).resolve().with_name("convert.py")
-    return shlex.join([sys.executable, str(script), f"--ckpt={old}", f"--out={new}"])
-
-
-def utf8(t: torch.Tensor) -> str | None:
-    try:
-        return bytes(t.numpy()).decode("utf-8") if t.dtype == torch.uint8 and t.dim() == 1 else None
-    except UnicodeDecodeError:
-        return None
-
-
-def put_back(payload: dict, name: str, value: Any) -> bool:
-    """Put a tensor in the place its name says ("optimizer/state/0/exp_avg"), a null the payload holds for it."""
-    table, keys = payload, name.split("/")
-    for i, key in enumerate(keys):
-        if isinstance(table, list) and key.isascii() and key.isdigit() and int(key) < len(table):
-            key = int(key)
-        elif not isinstance(table, dict) or key not in table:
-            return False
-        if i == len(keys) - 1:
-            if table[key] is not None:
-                return False
-            table[key] = value
-        table = table[key]
-    return True
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-COUNT = (int, 0, BIG)
-METRICS = ((dict, None),)  # validation metrics
-CHECKPOINT_RULES = {"model": (dict,), "model_config": (dict,), "objective": (dict,), "optimizer": (dict,),
-                    "scaler": ((dict, None),), "train_config": (dict,), "state": (dict,), "step": COUNT,
-                    "loss": ((float, None),), "val": METRICS, "first_val": METRICS, "tokens_seen": COUNT,
-                    "flops": (float, 0), "base_tokens": COUNT, "base_flops": (float, 0), "data_meta": (dict,),
-                    "mask_spec": ((dict, None),), "tokenizer_json": ((str, None),), "mix": METRICS, "rng": (dict,),
-                    "init": ((dict, None),), "run_id": ((str, None),)}
-STATE_RULES = {"step": COUNT, "micro_batches": COUNT, "tokens": COUNT, "flops": (float, 0), "earlier_tokens": COUNT,
-               "earlier_flops": (float, 0), "loss": ((float, None),), "first_val": METRICS, "val": METRICS,
-               "val_step": ((int, None), 0, BIG)}
-INIT_RULES = {"seed": (int, 0, 2**32 - 1), "model_config": (dict,)}
-# masking.MaskSpec's fields (tests/test_masking.py keeps them one), an encoder's checkpoint's mask_spec
-MASK_RULES = {"mask_token": (int, 0, BIG), "vocab_size": (int, 1, MAXIMA["vocab_size"]),
-              "special_tokens": ((list, tuple),)}
-SCALER_RULES = {"scale": (float, 0), "growth_factor": (float, 0), "backoff_factor": (float, 0),
-                "growth_interval": (int, 1, BIG), "_growth_tracker": COUNT}
-
-
-def checkpoint(path: str | Path, config_class: type, train_class: type | None = None) -> dict:
-    """A train.py or finetune.py checkpoint through its door: its bytes (checkpoint_file: safetensors, its checksum),
-    then every field (checkpoint_problems)."""
-    ckpt = checkpoint_file(path)
-    if not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
-        raise Refused(f"{path} is not a headless-lm checkpoint (no model weights); pass a train.py one")
-    optimizer = ckpt.get("optimizer")
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict):  # JSON's keys are text: ids again
-        optimizer["state"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in optimizer["state"].items()}
-    if why := next(filter(None, checkpoint_problems(ckpt, config_class, train_class)), None):
-        raise Refused(f"checkpoint {path}: {why}; pass a checkpoint that train.py or finetune.py wrote")
-    return ckpt
-
-
-def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None = None) -> Iterator[str | None]:
-    """Each way a loaded checkpoint may break its rules, in order (a check may rely on the ones before): the weights
-    (named tensors; the model's of floating-point dtypes), model_config (config_class's fields' rules), train_config
-    (train_class's fields' rules, where given: train.TrainConfig; a field of none is a plain value; and a step's
-    tokens), state, rng, data_meta, mask_spec, scaler, the optimizer's structure (with a state: it can resume)."""
-    yield fields_problem(ckpt, CHECKPOINT_RULES, "", ("optimizer", "rng") if "state" in ckpt else (), others=True)
-    for key in ("model", "objective"):
-        tensors = ckpt.get(key, {})
-        yield next((f"{key} has a key {brief(k)} that is not a name" for k in tensors if not isinstance(k, str)), None)
-        yield fields_problem(tensors, dict.fromkeys(tensors, (torch.Tensor,)), key)
-    yield next((f"model.{k} is {t.dtype}, not a floating-point tensor" for k, t in ckpt["model"].items()
-                if t.dtype not in WEIGHT_DTYPES), None)
-    yield model_config_problem(ckpt["model_config"], config_class)
-    train = ckpt.get("train_config", {})
-    yield fields_problem(train, field_rules(train_class) if train_class else {}, "train_config", others=True)
-    yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
-    if ckpt.get("init") is not None:  # how the lineage's first weights were drawn (train.lineage_init)
-        yield fields_problem(ckpt["init"], INIT_RULES, "init", ("seed", "model_config"))
-        why = model_config_problem(ckpt["init"]["model_config"], config_class)
-        yield why and f"init.{why}"
-    yield fields_problem(ckpt.get("data_meta", {}), {**META_RULES, "format": COUNT}, "data_meta", others=True)
-    rng = ckpt.get("rng", {})
-    yield fields_problem(rng, {"torch": (torch.Tensor,), "cuda": ((torch.Tensor, None),)}, "rng")
-    if "torch" in rng and (rng["torch"].dtype != torch.uint8 or rng["torch"].shape != torch.get_rng_state().shape):
-        yield "rng.torch is not the state of torch's generator"
-    meta = ckpt.get("data_meta", {})
-    yield meta_problem(meta) and f"data_meta {meta_problem(meta)}"
-    name = meta.get("tokenizer", "")
-    if not ckpt.get("tokenizer_json") and (name.endswith(".json") or "/" in name and not name.startswith("hf:")):
-        yield (f"data_meta names its tokenizer by a file ({brief(name)}) but the checkpoint does not carry it (no "
-               "tokenizer_json), and a path inside a checkpoint is never opened")
-    block = config_class(**ckpt["model_config"]).block_size
-    if (train.get("block_size") or 0) > block:
-        yield f"train_config.block_size is more than the model's {block} tokens of context"
-    step = step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
-    yield step and f"train_config: {step}"
-    if "state" in ckpt and ckpt["state"].get("step") != ckpt.get("step"):
-        yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
-    yield mask_problem(ckpt)
-    if ckpt.get("scaler"):
-        yield fields_problem(ckpt["scaler"], SCALER_RULES, "scaler", tuple(SCALER_RULES))
-    if "optimizer" in ckpt:
-        yield optimizer_problem(ckpt["optimizer"])
+# ---------------------------------------------------------------------------------------------- settings together
 
 
 def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | None:
@@ -878,139 +777,6 @@ def check_step(batch_size: int, grad_accum: int, block_size: int) -> None:
     """step_problem as a refusal, for a script that knows the three (train.Run, finetune.py)."""
     if why := step_problem(batch_size, grad_accum, block_size):
         raise Refused(f"{why}; lower --batch_size or --grad_accum (or --block_size)")
-
-
-def mask_problem(ckpt: dict) -> str | None:
-    """An encoder's mask_spec (masking.MaskSpec's fields): its ids within the model's and its own vocabulary."""
-    spec = ckpt.get("mask_spec")
-    if spec is None and ckpt.get("train_config", {}).get("objective") != "mlm":
-        return None
-    if why := fields_problem(spec, MASK_RULES, "mask_spec", tuple(MASK_RULES)):
-        return why
-    vocab = ckpt["model_config"].get("vocab_size", BIG)
-    if spec["mask_token"] >= vocab or spec["vocab_size"] > vocab:
-        which = "mask_token" if spec["mask_token"] >= vocab else "vocab_size"
-        return f"mask_spec.{which} {spec[which]} is not a token id of the model's {vocab}"
-    if bad := [i for i in spec["special_tokens"] if problem(i, int, 0, spec["vocab_size"] - 1)]:
-        return f"mask_spec.special_tokens holds {brief(bad[0])}, not a token id of its {spec['vocab_size']}"
-    return None
-
-
-def optimizer_problem(optimizer: Any) -> str | None:
-    """The structure of a torch optimizer's state_dict, whichever it is (AdamW, Lion, RMSprop, SGD...): groups of
-    settings (numbers, flags, text, null, lists of them) naming each parameter once, and a state for some of them:
-    a step count if it keeps one, tensors of a floating-point dtype, plain numbers. Whether the state is finite and
-    fits the parameters it will drive is checked before it is loaded (resumable)."""
-    if why := fields_problem(optimizer, {"state": (dict,), "param_groups": (list,)}, "optimizer",
-                             ("state", "param_groups")):
-        return why
-    ids: set[int] = set()
-    for i, group in enumerate(optimizer["param_groups"]):
-        where = f"optimizer.param_groups.{i}"
-        if why := fields_problem(group, {"params": (list,), "param_names": (list,)}, where, ("params",), others=True):
-            return why
-        for p in group["params"]:
-            if problem(p, int, 0, BIG) or p in ids:
-                return f"{where}.params holds {brief(p)}, not the id of a parameter no other group holds"
-            ids.add(p)
-    for key, entry in optimizer["state"].items():
-        where = f"optimizer.state.{brief(key, 20)}"
-        if isinstance(key, bool) or key not in ids:
-            return f"{where} is the state of no parameter of its groups"
-        if not isinstance(entry, dict):
-            return f"{where} is {brief(entry)}, not a table"
-        for name, value in entry.items():
-            if why := state_problem(name, value):
-                return f"{where}.{clip(name, 40)} {why}"
-    return None
-
-
-def state_problem(name: str, value: Any) -> str | None:
-    """Why a value of a parameter's optimizer state is none an optimizer keeps: its step count a whole number (a
-    tensor of one value, or a number), any other tensor floating-point, anything else a plain number or flag."""
-    if name == "step":
-        count = value.item() if isinstance(value, torch.Tensor) and not value.shape and value.dtype != torch.bool \
-            and not value.is_complex() else value
-        if problem(count, float, 0, BIG) is None and count == int(count):
-            return None
-        shown = f"a tensor of shape {list(count.shape)}" if isinstance(count, torch.Tensor) else brief(count)
-        return f"is {shown}, not a count of steps"
-    if isinstance(value, torch.Tensor):
-        return None if value.dtype in WEIGHT_DTYPES else f"is {value.dtype}, not a floating-point tensor"
-    return problem(value, (bool, float, None))
-
-
-def resumable(path: str | Path, ckpt: dict, groups: list[dict] | None = None,
-              named: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
-    """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights or optimizer
-    state that are not finite (NaNs that would then be blamed on --lr); and, given the param_groups this run's
-    optimizer holds (`named`: the parameters' names), state for another optimizer or of other parameters
-    (optimizer_fits). Called by train.Run.restore, and by common.last_good_checkpoint without groups."""
-    fix = "it is damaged: resume from a good copy, or start a new run from its weights with --init_from"
-
-    def refuse(why: str) -> Refused:
-        return Refused(f"checkpoint {path}: {why}; {fix}")
-
-    if "optimizer" not in ckpt:
-        raise refuse("it holds no optimizer state, so it cannot resume")
-    optimizer = ckpt["optimizer"]
-    if groups is not None:
-        optimizer_fits(path, optimizer, groups, {id(p): name for name, p in named}, refuse)
-    for name, t in ckpt["model"].items():
-        if not finite(t):
-            raise refuse(f"weight {name} is not finite")
-    for key, entry in optimizer["state"].items():
-        for name, t in entry.items():
-            if isinstance(t, torch.Tensor) and not finite(t):
-                raise refuse(f"optimizer.state.{key}.{name} is not finite")
-            if isinstance(t, torch.Tensor) and SQUARES.search(name) and t.numel() and not bool(t.min() >= 0):
-                raise refuse(f"optimizer.state.{key}.{name} is negative, which a mean of squares never is")
-
-
-# The state tensors torch's optimizers keep as means of squares, by their names (AdamW's exp_avg_sq and
-# max_exp_avg_sq, RMSprop's and Adadelta's square_avg): never negative, or the update takes a square root of one
-SQUARES = re.compile(r"_sq$|^square_")
-
-
-def finite(t: torch.Tensor) -> bool:
-    """Whether every value of t is finite: two passes, no copy (a NaN fails both comparisons)."""
-    return not t.numel() or bool(t.max() < math.inf) and bool(t.min() > -math.inf)
-
-
-def optimizer_fits(path: str | Path, optimizer: dict, groups: list[dict], names: dict[int, str], refuse: Any) -> None:
-    """The saved groups against this run's optimizer's, whichever optimizer it is: as many, of as many parameters;
-    no setting this optimizer does not have (another optimizer's state), its flags the same; each state tensor
-    shaped like its parameter, or one value (a fused optimizer reads and writes a mismatched buffer past its end)."""
-    saved = optimizer["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
-        raise Refused(f"{path} holds the optimizer of other trainable parameters; resume with the interrupted run's "
-                      "settings (--freeze_body, --loss)")
-    for i, (old, new) in enumerate(zip(saved, groups)):
-        if others := sorted(set(old) - set(new) - {"initial_lr"}):
-            raise refuse(f"optimizer.param_groups.{i} has settings {', '.join(others)}, which this run's optimizer "
-                         f"has not: the state of another optimizer")
-        for key in [k for k in old if isinstance(old[k], bool) and isinstance(new[k], bool) and old[k] != new[k]]:
-            raise refuse(f"optimizer.param_groups.{i}.{key} is {old[key]}, but this run's optimizer has {new[key]}")
-        for pid, p in zip(old["params"], new["params"]):
-            for key, t in optimizer["state"].get(pid, {}).items():
-                if isinstance(t, torch.Tensor) and t.shape != p.shape and t.numel() != 1:
-                    raise refuse(f"optimizer state {key} of {names.get(id(p), f'parameter {pid}')} has shape "
-                                 f"{list(t.shape)}, but the parameter {list(p.shape)}")
-
-
-def declared_tensors_problem(saved: dict[str, Any], expected: dict[str, torch.Tensor],
-                             what: str) -> str | None:
-    """Why tensors a checkpoint holds (`what`: "its objective") are not the ones a module declares (names, shapes,
-    dtypes): the message is completed by the caller ("... this run's objective declares")."""
-    def shown(tensors: dict) -> str:
-        return ", ".join(f"{k} {list(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in tensors.items())
-    if set(saved) != set(expected):
-        held = brief(shown(saved) or "nothing", 200)
-        return f"{what} holds {held}, not the {brief(shown(expected) or 'nothing', 200)}"
-    bad = {k: v for k, v in saved.items() if v.shape != expected[k].shape or v.dtype != expected[k].dtype}
-    if bad:
-        return f"{what} holds {brief(shown(bad), 200)}, not the {brief(shown({k: expected[k] for k in bad}), 200)}"
-    return None
 
 
 def model_config_problem(values: Any, config_class: type, name: str = "model_config") -> str | None:
@@ -1100,18 +866,26 @@ def is_text(value: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------- runs' state
 
+@dataclasses.dataclass
+class LogRecord:
+    """A line of a run's log.jsonl (train.Run.log writes it): its step and tokens counted, the rest plain values
+    (metrics: numbers, or null where none was measured)."""
+    OTHERS: typing.ClassVar[Any] = bool | float | str | list | None
+    step: int = dataclasses.field(metadata=COUNT_RANGE)
+    tokens: int = dataclasses.field(metadata=COUNT_RANGE)
+    loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    run_id: str | None = None
+
 
 def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
-    """A training run's log.jsonl (train.py's append_log writes it): each line a table whose step and tokens are
-    counts and whose other values are plain (numbers or null for metrics); `cut_ok`: a line cut short by a crash
-    is dropped (a resumed run trims its log). Steps never go back."""
+    """A training run's log.jsonl, each line a LogRecord; `cut_ok`: a line cut short by a crash is dropped (a
+    resumed run trims its log). Steps never go back."""
     fix = "move the damaged log away (a run resumed without it starts a new one), or run it again"
     records, step = [], 0
     for number, record in jsonl_rows(path, "run log", fix, cut_ok):
-        why = fields_problem(record, {"step": COUNT, "tokens": COUNT, "loss": ((float, None),),
-                                      "lr": ((float, None),), "tokens_per_s": ((float, None),),
-                                      "run_id": ((str, None),)},
-                             "", ("step", "tokens"), others=True)
+        why = declared_problem(record, LogRecord)
         why = why or next((f"{k} is {brief(v)}, not a number" for k, v in record.items()
                            if k.startswith("val_") and problem(v, (float, None))), None)
         if not why and record["step"] < step:
@@ -1123,60 +897,22 @@ def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
     return records
 
 
-NUMBER = ((float, None),)
-FINITE = (float,)
-MODEL_SCORES = {"val_ce": FINITE, "val_bpb": FINITE, "val_tokens": (int, 1, BIG), "val_bytes": (int, 1, BIG),
-                "step": COUNT, "tokens": COUNT, "flops": (float, 0), "seconds": ((float, None), 0), "lambada": (dict,)}
-LAMBADA_SCORES = {"n": (int, 1, BIG), "acc": (float, 0, 1), "ppl": (float, 0), "data": (str,)}
-SIZE_SCORES = {"val_ce": FINITE, "val_bpb": FINITE, "tokens": (int, 1, BIG), "bytes": (int, 1, BIG), "step": COUNT}
-
-
-def compare_result(path: str | Path, what: str, expected: dict[str, Any]) -> dict:
-    """A finished point's or vocabulary size's result.json in compare.py's out_dir, which a sweep resumed with
-    --resume uses as it is: a regular JSON file of at most MAX_TEXT_BYTES, every field compare.py reads of the
-    type and range it writes (finite numbers), and `expected` (the point's batch, variant and seed, or the size)
-    as it says: a result.json copied from another point is refused."""
+def results_file(path: str | Path, what: str, declared: type, expected: dict[str, Any]) -> dict:
+    """A results file a script reads back (compare.py's result.json of a finished point or vocabulary size, which a
+    sweep resumed with --resume uses as it is): a regular JSON file of at most MAX_TEXT_BYTES, every field as
+    `declared` declares it (finite numbers), and `expected` (the point's batch, variant and seed, or the size) as
+    it says: a result.json copied from another point is refused."""
     fix = f"delete it to run that {what} again"
     data = read_small(path, MAX_TEXT_BYTES, f"{what}'s result file", fix)
     result = parse(data, f"{path}, not a finished {what}'s results: it", fix)
-    rules = {"sweep_settings": (dict,), "seconds": (float, 0), **{k: (type(v),) for k, v in expected.items()}}
-    why = known_fields_problem(result, rules, "", ("sweep_settings", "seconds", *expected))
+    why = declared_problem(result, declared)
     why = why or next((f"{'.'.join(map(str, where))} is {brief(v)}, not a finite number"
                        for where, v in numbers(result) if not -1e300 <= v <= 1e300), None)  # as write_json writes
-    why = why or next((f"{k} is {brief(result[k])}, not {brief(v)}" for k, v in expected.items() if result[k] != v),
-                      None)
-    if not why and what == "point":
-        why = point_problem(result)
-    if not why and what == "size":
-        why = size_problem(result)
+    why = why or next((f"{k} is {brief(result.get(k))}, not {brief(v)}" for k, v in expected.items()
+                       if result.get(k) != v or type(result.get(k)) is not type(v)), None)
     if why:
         raise Refused(f"{path} is not a finished {what}'s results: {why}; {fix}")
     return result
-
-
-def point_problem(result: dict) -> str | None:
-    why = known_fields_problem(result, {"steps": (int, 1, BIG), "ft_steps": COUNT, "candidates": (float, 1),
-                                        "models": (dict,)}, "", ("steps", "ft_steps", "candidates", "models"))
-    models = result.get("models") if not why else {}
-    if not why and sorted(models) not in (["ce"], ["cwt", "cwt-ft"]):
-        why = f"models are {brief(sorted(models))}, not ce or cwt and cwt-ft"
-    for name, scores in models.items():
-        why = why or known_fields_problem(scores, MODEL_SCORES, f"models.{name}",
-                                          tuple(k for k in MODEL_SCORES if k != "lambada"))
-        why = why or (known_fields_problem(scores["lambada"], LAMBADA_SCORES, f"models.{name}.lambada",
-                                           tuple(LAMBADA_SCORES)) if "lambada" in scores else None)
-    return why
-
-
-def size_problem(result: dict) -> str | None:
-    runs = ("ce", "cwt", "cwt-ft")
-    why = known_fields_problem(result, {"iters": (dict,), "full_val": (dict,)}, "", ("iters", "full_val"))
-    why = why or fields_problem(result["iters"], dict.fromkeys(runs, (int, 1, BIG)), "iters", runs)
-    why = why or fields_problem(result["full_val"], dict.fromkeys(runs, (dict,)), "full_val", runs)
-    for name in runs if not why else ():
-        why = why or known_fields_problem(result["full_val"][name], SIZE_SCORES, f"full_val.{name}",
-                                          tuple(SIZE_SCORES))
-    return why
 
 
 def numbers(value: Any, where: tuple = ()) -> Iterator[tuple[tuple, float]]:
@@ -1186,10 +922,3 @@ def numbers(value: Any, where: tuple = ()) -> Iterator[tuple[tuple, float]]:
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         yield from numbers(item, (*where, key))
-
-
-def known_fields_problem(values: Any, rules: dict[str, tuple], name: str = "", needs: tuple = ()) -> str | None:
-    """fields_problem for the fields of `rules` alone: a file's other fields are carried along, never read."""
-    if not isinstance(values, dict):
-        return fields_problem(values, rules, name)
-    return fields_problem({k: v for k, v in values.items() if k in rules}, rules, name, needs)

@@ -39,18 +39,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
 from common import (
     DeviceName,
     DtypeName,
     UserError,
     autocast_context,
     check_hub as common_check_hub,
-    checkpoint_model,
     config_path,
     declare_io,
     first_line,
     format_metric,
-    load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
@@ -239,7 +238,7 @@ def load_lambada(data: str | None) -> list[str]:
 # Command line
 
 
-def run_lambada(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: torch.dtype) -> dict:
+def run_lambada(cfg: EvalConfig, model, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> dict:
     tokenizer = dataset_tokenizer(ckpt)
     texts = load_lambada(cfg.data)[:cfg.max_examples]
     r = score_lambada(model, tokenizer, texts, cfg.batch_size, device, dtype, progress=True)
@@ -251,14 +250,14 @@ def run_lambada(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype:
             "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"]}
 
 
-def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: torch.dtype) -> dict:
+def run_val(cfg: EvalConfig, model, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> dict:
     """Validation metrics as train.py computes them, on the checkpoint's dataset (or --dataset), looked up
     under this command's --data_root: a checkpoint never decides where data is read or written."""
-    train_cfg = ckpt.get("train_config") or {}
+    train_cfg = ckpt.train_config
     dataset = val_dataset(cfg, ckpt)
     data_dir = ensure_dataset(dataset, cfg.data_root)
     meta = load_meta(data_dir)
-    theirs = ckpt.get("data_meta") or {}
+    theirs = ckpt.data_meta
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
         raise UserError(f"{cfg.ckpt} was trained with tokenizer {theirs['tokenizer']!r} but {dataset} uses "
                         f"{meta['tokenizer']!r} (other ids); pass a --dataset prepared with the checkpoint's tokenizer")
@@ -284,9 +283,9 @@ def run_val(cfg: EvalConfig, model, ckpt: dict, device: torch.device, dtype: tor
             "ppl": metrics["val_ppl"], **metrics, "tokens_per_s": n / seconds, "seconds": seconds}
 
 
-def val_dataset(cfg: EvalConfig, ckpt: dict) -> str:
+def val_dataset(cfg: EvalConfig, ckpt: Checkpoint) -> str:
     """--task=val's dataset: --dataset, else the checkpoint's (by name: its folder is under --data_root)."""
-    dataset = cfg.dataset or (ckpt.get("train_config") or {}).get("dataset")
+    dataset = cfg.dataset or ckpt.train_config.get("dataset")
     if not dataset:
         raise UserError(f"{cfg.ckpt} does not record its dataset; pass --dataset=NAME (a prepared dataset)")
     if "," in dataset:  # a mixed run: its sources are scored one at a time
@@ -294,12 +293,12 @@ def val_dataset(cfg: EvalConfig, ckpt: dict) -> str:
     return dataset if cfg.dataset else recorded_dataset(dataset, cfg.data_root, cfg.ckpt)
 
 
-def with_batch_size(cfg: EvalConfig, ckpt: dict) -> EvalConfig:
+def with_batch_size(cfg: EvalConfig, ckpt: Checkpoint) -> EvalConfig:
     """The default batch: 16 LAMBADA examples; for val, the checkpoint's training micro-batch, because the
     contrastive metrics take their negatives from the batch (and train.py's log used that one)."""
     if cfg.batch_size is not None:
         return cfg
-    trained = (ckpt.get("train_config") or {}).get("batch_size")
+    trained = ckpt.train_config.get("batch_size")
     return dataclasses.replace(cfg, batch_size=trained if cfg.task == "val" and trained else LAMBADA_BATCH)
 
 

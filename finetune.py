@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import doors
+from checkpoint import Checkpoint, load_checkpoint
 from common import UserError, note
 from data import recorded_dataset
 from loss import LossName
-from model import GPTConfig
 from train import SAME, TrainConfig, idle_anywhere, resumed_settings, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
@@ -72,10 +72,10 @@ def resolve_config(argv: list[str]) -> FinetuneConfig:
     return inherit_settings(cfg, base_checkpoint(cfg), given)
 
 
-def base_checkpoint(cfg: FinetuneConfig) -> dict:
+def base_checkpoint(cfg: FinetuneConfig) -> Checkpoint:
     if not cfg.ckpt:
         raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
-    return common.load_checkpoint(cfg.ckpt, TrainConfig)
+    return load_checkpoint(cfg.ckpt, TrainConfig)
 
 
 def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str]]:
@@ -83,21 +83,21 @@ def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneCo
     budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed)."""
     if not common.resumes(cfg.out_dir, cfg.resume):
         return cfg, given
-    own = common.load_checkpoint(common.run_files(cfg.out_dir)[0], FinetuneConfig).get("train_config", {})
+    own = load_checkpoint(common.run_files(cfg.out_dir)[0], FinetuneConfig).train_config
     cfg = resumed_settings(cfg, given, own, common.run_files(cfg.out_dir)[0])
     return cfg, given | {k for k in own if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}
 
 
-def inherit_settings(cfg: FinetuneConfig, base: dict, given: Iterable[str] | None = None) -> FinetuneConfig:
+def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str] | None = None) -> FinetuneConfig:
     """The settings of INHERITED not given from the pre-training run, then the preset's recipe for those still
     unset (None), then the checks that need the checkpoint."""
     given = common.given_settings(cfg, given)
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
-    if not base["model_config"].get("causal", True):
+    if not base.model_config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder; finetune.py gives decoders an LM head: fine-tune "
                         "encoders on a task with glue.py")
-    before = base.get("train_config", {})
+    before = base.train_config
     defaults = TrainConfig()
     inherited = {k: before.get(k, getattr(defaults, k)) for k in INHERITED if k not in given}
     if inherited.get("dataset"):  # looked up under --data_root, never opened as written
@@ -108,9 +108,9 @@ def inherit_settings(cfg: FinetuneConfig, base: dict, given: Iterable[str] | Non
     lr = recipe["lr"] if cfg.lr is None else cfg.lr
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
-    common.in_range(cfg, "block_size", 2, base["model_config"].get("block_size", math.inf))  # before any data
-    common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum,
-                        cfg.block_size or GPTConfig(**base["model_config"]).block_size)
+    common.in_range(cfg, "block_size", 2, base.model_config.block_size)  # before any data
+    block = cfg.block_size or base.model_config.block_size
+    common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, block)
     return cfg
 
 
@@ -121,13 +121,13 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None) -> dict[st
                       kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
     base = base_checkpoint(cfg)
     cfg = inherit_settings(cfg, base, given)
-    pretrain_tokens = base.get("base_tokens", 0) + base.get("tokens_seen", 0)
-    pretrain_flops = base.get("base_flops", 0.0) + base.get("flops", 0.0)
+    pretrain_tokens = base.pretrain_tokens()
+    pretrain_flops = base.pretrain_flops()
     if not pretrain_tokens and cfg.tokens is None and cfg.max_iters is None:
         raise UserError(f"{cfg.ckpt} records no pre-training tokens (an imported model), so 2% of them is "
                         "unknown: pass --tokens=N or --max_iters=N (Pythia: 2% of 300B is --tokens=6e9)")
     common.init_distributed(common.pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
-    block = cfg.block_size or base["model_config"]["block_size"]
+    block = cfg.block_size or base.model_config.block_size
     tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * common.world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     most = doors.field_meta(TrainConfig, "max_iters")["range"][1]  # the bound of --max_iters, which it stands for

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 import doors
+from checkpoint import checkpoint_model, load_checkpoint
 from common import DeviceName, DtypeName, UserError
 from data import dataset_tokenizer
 from model import GPT, KVCache
-from train import TrainConfig
 
 
 @dataclass
@@ -161,8 +161,8 @@ def main(argv: list[str]) -> None:
     prompts = read_prompts(cfg)
     device = common.pick_device(cfg.device)
     dtype = common.pick_dtype(cfg.dtype, device)
-    ckpt = common.load_checkpoint(cfg.ckpt, TrainConfig)
-    model = common.checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
+    ckpt = load_checkpoint(cfg.ckpt)  # its train_config as plain values: generating reads none of it
+    model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "
                         "fine-tune it with glue.py, or train a decoder (--objective=causal)")
@@ -176,8 +176,8 @@ def main(argv: list[str]) -> None:
         if not 0 < len(ids) <= model.config.block_size:
             raise UserError(f"{which} is {len(ids)} tokens but must be 1 to {model.config.block_size} (the "
                             "model's context); pass some text, or shorten it")
-    if ckpt.get("train_config", {}).get("loss") in ("cwt", "nce"):
-        print(f"note: a raw headless checkpoint (--loss={ckpt['train_config']['loss']}): its scores are not "
+    if ckpt.train_config.get("loss") in ("cwt", "nce"):
+        print(f"note: a raw headless checkpoint (--loss={ckpt.train_config['loss']}): its scores are not "
               "calibrated probabilities; fine-tuning an LM head with finetune.py gives better text", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     runs = [(i, s) for i in range(len(encoded)) for s in range(cfg.num_samples)]

@@ -38,16 +38,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
 from common import (
     DeviceName,
     DtypeName,
     UserError,
     autocast_context,
     check_hub,
-    checkpoint_model,
     config_path,
     declare_io,
-    load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
@@ -333,12 +332,10 @@ def split_name(cfg: GlueConfig, split: str) -> str:
     return str(Path(cfg.data) / f"{split}.jsonl") if cfg.data else f"hf:{GLUE_HUB}/{cfg.task} {split}"
 
 
-def check_token_ids(path: str, ckpt: dict, tokenizer, separator: object) -> None:
+def check_token_ids(path: str, ckpt: Checkpoint, tokenizer, separator: object) -> None:
     """The separator (data_meta's eot_token, also the padding id) and the tokenizer's ids must be token ids of
     the model's vocabulary, or the embedding lookup fails mid-training."""
-    vocab = (ckpt.get("model_config") or {}).get("vocab_size")
-    if isinstance(vocab, bool) or not isinstance(vocab, int):
-        return  # checkpoint_model reports a malformed config
+    vocab = ckpt.model_config.vocab_size
     if isinstance(separator, bool) or not isinstance(separator, int) or not 0 <= separator < vocab:
         raise UserError(f"{path}: data_meta eot_token {separator!r} is not a token id of the model's "
                         f"vocabulary (0..{vocab - 1}), and fine-tuning separates and pads with it; fix the "
@@ -355,11 +352,11 @@ def fine_tune(cfg: GlueConfig) -> dict:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt, TrainConfig)
-    meta = ckpt.get("data_meta") or {}
+    meta = ckpt.data_meta
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
     check_token_ids(cfg.ckpt, ckpt, tokenizer, separator)
-    max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
+    max_length = min(cfg.max_length, ckpt.model_config.block_size)
     where = cfg.data or f"hf:{GLUE_HUB}/{cfg.task}"
     train_rows = load_split(cfg, "train")[:cfg.max_train_examples]
     train_labels = check_rows(train_rows, task, split_name(cfg, "train"))

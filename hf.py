@@ -38,14 +38,13 @@ import numpy as np
 import torch
 
 import doors
+from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
 from common import (
     UserError,
     check_hub,
-    checkpoint_model,
     config_path,
     declare_io,
     first_line,
-    load_checkpoint,
     parse_flags,
     remove_stale_temps,
     run_main,
@@ -513,9 +512,9 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
     return model.eval(), tokenizer
 
 
-def hf_checkpoint(source: str) -> dict:
-    """A Hugging Face GPT-NeoX model as a checkpoint dict like train.py's, so that every script takes it
-    where it takes a checkpoint: `train.py --init_from=hf:EleutherAI/pythia-70m`, `finetune.py --ckpt=hf:...`,
+def hf_checkpoint(source: str) -> Checkpoint:
+    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), so that every script
+    takes it where it takes a checkpoint: `train.py --init_from=hf:EleutherAI/pythia-70m`, `finetune.py --ckpt=hf:...`,
     `eval.py --ckpt=hf:...`, `generate.py --ckpt=hf:...`. It records the preset of the same shape, if any
     (the context length aside, which a run may shorten)."""
     model, tokenizer = load_hf(source)
@@ -526,9 +525,9 @@ def hf_checkpoint(source: str) -> dict:
     if tokenizer and tokenizer != "gpt2":  # carried, and compared by its sha256, as a trained checkpoint's
         carried = load_hf_tokenizer(tokenizer)
         meta["tokenizer_sha256"] = carried.sha256
-    return {"model": model.state_dict(), "model_config": dataclasses.asdict(c), "data_meta": meta,
-            "tokenizer_json": carried.json if carried else None,
-            "train_config": {"preset": preset} if preset else {}, "source": source}
+    return Checkpoint(model=model.state_dict(), model_config=c, data_meta=meta,
+                      tokenizer_json=carried.json if carried else None,
+                      train_config={"preset": preset} if preset else {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -659,7 +658,7 @@ def export(ckpt: str, out: str) -> Path:
     out_dir = export_target(out)
     payload = load_checkpoint(ckpt, TrainConfig)
     model = checkpoint_model(payload, ckpt).eval()
-    meta = payload.get("data_meta") or {}
+    meta = payload.data_meta
     tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None
     if not isinstance(tokenizer, str):
         raise UserError(f"{ckpt}: data_meta's tokenizer is {brief(tokenizer)}, not a tokenizer name; is it "

@@ -10,25 +10,16 @@ masked objective as one graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from checkpoint import MaskSpec  # declared with the checkpoint that carries it
 from data import special_ids
 
 MASK_RATE = 0.15
 NOT_MASKED = -100  # the target of a position that is not predicted (F.cross_entropy's ignore_index)
 VAL_MASK_SEED = 0  # validation masks are the same for every run, whatever its --seed
 _MASK_STREAM = 7  # keeps the masking draws apart from BatchSampler's, which use the same (seed, index)
-
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """What masking needs to know of the tokenizer; stored in MLM checkpoints as `mask_spec`."""
-    mask_token: int  # GPT-2 has no [MASK]: the first unused id of the padded embedding
-    vocab_size: int  # the tokenizer's ids are below this; random replacements are drawn among them
-    special_tokens: tuple[int, ...]  # never drawn as a replacement, chosen only to make up the count (end-of-text)
 
 
 def mask_spec(meta: dict) -> MaskSpec:

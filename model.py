@@ -1,4 +1,4 @@
-"""The transformer: GPT-NeoX (Pythia), the paper's decoder, in pure torch (no files but `load_model`).
+"""The transformer: GPT-NeoX (Pythia), the paper's decoder, in pure torch (no files: checkpoint.load_model reads one).
 
 Pre-norm blocks, a parallel residual (x + attn(ln1(x)) + mlp(ln2(x))), rotary positions on a quarter of each
 head's channels, flash attention (SDPA), exact GELU, biases; GPTConfig keeps GPT-NeoX's few switches, and
@@ -305,19 +305,11 @@ def weights_problem(config: GPTConfig, state: dict[str, torch.Tensor]) -> str | 
     return next((f"tensor {k} is not in the model" for k in state if k not in expected), None)
 
 
-def from_checkpoint(ckpt: dict, **overrides) -> GPT:
-    """The model of a checkpoint dict (its model_config, any field overridden), its weights checked first."""
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}  # torch.compile's prefix
-    config = GPTConfig(**{**ckpt["model_config"], **overrides})
+def from_checkpoint(weights: dict[str, torch.Tensor], config: GPTConfig) -> GPT:
+    """The model of a checkpoint's weights and config, the weights checked against the config first."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}  # torch.compile's prefix
     if problem := weights_problem(config, state):
         raise ValueError(problem)
     model = GPT(config)
     model.load_state_dict(state)
     return model
-
-
-def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
-    """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs. Read through
-    the checkpoint's door (doors.checkpoint): a bad file is a ValueError (doors.Refused) naming the problem."""
-    from doors import checkpoint  # its train_config, which the model does not read, as plain values
-    return from_checkpoint(checkpoint(path, GPTConfig)).to(device).eval()

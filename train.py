@@ -27,7 +27,19 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+import checkpoint
 import doors
+from checkpoint import (
+    Checkpoint,
+    Init,
+    Rng,
+    Scaler,
+    State,
+    checkpoint_model,
+    diverged,
+    load_checkpoint,
+    save_checkpoint,
+)
 from common import DeviceName, DtypeName, UserError, append_log, note
 from data import (
     BatchSampler,
@@ -196,19 +208,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 # (--init_from, which is what a fine-tune is)
 
 
-@dataclass
-class State:
-    """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly."""
-    step: int = 0
-    micro_batches: int = 0  # consumed by all ranks: the position in the data stream, whatever the split
-    tokens: int = 0  # tokens and FLOPs of this run, summed as they are spent
-    flops: float = 0.0
-    earlier_tokens: int = 0  # ... and of the checkpoints it started from (the pre-training of a fine-tune)
-    earlier_flops: float = 0.0
-    loss: float | None = None
-    first_val: dict | None = None
-    val: dict | None = None
-    val_step: int | None = None  # the step `val` was measured at: a run stopped before it is owed one
+# What the loop counts (State) travels in the checkpoint, with the rest a run saves: checkpoint.py declares it
 
 
 # What makes a resumed run the same experiment: the fields whose rule is "resume": "same" (the data, the batch, the
@@ -218,7 +218,7 @@ RESUME_SAME = tuple(f.name for f in dataclasses.fields(TrainConfig) if doors.fie
 
 
 def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.device,
-                   given: frozenset[str]) -> tuple[TrainConfig, GPT, State, dict | None, bool]:
+                   given: frozenset[str]) -> tuple[TrainConfig, GPT, State, Checkpoint | None, bool]:
     """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from): the settings
     (those not given filled in), the model, the counts, the checkpoint started from (if any) and whether it
     resumes."""
@@ -233,26 +233,24 @@ def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.
     if not source:
         cfg = with_model(with_schedule(cfg, {}), meta)
         return cfg, fresh_model(cfg, meta), State(), None, False
-    start = common.load_checkpoint(source, TrainConfig)
-    before = start.get("train_config", {})
+    start = load_checkpoint(source, TrainConfig)
+    if resuming and (start.state is None or start.state.micro_batches is None):
+        raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
+                        f"exactly; start a new run from its weights with --init_from={source}")
+    before = start.train_config
     if resuming:  # the same experiment: what is not given is the run's own
         cfg = resumed_settings(cfg, given, before, source)
     check_continuation(cfg, meta, start, source, resuming)
-    cfg = with_schedule(cfg, before, start["step"] if resuming else None, given)
-    cfg = with_model(cfg, meta, start["model_config"], source)
-    model = common.checkpoint_model(start, source, dropout=cfg.dropout)
+    cfg = with_schedule(cfg, before, start.state.step if resuming else None, given)
+    cfg = with_model(cfg, meta, dataclasses.asdict(start.model_config), source)
+    model = checkpoint_model(start, source, dropout=cfg.dropout)
     if resuming:
-        if "state" not in start:
-            raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
-                            f"exactly; start a new run from its weights with --init_from={source}")
-        state = State(**{"val_step": start["step"], **start["state"]})  # older ones validated at their step
-        return cfg, model, state, start, True
+        return cfg, model, dataclasses.replace(start.state), start, True
     fit_output_layer(model, cfg, source)
     # A run from a checkpoint (a fine-tune) reads on in the data stream where its source stopped, so that the two
     # together read each micro-batch of the stream once, as one run as long would (compare.py's CE reference does)
-    earlier = State(micro_batches=start.get("state", {}).get("micro_batches", 0),
-                    earlier_tokens=start.get("base_tokens", 0) + start.get("tokens_seen", 0),
-                    earlier_flops=start.get("base_flops", 0.0) + start.get("flops", 0.0))
+    earlier = State(micro_batches=(start.state.micro_batches or 0) if start.state else 0,
+                    earlier_tokens=start.pretrain_tokens(), earlier_flops=start.pretrain_flops())
     return cfg, model, earlier, start, False
 
 
@@ -336,13 +334,13 @@ def fresh_model(cfg: TrainConfig, meta: dict) -> GPT:
     return GPT(GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS}, **derived_fields(cfg, meta)))
 
 
-def lineage_init(cfg: TrainConfig, model: GPT, start: dict | None) -> dict | None:
+def lineage_init(cfg: TrainConfig, model: GPT, start: Checkpoint | None) -> Init | None:
     """What rebuilds the initial weights of this run's lineage exactly (analyze.py's drift): a fresh model's seed
     and shape (torch is seeded at the start of Run, and nothing draws before the model is built), else what the
     checkpoint it resumes or starts from carries (None for hf: imports and older checkpoints)."""
     if start is not None:
-        return start.get("init")
-    return {"seed": cfg.seed, "model_config": dataclasses.asdict(model.config)}
+        return start.init
+    return Init(seed=cfg.seed, model_config=dataclasses.replace(model.config))
 
 
 def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
@@ -359,14 +357,14 @@ def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
         raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
 
 
-def check_continuation(cfg: TrainConfig, meta: dict, start: dict, source: str | Path, resuming: bool) -> None:
+def check_continuation(cfg: TrainConfig, meta: dict, start: Checkpoint, source: str | Path, resuming: bool) -> None:
     """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
     one longer than its step (its settings: resumed_settings)."""
-    before = start.get("train_config", {})
-    encoder = not start["model_config"].get("causal", True)
-    if resuming and cfg.max_iters < start["step"]:
-        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start['step']} of {source}")
-    theirs = start.get("data_meta", {})
+    before = start.train_config
+    encoder = not start.model_config.causal
+    if resuming and cfg.max_iters < start.state.step:
+        raise UserError(f"--max_iters={cfg.max_iters} is below the step {start.state.step} of {source}")
+    theirs = start.data_meta
     check_same_data(meta, start, source, cfg.dataset)
     if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
         raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
@@ -440,7 +438,7 @@ class Objective(torch.nn.Module):
         if not exactly:  # another run's: the pieces of the same name and shape; the others start fresh
             saved = {k: v for k, v in saved.items() if k in mine and v.shape == mine[k].shape}
             mine = {k: mine[k] for k in saved}
-        if why := doors.declared_tensors_problem(saved, mine, "its objective"):
+        if why := checkpoint.declared_tensors_problem(saved, mine, "its objective"):
             raise UserError(f"{source}: {why} this run's objective declares; resume with the code that wrote it, or "
                             f"start a new run from its weights with --init_from={source}")
         with torch.no_grad():
@@ -448,18 +446,18 @@ class Objective(torch.nn.Module):
                 mine[name].copy_(value)
 
 
-def objective_of(ckpt: dict, model: GPT, source: str | Path = "the checkpoint") -> Objective:
+def objective_of(ckpt: Checkpoint, model: GPT, source: str | Path = "the checkpoint") -> Objective:
     """The objective a checkpoint was trained with, around its model: its loss settings and learned state, and an
     encoder's masking. What eval.py and compare.py validate with, so that a fork's new piece needs no edit there."""
     mask = None
     if not model.config.causal:
-        from masking import Masking, MaskSpec
-        mask = Masking(spec=MaskSpec(**ckpt["mask_spec"]))
-    settings = ckpt.get("train_config") or {}
+        from masking import Masking
+        mask = Masking(spec=ckpt.mask_spec)
+    settings = ckpt.train_config
     objective = Objective(model, LossConfig.of(settings), mask)
     block = settings.get("block_size") or model.config.block_size
     objective.size_for(scored_rows(settings.get("batch_size", 1), block, mask))
-    objective.load_own_state(ckpt.get("objective") or {}, source)
+    objective.load_own_state(ckpt.objective, source)
     return objective
 
 
@@ -550,8 +548,8 @@ class Run:
                                                                  common.given_settings(cfg, given))
         self.cfg = cfg
         common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
-        self.resumed_step = start["step"] if resuming else None
-        self.run_id = start.get("run_id") if resuming else common.new_run_id()  # in its checkpoint and log records
+        self.resumed_step = start.state.step if resuming else None
+        self.run_id = start.run_id if resuming else common.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -564,7 +562,7 @@ class Run:
         self.objective.size_for(self.scored_rows)
         if start is not None:  # its learned pieces: exactly on --resume; those that fit from another run
             source = self.out_dir / "ckpt.safetensors" if resuming else cfg.init_from
-            self.objective.load_own_state(start.get("objective") or {}, source, exactly=resuming)
+            self.objective.load_own_state(start.objective, source, exactly=resuming)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         if resuming:
@@ -579,11 +577,10 @@ class Run:
             self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
         self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
         self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
-        self.saved_with = {  # what each checkpoint carries besides the weights and the counts
-            "data_meta": meta, "mask_spec": dataclasses.asdict(self.mask.spec) if self.mask else None,
-            "tokenizer_json": first.tokenizer_json, "run_id": self.run_id,
-            "mix": dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None,
-            "init": lineage_init(cfg, model, start)}
+        self.saved_with = dict(  # what each checkpoint carries besides the weights and the counts
+            data_meta=meta, mask_spec=self.mask.spec if self.mask else None, tokenizer_json=first.tokenizer_json,
+            run_id=self.run_id, init=lineage_init(cfg, model, start),
+            mix=dict(zip(self.sampler.names, self.sampler.probabilities)) if len(data_dirs) > 1 else None)
         self.saved_step = None
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)
@@ -595,23 +592,23 @@ class Run:
                                                                      **own_buffers())
         self.describe()
 
-    def restore(self, resumed: dict) -> None:
+    def restore(self, resumed: Checkpoint) -> None:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
-        common.through_door(doors.resumable, self.out_dir / "ckpt.safetensors", resumed, self.optimizer.param_groups,
-                            self.objective.named_parameters())  # its state fits the parameters it will drive
+        common.through_door(checkpoint.resumable, self.out_dir / "ckpt.safetensors", resumed,
+                            self.optimizer.param_groups, self.objective.named_parameters())  # its state fits
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         try:
-            self.optimizer.load_state_dict(resumed["optimizer"])
+            self.optimizer.load_state_dict(resumed.optimizer)
         except (KeyError, ValueError):
             raise UserError(f"{self.out_dir / 'ckpt.safetensors'} holds the optimizer of other trainable parameters; "
                             "resume with the interrupted run's settings (--freeze_body, --loss)") from None
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)  # this run's betas, decay and eps (the saved run's unless a flag changed them)
-        if self.scaler.is_enabled() and resumed.get("scaler"):
-            self.scaler.load_state_dict(resumed["scaler"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if self.device.type == "cuda" and resumed["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(resumed["rng"]["cuda"])
+        if self.scaler.is_enabled() and resumed.scaler:
+            self.scaler.load_state_dict(dataclasses.asdict(resumed.scaler))
+        torch.set_rng_state(resumed.rng.torch)
+        if self.device.type == "cuda" and resumed.rng.cuda is not None:
+            torch.cuda.set_rng_state(resumed.rng.cuda)
 
     def describe(self) -> None:
         cfg = self.cfg
@@ -648,7 +645,7 @@ class Run:
             per_source = {name: evaluate(self.objective, split, how) for name, split in self.val_splits.items()}
         except NotFinite as e:
             what = "validation loss" if e.name == "val_ce" else f"validation {e.name}"
-            raise common.diverged(what, e.value, self.state.step, self.out_dir / "ckpt.safetensors") from None
+            raise diverged(what, e.value, self.state.step, self.out_dir / "ckpt.safetensors") from None
         val = self.sampler.combine(per_source) if len(per_source) > 1 else per_source.popitem()[1]
         note(f"step {self.state.step}: " + " | ".join(f"{k} {common.format_metric(v)}" for k, v in val.items()))
         self.log(val)
@@ -713,7 +710,7 @@ class Run:
         totals = common.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
         state.loss = totals[0].item() / common.world_size()
         if not math.isfinite(state.loss):
-            raise common.diverged("loss", state.loss, state.step, self.out_dir / "ckpt.safetensors")
+            raise diverged("loss", state.loss, state.step, self.out_dir / "ckpt.safetensors")
         lr = lr_at(state.step - 1, cfg)
         tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
         eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
@@ -732,19 +729,15 @@ class Run:
         self.saved_step = self.state.step
         if not common.is_main_process():
             return
-        state = self.state
-        payload = {
-            "model": self.model.state_dict(), "model_config": dataclasses.asdict(self.model.config),
-            "objective": self.objective.own_state(),
-            "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-            "train_config": dataclasses.asdict(self.cfg),
-            "state": dataclasses.asdict(state), "step": state.step, "loss": state.loss, "val": state.val,
-            "first_val": state.first_val, "tokens_seen": state.tokens, "flops": state.flops,
-            "base_tokens": state.earlier_tokens, "base_flops": state.earlier_flops, **self.saved_with,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
+        scaler = self.scaler.state_dict()  # empty when disabled
+        ckpt = Checkpoint(
+            model=self.model.state_dict(), model_config=self.model.config, objective=self.objective.own_state(),
+            optimizer=self.optimizer.state_dict(), scaler=Scaler(**scaler) if scaler else None,
+            train_config=dataclasses.asdict(self.cfg), state=self.state, **self.saved_with,
+            rng=Rng(torch=torch.get_rng_state(),
+                    cuda=torch.cuda.get_rng_state() if self.device.type == "cuda" else None))
         with stop.deferred():
-            common.save_checkpoint(self.out_dir / "ckpt.safetensors", payload)
+            save_checkpoint(self.out_dir / "ckpt.safetensors", ckpt)
 
 
 # The loop

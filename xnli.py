@@ -43,13 +43,13 @@ import torch
 from tqdm import tqdm
 
 import glue
+from checkpoint import load_checkpoint
 from common import (
     UserError,
     check_hub,
     config_path,
     declare_io,
     first_line,
-    load_checkpoint,
     parse_flags,
     pick_device,
     pick_dtype,
@@ -262,11 +262,11 @@ def run_xnli(cfg: XnliConfig) -> dict:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = load_checkpoint(cfg.ckpt, TrainConfig)  # read lazily: cheap, and a wrong path fails before any download
-    meta = ckpt.get("data_meta") or {}
+    meta = ckpt.data_meta
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out
     glue.check_token_ids(cfg.ckpt, ckpt, tokenizer, separator)
-    max_length = min(cfg.max_length, ckpt["model_config"]["block_size"])
+    max_length = min(cfg.max_length, ckpt.model_config.block_size)
     # Every test set, and with --data every later training file, is read and checked before the first
     # fine-tune: a bad row in the last language's file costs seconds, not hours.
     tests = {lang: load_split(cfg, lang, "test", cfg.max_test_examples) for _, langs in plan for lang in langs}

@@ -300,30 +300,31 @@ def one_line_refusal(result: dict, words: str = "") -> str:
 
 
 def read_ckpt(path) -> dict:
-    """A checkpoint as its door reads it (doors.checkpoint: safetensors, its checksum, every field)."""
+    """A checkpoint as its door reads it (checkpoint.read_checkpoint: safetensors, its checksum, every field), as the
+    table its file holds (doors.plain), for a test to look into or edit and save again (save_ckpt)."""
+    import checkpoint
     import doors
-    from model import GPTConfig
     from train import TrainConfig
-    return doors.checkpoint(path, GPTConfig, TrainConfig)
+    return doors.plain(checkpoint.read_checkpoint(path, TrainConfig))
 
 
 def save_ckpt(payload: dict, path) -> None:
     """Any payload written as a checkpoint file, unchecked (a hostile or damaged one, for its door to refuse).
-    Written beside it and renamed, as common.save_checkpoint does: a payload read from `path` is memory-mapped
+    Written beside it and renamed, as checkpoint.save_checkpoint does: a payload read from `path` is memory-mapped
     from it, and writing over that file in place would truncate the pages still to be read (SIGBUS).
     A non-finite number is written as JSON's NaN or Infinity token, as a hostile writer may (json.loads reads it),
-    where common.save_checkpoint refuses it."""
+    where checkpoint.save_checkpoint refuses it."""
     import types
 
-    import doors
-    real = doors.json
-    doors.json = types.SimpleNamespace(**vars(real))
-    doors.json.dumps = lambda *args, **kwargs: real.dumps(*args, **{**kwargs, "allow_nan": True})
+    import checkpoint
+    real = checkpoint.json
+    checkpoint.json = types.SimpleNamespace(**vars(real))
+    checkpoint.json.dumps = lambda *args, **kwargs: real.dumps(*args, **{**kwargs, "allow_nan": True})
     tmp = Path(f"{path}.tmp")
     try:
         with open(tmp, "wb") as f:
-            for piece in doors.checkpoint_bytes(payload):
+            for piece in checkpoint.checkpoint_bytes(payload):
                 f.write(piece)
     finally:
-        doors.json = real
+        checkpoint.json = real
     os.replace(tmp, path)

@@ -17,6 +17,7 @@ from hypothesis.extra.numpy import arrays
 from safetensors.torch import save_file
 
 import analyze
+import checkpoint
 import common
 import data
 import train
@@ -133,19 +134,21 @@ def test_frequency_bins_by_hand():
 
 def test_drift_against_a_known_initialisation():
     config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=8, lm_head=False, causal=True)
-    init = {"seed": 7, "model_config": config}
+    init = checkpoint.Init(seed=7, model_config=GPTConfig(**config))
     start = analyze.initial_model(init).wte.weight.detach().double()
     torch.manual_seed(7)
     assert torch.equal(GPT(GPTConfig(**config)).wte.weight.double(), start)  # as train.py draws it
     moved = start.clone()
     moved[3] += torch.tensor([3.0, 4, 0, 0, 0, 0, 0, 0])  # 5 away
     moved[10] *= 0.5  # half its norm away
-    drift, drift_from, note = analyze.distance_from_init({"init": init}, moved[:60])
+    drift, drift_from, note = analyze.distance_from_init(checkpoint.Checkpoint({}, init.model_config, init=init),
+                                                         moved[:60])
     expected = torch.zeros(60, dtype=torch.float64)
     expected[3], expected[10] = 5.0, 0.5 * start[10].norm()
     assert torch.allclose(drift, expected, atol=1e-12) and drift_from == "seed 7" and note is None
-    assert analyze.distance_from_init({}, moved)[0] is None
-    assert "cannot be rebuilt" in analyze.distance_from_init({}, moved)[2]
+    imported = checkpoint.Checkpoint({}, init.model_config)  # no init: an import, or older
+    assert analyze.distance_from_init(imported, moved)[0] is None
+    assert "cannot be rebuilt" in analyze.distance_from_init(imported, moved)[2]
 
 
 def test_nearest_neighbours_are_a_plain_cosine_ranking():
@@ -201,19 +204,19 @@ def runs(tiny_data_dir, tmp_path_factory):
 
 
 def load(path):
-    return common.load_checkpoint(path, train.TrainConfig)
+    return checkpoint.load_checkpoint(path, train.TrainConfig)
 
 
 def test_the_init_a_checkpoint_records_rebuilds_its_step0_weights_and_travels_with_its_lineage(runs):
     step0 = load(runs / "step0" / "ckpt.safetensors")
-    assert step0["step"] == 0 and step0["init"]["seed"] == 0
-    rebuilt = analyze.initial_model(step0["init"]).state_dict()
-    assert rebuilt.keys() == step0["model"].keys()
-    assert all(torch.equal(rebuilt[k], step0["model"][k]) for k in rebuilt)  # exactly, every weight
+    assert step0.state.step == 0 and step0.init.seed == 0
+    rebuilt = analyze.initial_model(step0.init).state_dict()
+    assert rebuilt.keys() == step0.model.keys()
+    assert all(torch.equal(rebuilt[k], step0.model[k]) for k in rebuilt)  # exactly, every weight
     cwt, ft, ce = (load(runs / name / "ckpt.safetensors") for name in ("cwt", "ft", "ce"))
-    assert cwt["step"] == 2 and cwt["init"] == step0["init"]  # resumed from step 0: its lineage's
-    assert ft["init"] == cwt["init"] and ft["model_config"]["lm_head"] and not ft["init"]["model_config"]["lm_head"]
-    assert ce["init"]["seed"] == 1 and ce["init"]["model_config"] == {**cwt["init"]["model_config"]}
+    assert cwt.state.step == 2 and cwt.init == step0.init  # resumed from step 0: its lineage's
+    assert ft.init == cwt.init and ft.model_config.lm_head and not ft.init.model_config.lm_head
+    assert ce.init.seed == 1 and ce.init.model_config == cwt.init.model_config
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +272,8 @@ def test_drift_is_zero_at_step0_from_the_pretraining_init_after_a_finetune_and_n
     rows, _ = analysed
     assert all(b["mean_drift"] == 0.0 for b in rows["step0"]["frequency_bins"] if b["tokens"])
     ft = load(runs / "ft" / "ckpt.safetensors")
-    start = analyze.initial_model(ft["init"]).wte.weight.detach().double()[:50257]
-    drift = (ft["model"]["wte.weight"].double()[:50257] - start).norm(dim=1)
+    start = analyze.initial_model(ft.init).wte.weight.detach().double()[:50257]
+    drift = (ft.model["wte.weight"].double()[:50257] - start).norm(dim=1)
     counts = analyze.token_counts(np.fromfile(Path(rows["ft"]["dataset"]) / "train.bin", dtype=np.uint16), 50257)
     for b in rows["ft"]["split_frequency_bins"]:
         in_bin = (counts >= b["min_count"]) & (counts <= b["max_count"])
@@ -377,6 +380,6 @@ def test_the_read_counts_are_the_tokens_training_read(tiny_data_dir, tmp_path, m
         assert why is None and got.tolist() == recorded.tolist(), name
     assert after_pretraining == 6 and len(read) == 10  # 3 steps of 2 micro-batches, then 2 more steps
     other_seed = load(tmp_path / "ft" / "ckpt.safetensors")
-    other_seed["train_config"]["seed"] = 6  # as after a --seed=6 fine-tune: its reads are not one stream
+    other_seed.train_config["seed"] = 6  # as after a --seed=6 fine-tune: its reads are not one stream
     got, why = analyze.lineage_read_counts(other_seed, tokens, 50257, causal=True)
     assert got is None and "its lineage changed seed" in why

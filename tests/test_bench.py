@@ -10,7 +10,9 @@ from conftest import refused_before_any_work
 from helpers import io_pairs, refusal, tree_state
 
 import bench
+import checkpoint
 import common
+import doors
 import train
 from common import UserError
 
@@ -165,17 +167,16 @@ def test_the_checkpoint_mode_loads_one_payload_both_ways(tmp_path, monkeypatch):
     torch.load gives back from the torch.save file of the same payload (weights, every AdamW state tensor)."""
     import torch
 
-    import doors
     monkeypatch.setitem(bench.PRESETS, "tiny", dict(n_layer=1, n_head=2, d_model=16, block_size=64))
     payload = bench.checkpoint_payload("tiny", vocab=64)
-    common.save_checkpoint(tmp_path / "ckpt.safetensors", payload)
-    torch.save(payload, tmp_path / "ckpt.pt")
-    ours = common.load_checkpoint(tmp_path / "ckpt.safetensors", train.TrainConfig)
-    doors.resumable(tmp_path / "ckpt.safetensors", ours)
+    checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", payload)
+    torch.save(doors.plain(payload), tmp_path / "ckpt.pt")
+    ours = checkpoint.load_checkpoint(tmp_path / "ckpt.safetensors", train.TrainConfig)
+    checkpoint.resumable(tmp_path / "ckpt.safetensors", ours)
     plain = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    assert ours["model"].keys() == plain["model"].keys() and len(plain["optimizer"]["state"]) > 0
-    assert all(torch.equal(ours["model"][k], t) for k, t in plain["model"].items())
+    assert ours.model.keys() == plain["model"].keys() and len(plain["optimizer"]["state"]) > 0
+    assert all(torch.equal(ours.model[k], t) for k, t in plain["model"].items())
     for pid, entry in plain["optimizer"]["state"].items():
-        assert all(torch.equal(ours["optimizer"]["state"][pid][k], t) for k, t in entry.items())
+        assert all(torch.equal(ours.optimizer["state"][pid][k], t) for k, t in entry.items())
     with pytest.raises(UserError, match="--vocab=.* changes nothing with --mode=checkpoint"):
         bench.main(["--mode=checkpoint", "--vocab=64"])

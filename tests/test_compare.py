@@ -135,7 +135,7 @@ def test_an_interrupted_compare_continues_with_resume(tiny_data_dir, tmp_path, m
         compare.run_compare(dataclasses.replace(cfg, overwrite=True))
     assert stopped.value.signum == signal.SIGINT
     assert "compare.py stopped during cwt; continue it with the same settings and --resume" in capsys.readouterr().err
-    step = {name: read_ckpt(out / name / "ckpt.safetensors")["step"] for name in compare.RUNS}
+    step = {name: read_ckpt(out / name / "ckpt.safetensors")["state"]["step"] for name in compare.RUNS}
     assert step == {"ce": planned["ce"], "cwt": 1, "cwt-ft": planned["cwt-ft"]}  # cwt-ft: the earlier compare's
     # --resume: CE finished (skipped), CWT continues where it stopped, its stale fine-tune starts over
     monkeypatch.setattr(train, "optimizer_step", real_step)

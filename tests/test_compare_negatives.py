@@ -192,7 +192,7 @@ def test_a_result_json_copied_from_another_point_is_refused(sweep, tmp_path):
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG_JSON))
 def test_a_damaged_point_result_is_used_as_before_or_refused_in_one_line(sweep, tmp_path_factory, how, where, wrong):
-    """The door of a point's result.json (doors.compare_result), under random damage (a field of any other type,
+    """The door of a point's result.json (doors.results_file), under random damage (a field of any other type,
     a field deleted, the file cut short): either it is refused in one line, or what it lets in tables as a
     finished point does (negatives_row, negatives_table, finite JSON), never a traceback."""
     _, out, _, _ = sweep

@@ -115,7 +115,7 @@ def test_bad_sizes_prepared_folders_and_plots_without_matplotlib_are_one_line(ti
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(how=st.sampled_from(["retype", "delete", "cut"]), where=st.floats(0, 0.999), wrong=st.sampled_from(WRONG_JSON))
 def test_a_damaged_size_result_is_used_as_before_or_refused_in_one_line(sweep, tmp_path_factory, how, where, wrong):
-    """The door of a size's result.json (doors.compare_result) under random damage: refused in one line, or what
+    """The door of a size's result.json (doors.results_file) under random damage: refused in one line, or what
     it lets in tables as a finished size does (vocab_table, finite JSON), never a traceback."""
     cfg, _ = sweep
     good = json.loads((compare.Path(cfg.out_dir) / "bpe300" / "result.json").read_text())

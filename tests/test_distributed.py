@@ -164,7 +164,7 @@ def two_rank_runs(tiny_data_dir, tmp_path_factory):
 @pytest.mark.parametrize("loss", ["ce", "cwt"])
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs, loss):
     one, two = two_rank_runs / f"one-{loss}", two_rank_runs / f"two-{loss}"
-    assert read_ckpt(two / "ckpt.safetensors")["step"] == 10
+    assert read_ckpt(two / "ckpt.safetensors")["state"]["step"] == 10
     assert max_weight_difference(one, two) < 1e-5
     losses = lambda d: [r["loss"] for r in read_log(d) if "loss" in r]  # noqa: E731
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)  # rank 0 logs the mean over ranks
@@ -175,7 +175,7 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs, 
 
 def test_single_process_checkpoint_continues_on_two_ranks(two_rank_runs):
     resumed = two_rank_runs / "two-cwt-resumed"
-    assert read_ckpt(resumed / "ckpt.safetensors")["step"] == 10
+    assert read_ckpt(resumed / "ckpt.safetensors")["state"]["step"] == 10
     assert max_weight_difference(two_rank_runs / "one-cwt", resumed) < 1e-5
 
 
@@ -264,7 +264,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data
     finally:
         proc.kill()
     ckpt = read_ckpt(out / "ckpt.safetensors")
-    stopped = ckpt["step"]
+    stopped = ckpt["state"]["step"]
     assert 2 <= stopped < 10_000 and not list(out.glob("*.tmp"))  # one checkpoint, nothing half-written
     stderr = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}
     assert sorted(stderr) == ["0", "1"]

@@ -6,6 +6,7 @@ Case numbers are issue 27's ("26.6": issue 26's sixth)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import os
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 import analyze
 import bench
 import bpe
+import checkpoint
 import common
 import compare
 import data
@@ -66,9 +68,8 @@ def checkpoint_dict() -> dict:
     state = dict(step=4, micro_batches=4, tokens=128, flops=1.0e6, earlier_tokens=0, earlier_flops=0.0, loss=3.5,
                  first_val={"val_ce": 4.0}, val={"val_ce": 3.0}, val_step=4)
     return {"model": net.state_dict(), "model_config": vars(config).copy(), "objective": {},
-            "optimizer": optimizer.state_dict(), "scaler": {}, "state": state, "step": 4, "loss": 3.5,
-            "val": {"val_ce": 3.0}, "first_val": {"val_ce": 4.0}, "tokens_seen": 128, "flops": 1.0e6,
-            "base_tokens": 0, "base_flops": 0.0, "mask_spec": None, "tokenizer_json": None, "mix": None,
+            "optimizer": optimizer.state_dict(), "scaler": None, "state": state, "mask_spec": None,
+            "tokenizer_json": None, "mix": None, "run_id": "0123456789ab",
             "train_config": {"dataset": "shakespeare", "preset": "tiny", "block_size": 16, "batch_size": 2,
                              "max_iters": 4, "loss": "ce", "objective": "causal", "device": "cpu", "seed": 0},
             "data_meta": {"tokenizer": "gpt2", "tokenizer_sha256": None, "vocab_size": 50, "dtype": "uint16",
@@ -94,7 +95,7 @@ def edited(ckpt: dict, path: str, value) -> dict:
 CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("4", "model_config/block_size", 10**10, "model_config.block_size is 10000000000, outside [2, 1048576]"),
     ("4", "model_config/block_size", 10**8, "model_config.block_size is 100000000, outside"),
-    ("10", "step", -5, "step is -5, outside"),
+    ("10", "step", -5, "step is -5, outside"),  # a count of older checkpoints (checkpoint.Legacy)
     ("10", "state/step", -5, "state.step is -5, outside"),
     ("10", "model_config/gelu", "fast", "model_config.gelu is 'fast', not one of: exact, tanh"),
     ("10", "model_config/norm", "batchnorm", "model_config.norm is 'batchnorm', not one of: layernorm, rmsnorm"),
@@ -105,28 +106,50 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("11", "model_config/causal", "no", "model_config.causal is 'no', not bool"),
     ("11", "model_config/bogus", 1, "model_config.bogus is not a field of this code's"),
     ("11", "model/wte.weight", [1.0, 2.0], "model.wte.weight is [1.0, 2.0], not Tensor"),
-    ("11", "train_config", None, "train_config is None, not dict"),
-    ("11", "train_config", [1, 2], "train_config is [1, 2], not dict"),
+    ("11", "train_config", None, "train_config is None, not a table"),
+    ("11", "train_config", [1, 2], "train_config is [1, 2], not a table"),
     ("11", "train_config/block_size", 1000, "train_config.block_size is more than the model's 16 tokens"),
     ("11", "train_config/batch_size", "abc", "train_config.batch_size is 'abc', not int"),
     ("11", "train_config/max_iters", "abc", "train_config.max_iters is 'abc', not int"),
     ("11", "train_config/device", "tpu", "train_config.device is 'tpu', not one of"),
-    ("11", "data_meta", [1], "data_meta is [1], not dict"),
+    ("11", "data_meta", [1], "data_meta is [1], not a table"),
     ("11", "data_meta/tokenizer", 5, "data_meta.tokenizer is 5, not str"),
     ("11", "data_meta/dtype", "float16", "data_meta dtype is 'float16', but 50 tokens are stored as uint16"),
     ("11", "state/bogus", 1, "state.bogus is not a field of this code's"),
-    ("11", "state", None, "state is None, not dict"),
+    ("11", "state", [1], "state is [1], not a table"),
     ("11", "state/micro_batches", -1, "state.micro_batches is -1, outside"),
     ("11", "rng", DELETE, "lacks rng"),
     ("11", "rng/torch", torch.zeros(7, dtype=torch.uint8), "rng.torch is not the state of torch's generator"),
     ("11", "step", "5", "step is '5', not int"),
-    ("11", "state/step", 3, "state.step 3 is not its step 4"),
     ("11", "tokenizer_json", 5, "tokenizer_json is 5, not str"),
-    ("11", "init", "seed 3", "init is 'seed 3', not dict or null"),
+    ("11", "init", "seed 3", "init is 'seed 3', not a table"),
     ("11", "init/seed", -1, "init.seed is -1, outside"),
     ("11", "init/model_config", DELETE, "init lacks model_config"),
     ("11", "init/model_config/n_head", 3, "init.model_config.d_model 16 is not a multiple of n_head 3"),
     ("11", "init/model_config/bogus", 1, "init.model_config.bogus is not a field of this code's"),
+    # issue 48: every float finite, every metric table a table of numbers, every count in range
+    ("48", "state/first_val/val_ce", float("nan"), "state.first_val.val_ce is nan, not a finite number"),
+    ("48", "state/val/val_ce", float("inf"), "state.val.val_ce is inf, not a finite number"),
+    ("48", "state/loss", float("-inf"), "state.loss is -inf, not a finite number"),
+    ("48", "state/flops", float("nan"), "state.flops is nan, not a finite number"),
+    ("48", "state/earlier_flops", float("inf"), "state.earlier_flops is inf, not a finite number"),
+    ("48", "model_config/dropout", float("nan"), "model_config.dropout is nan, not a finite number"),
+    ("48", "init/model_config/norm_eps", float("inf"), "init.model_config.norm_eps is inf, not a finite number"),
+    ("48", "mix", {"a": float("nan")}, "mix.a is nan, not a finite number"),
+    ("48", "train_config/lr", float("nan"), "train_config.lr is nan, not a finite number"),
+    ("48", "train_config/beta1", float("inf"), "train_config.beta1 is inf, not a finite number"),
+    ("48", "data_meta/val_tokens", float("nan"), "data_meta.val_tokens is nan, not int"),
+    ("48", "loss", float("nan"), "loss is nan, not a finite number"),  # an older checkpoint's count
+    ("48", "state/val", "3.0", "state.val is '3.0', not a table"),
+    ("48", "state/first_val", [4.0], "state.first_val is [4.0], not a table"),
+    ("48", "state/val/val_ce", "3.0", "state.val.val_ce is '3.0', not float"),
+    ("48", "state/val/val_ce", True, "state.val.val_ce is True, not float"),
+    ("48", "mix", [0.5], "mix is [0.5], not a table"),
+    ("48", "state/tokens", -1, "state.tokens is -1, outside"),
+    ("48", "state/val_step", -3, "state.val_step is -3, outside"),
+    ("48", "state/earlier_tokens", 2**70, "state.earlier_tokens is 1180591620717411303424, outside"),
+    ("48", "state/micro_batches", 1.5, "state.micro_batches is 1.5, not int"),
+    ("48", "scaler", {"scale": 1.0}, "scaler lacks growth_factor"),
 ]
 
 
@@ -135,13 +158,18 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
                               for c, f, v, _ in CHECKPOINT_FIELDS])
 def test_the_checkpoint_door_refuses_each_bad_field(case, field, value, words, checkpoint_dict, tmp_path,
                                                     monkeypatch, capsys):
+    """Each written by the project's own writer (a valid checksum): refused in one line, exit 2, nothing written.
+    train_config's fields are TrainConfig's, which a reader with a trainer checks (finetune.py): generate.py and
+    the notebook API read them as plain values (a number finite)."""
     path = tmp_path / "ckpt.safetensors"
     save_ckpt(edited(checkpoint_dict, field, value), path)
-    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
-    if field.startswith("train_config/"):  # the notebook API builds the model alone: its train_config is plain data
+    if field.startswith("train_config/") and isinstance(value, str):
+        refused(finetune.main, [f"--ckpt={path}", f"--out_dir={tmp_path / 'ft'}", "--device=cpu"], words,
+                monkeypatch, capsys, tmp_path)
         return
+    refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
     with pytest.raises(ValueError, match="checkpoint"):  # the notebook API reads through the same door
-        model.load_model(str(path))
+        checkpoint.load_model(str(path))
 
 
 CHECKPOINT_FILES = [  # (case, how the file is made, what the one line says). Case 3's zips (a compressed data.pkl, a
@@ -175,9 +203,10 @@ ANY_VALUE = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) 
                                                                                      max_size=3), max_leaves=4)
 FIELDS = ([f"model_config/{f}" for f in vars(model.GPTConfig())] + [f"state/{f}" for f in ("step", "tokens", "val")]
           + [f"train_config/{f}" for f in doors.field_rules(train.TrainConfig)]
-          + [f"data_meta/{f}" for f in doors.META_RULES]
+          + [f"data_meta/{f.name}" for f in dataclasses.fields(doors.DatasetMeta)]
+          + [f"state/{f.name}" for f in dataclasses.fields(checkpoint.State)]
           + ["step", "rng", "rng/torch", "model", "objective", "tokenizer_json", "val", "init", "init/seed",
-             "init/model_config", "init/model_config/n_head"])
+             "init/model_config", "init/model_config/n_head", "state/val/val_ce", "mix", "scaler", "mask_spec"])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -186,12 +215,16 @@ def test_any_value_in_any_field_is_let_in_or_refused_in_one_line(checkpoint_dict
     """The invariant behind cases 4, 10 and 11: whatever a checkpoint's field holds, its door lets it in (and the
     model is then built, or refused in one line by the weights check) or refuses it in one line."""
     ckpt = edited(checkpoint_dict, field, value)
-    why = next(filter(None, doors.checkpoint_problems(ckpt, model.GPTConfig, train.TrainConfig)), None)
+    try:
+        ckpt = checkpoint.upgraded(ckpt)
+        why = checkpoint.checkpoint_problem(ckpt, train.TrainConfig)
+    except doors.Refused as e:
+        why = str(e)
     if why is not None:
         assert isinstance(why, str) and "\n" not in why
         return
     try:
-        common.checkpoint_model(ckpt, "ckpt.safetensors")
+        checkpoint.checkpoint_model(doors.declared(checkpoint.Checkpoint, ckpt), "ckpt.safetensors")
     except UserError as e:
         assert "\n" not in str(e) and "does not match this model code" in str(e)
 
@@ -200,14 +233,30 @@ def test_a_checkpoint_written_by_todays_main_loads(checkpoint_dict, tmp_path):
     """Old files: today's checkpoints (every key train.py writes) go through the door as they are."""
     path = tmp_path / "ckpt.safetensors"
     save_ckpt(checkpoint_dict, path)
-    ckpt = common.load_checkpoint(path, train.TrainConfig)
-    assert set(ckpt) == set(checkpoint_dict) and ckpt["state"] == checkpoint_dict["state"]
-    assert common.checkpoint_model(ckpt, path).config.block_size == 16
-    assert model.load_model(str(path)).config == model.GPTConfig(**checkpoint_dict["model_config"])
-    assert common.last_good_checkpoint(path) == f"the last good checkpoint is {path} (step 4)"
+    ckpt = checkpoint.load_checkpoint(path, train.TrainConfig)
+    assert set(doors.plain(ckpt)) == set(checkpoint_dict) and doors.plain(ckpt.state) == checkpoint_dict["state"]
+    assert checkpoint.checkpoint_model(ckpt, path).config.block_size == 16
+    assert checkpoint.load_model(str(path)).config == model.GPTConfig(**checkpoint_dict["model_config"])
+    assert checkpoint.last_good_checkpoint(path) == f"the last good checkpoint is {path} (step 4)"
     hf_style = {k: checkpoint_dict[k] for k in ("model", "model_config")} | {"data_meta": {}, "train_config": {}}
     save_ckpt(hf_style, path)  # the few keys an imported model has, and an older run's
-    assert common.load_checkpoint(path, train.TrainConfig)["train_config"] == {}
+    assert checkpoint.load_checkpoint(path, train.TrainConfig).train_config == {}
+
+
+def test_an_older_checkpoints_counts_load_into_its_state(checkpoint_dict, tmp_path):
+    """The counts older checkpoints kept beside state (checkpoint.Legacy) are checked and dropped; a file from before
+    state takes its counts from them, and cannot resume exactly (no data position)."""
+    old = {"step": 4, "loss": 3.5, "val": {"val_ce": 3.0}, "first_val": {"val_ce": 4.0}, "tokens_seen": 128,
+           "flops": 1.0e6, "base_tokens": 64, "base_flops": 2.0, "scaler": {}}
+    path = tmp_path / "ckpt.safetensors"
+    save_ckpt({**checkpoint_dict, **old}, path)
+    assert checkpoint.load_checkpoint(path, train.TrainConfig).state == checkpoint.State(**checkpoint_dict["state"])
+    save_ckpt({k: v for k, v in {**checkpoint_dict, **old}.items() if k != "state"}, path)
+    ckpt = checkpoint.load_checkpoint(path, train.TrainConfig)
+    assert ckpt.state == checkpoint.State(step=4, micro_batches=None, tokens=128, flops=1.0e6, earlier_tokens=64,
+                                          earlier_flops=2.0, loss=3.5, first_val={"val_ce": 4.0},
+                                          val={"val_ce": 3.0}, val_step=4)
+    assert ckpt.pretrain_tokens() == 192 and ckpt.scaler is None
 
 
 def test_a_tokenizer_that_would_be_downloaded_is_one_line(checkpoint_dict, tmp_path, monkeypatch, capsys):
@@ -259,7 +308,7 @@ DATASET_CASES = [  # (case, edit, what the one line says)
     ("12", meta_edit(dtype="float16"), "dtype is 'float16'"),
     ("12", meta_edit(dtype="int8"), "dtype is 'int8'"),
     ("12", meta_edit(dtype="nonsense"), "dtype is 'nonsense'"),
-    ("12", meta_edit(checksums=None), "checksums is None, not dict"),
+    ("12", meta_edit(checksums=None), "checksums is None, not a table"),
     ("12", meta_edit(checksums={"train": "x"}), "checksums is {'train': 'x'}, not the sha256"),
     ("12", meta_edit(format=4), "format is 4, not one of: 3"),
     ("12", replace_meta(lambda p: p.mkdir()), "meta.json is a folder"),
@@ -281,7 +330,9 @@ def test_the_dataset_door_refuses_each_bad_field_or_file(case, edit, words, tiny
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(field=st.sampled_from(sorted(doors.META_RULES) + ["checksums/train", "settings/dataset"]), value=ANY_VALUE)
+@given(field=st.sampled_from([f.name for f in dataclasses.fields(doors.DatasetMeta)] + ["checksums/train",
+                                                                                    "settings/dataset"]),
+       value=ANY_VALUE)
 def test_any_value_in_any_meta_field_is_let_in_or_refused_in_one_line(dataset_copy, field, value):
     """The same invariant at the dataset door (cases 5, 10, 12): meta.json as a table of anything."""
     folder, meta = dataset_copy
@@ -619,7 +670,7 @@ COSTLY = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, ROOT)
 import torch
-import common, data, doors, model, train
+import checkpoint, common, data, doors, model, train
 from common import UserError
 tmp = TMP
 cases = {}
@@ -641,12 +692,12 @@ net = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=
 ckpt = {"model": net.state_dict(), "model_config": {"vocab_size": 64, "block_size": 10**10, "n_layer": 1,
         "n_head": 2, "d_model": 16}}
 with open(os.path.join(tmp, "long.safetensors"), "wb") as f:
-    f.writelines(doors.checkpoint_bytes(ckpt))
-timed("4: block_size 1e10", lambda: common.checkpoint_model(common.load_checkpoint(f.name, train.TrainConfig), "x"))
+    f.writelines(checkpoint.checkpoint_bytes(ckpt))
+timed("4: block_size 1e10", lambda: checkpoint.load_checkpoint(f.name, train.TrainConfig))
 header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]}}).encode()
 with open(os.path.join(tmp, "claim.safetensors"), "wb") as f:  # 10 kB claiming a 4 GiB tensor
     f.write(len(header).to_bytes(8, "little") + header + bytes(10_000))
-timed("3: a 10 kB file claiming a 4 GiB tensor", lambda: common.load_checkpoint(f.name, train.TrainConfig))
+timed("3: a 10 kB file claiming a 4 GiB tensor", lambda: checkpoint.load_checkpoint(f.name, train.TrainConfig))
 folder = os.path.join(tmp, "books")
 os.makedirs(folder)
 meta = {"format": 3, "tokenizer": "gpt2", "vocab_size": 10**12, "dtype": "uint32", "eot_token": 0,
@@ -679,7 +730,7 @@ def test_a_missing_checkpoint_names_the_step_that_writes_it(tmp_path):
     with pytest.raises(doors.Refused, match=r"out-ft/ckpt.safetensors not found; train.py writes out/ckpt.safetensors "
                                             r"and `finetune.py --ckpt=out/ckpt.safetensors` writes "
                                             r"out-ft/ckpt.safetensors: run the step that makes it"):
-        doors.checkpoint(tmp_path / "out-ft" / "ckpt.safetensors", model.GPTConfig, train.TrainConfig)
+        checkpoint.read_checkpoint(tmp_path / "out-ft" / "ckpt.safetensors", train.TrainConfig)
 
 
 def test_none_is_a_value_where_a_literal_has_it_and_null_elsewhere():

@@ -467,7 +467,7 @@ def test_a_dataset_path_inside_a_checkpoint_is_never_opened(tiny_data_dir, tmp_p
     assert result["dataset"] == str(tmp_path / "data" / "books")
 
 
-@pytest.mark.parametrize("spec, words", [(None, "mask_spec is None, not a table"),
+@pytest.mark.parametrize("spec, words", [(None, "lacks mask_spec"),
                                          ({"mask_token": 5, "vocab_size": 64, "special_tokens": (0,), "x": 1},
                                           "mask_spec.x is not a field of this code's")])
 def test_an_encoders_damaged_mask_spec_is_one_line(spec, words, tmp_path):

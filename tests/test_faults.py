@@ -116,14 +116,14 @@ def test_overwrite_starts_over(tiny_data_dir, finished, tmp_path):
     train.main(train_flags(tiny_data_dir, out, "--overwrite", "--max_iters=2"))
     train.main(train_flags(tiny_data_dir, tmp_path / "fresh", "--max_iters=2"))  # the same run, in a new folder
     assert without_timing(read_log(out)) == without_timing(read_log(tmp_path / "fresh"))  # the old log is gone
-    assert read_ckpt(out / "ckpt.safetensors")["step"] == 2
+    assert read_ckpt(out / "ckpt.safetensors")["state"]["step"] == 2
 
 
 def test_resume_continues(tiny_data_dir, finished, tmp_path):
     out = copy_of(finished, tmp_path / "o")
     old_log = (out / "log.jsonl").read_bytes()
     train.main(train_flags(tiny_data_dir, out, "--resume", "--max_iters=6"))
-    assert read_ckpt(out / "ckpt.safetensors")["step"] == 6
+    assert read_ckpt(out / "ckpt.safetensors")["state"]["step"] == 6
     assert (out / "log.jsonl").read_bytes().startswith(old_log)
     assert [r["step"] for r in read_log(out)][-3:] == [5, 6, 6]  # steps 5 and 6, then the last validation
 
@@ -172,7 +172,7 @@ def test_finetune_refuses_an_out_dir_holding_another_run(finished, tiny_data_dir
     assert snapshot(out) == before
     finetune.main([*flags, "--overwrite"])
     tuned = read_ckpt(out / "ckpt.safetensors")
-    assert tuned["step"] == 1 and "lm_head.weight" in tuned["model"]
+    assert tuned["state"]["step"] == 1 and "lm_head.weight" in tuned["model"]
 
 
 # ------------------------------------------------------------- 2. the disk fails while log.jsonl is appended
@@ -219,7 +219,7 @@ def test_a_failed_log_append_is_one_line_and_resume_continues(code, tiny_data_di
     assert exit_code == 2
     assert err == (f"error: cannot append to {out / 'log.jsonl'} ({os.strerror(code)}); free some space or fix the "
                    "folder, then continue with --resume")
-    assert read_ckpt(out / "ckpt.safetensors")["step"] == 2
+    assert read_ckpt(out / "ckpt.safetensors")["state"]["step"] == 2
     assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt.safetensors", "log.jsonl"]  # no temp file
     if code == errno.ENOSPC:  # space freed: the half line is dropped and the run ends as if never stopped
         monkeypatch.delattr(common, "open")

@@ -10,10 +10,10 @@ from helpers import read_ckpt, read_log, refusal, tree_state
 
 import common
 import train
+from checkpoint import load_model
 from common import UserError
 from finetune import finetune, finetune_budget, main as finetune_main, resolve_config
 from loss import LossConfig
-from model import load_model
 from train import Objective, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_finetune_adds_a_head_and_lowers_validation_ce(cwt_checkpoint, data_root
     tuned = load_model(str(tmp_path / "ckpt.safetensors"))
     assert tuned.lm_head is not None
     ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
-    assert ckpt["base_tokens"] == 40 * 8 * 32 and ckpt["tokens_seen"] == 20 * 8 * 32
+    assert ckpt["state"]["earlier_tokens"] == 40 * 8 * 32 and ckpt["state"]["tokens"] == 20 * 8 * 32
     # the paper's warmup share (20% of the steps); a cosine schedule would decay to lr / 10
     assert ckpt["train_config"]["warmup_iters"] == 4 and ckpt["train_config"]["min_lr"] == pytest.approx(1e-4)
     # compute is counted in FLOPs: the fine-tune pays the full vocabulary head (V columns per token),

@@ -12,7 +12,8 @@ from helpers import io_pairs, refusal, tree_state
 import glue
 import model as model_module
 import train
-from common import UserError, save_checkpoint
+from checkpoint import save_checkpoint
+from common import UserError
 from data import load_tokenizer
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig

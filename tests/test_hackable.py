@@ -20,9 +20,9 @@ import torch
 from helpers import read_ckpt, read_log, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
+import checkpoint
 import common
 import data
-import doors
 import finetune
 import model as model_module
 import train
@@ -165,7 +165,8 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
              "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
     trained, bad, other = run_fork(fork, flags, [["--mlp=swiglu", "--out_dir=a"], ["--mlp=relu", "--out_dir=b"],
                                                  ["--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c"]])
-    assert trained[0] == 0 and doors.checkpoint_file(fork / "a" / "ckpt.safetensors")["model_config"]["mlp"] == "swiglu"
+    saved = checkpoint.checkpoint_file(fork / "a" / "ckpt.safetensors")
+    assert trained[0] == 0 and saved["model_config"]["mlp"] == "swiglu"
     assert bad[0] == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad[2]
     assert other[0] == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other[2]
 
@@ -186,7 +187,7 @@ def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_d
              "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
     steps = [["--help"], ["--probe_every=9", "--out_dir=b"], ["--config=c.toml", "--out_dir=b"],
              ["--probe_every=5", "--max_iters=1", "--out_dir=a"], ["--resume", "--max_iters=2", "--out_dir=a"],
-             "set 99", ["--resume", "--max_iters=3", "--out_dir=a"]]
+             ["set", "a", 99], ["--resume", "--max_iters=3", "--out_dir=a"]]
     helped, too_big, config_file, trained, resumed, saved, refused = run_fork(fork, flags, steps)
     assert "--probe_every" in helped[1] and "default: 3, in [1, 8]\n      steps between probes" in helped[1]
     assert too_big[0] == 2 and "--probe_every must be in [1, 8], got 9" in too_big[2]
@@ -194,32 +195,39 @@ def test_a_bounded_setting_a_fork_adds_to_trainconfig_needs_that_one_line(tiny_d
     assert not (fork / "b").exists()
     assert trained[0] == 0 and trained[3] == 5
     assert resumed[0] == 0 and resumed[3] == 5  # not given: the run's own 5, not the default 3
-    assert saved == "set 99"
+    assert saved == ["set", "a", 99]
     assert refused[0] == 2 and "train_config.probe_every is 99, outside [1, 8]" in refused[2]
 
 
-def run_fork(fork: Path, flags: list[str], steps: list) -> list:
-    """Each step in one process of the fork (FORK_DRIVER): one start-up of torch, not one a command."""
-    done = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(flags), json.dumps(steps)], cwd=fork,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+def run_fork(fork: Path, flags: list[str], steps: list, read: tuple[str, str] = ("train_config", "probe_every")
+             ) -> list:
+    """Each step in one process of the fork (FORK_DRIVER): one start-up of torch, not one a command. After each,
+    the value at `read` (a table of the checkpoint and a key in it) in out_dirs a and b."""
+    done = subprocess.run([sys.executable, "-c", FORK_DRIVER, json.dumps(flags), json.dumps(steps), json.dumps(read)],
+                          cwd=fork, capture_output=True, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
 # One process runs each step of a fork's commands as `python train.py ARGV` would (run_main: exit code, stdout,
-# stderr), and reads the checkpoint's probe_every after each ("set 99" writes 99 there)
+# stderr), and reads a value of the checkpoints in a and b after each (["set", OUT, VALUE] writes VALUE there, with
+# the project's own writer: a valid checksum)
 FORK_DRIVER = """
 import contextlib, io, json, sys
 sys.path.insert(0, "tests")
-import common, doors, train
+import checkpoint, common, doors, train
 from helpers import save_ckpt
-flags, steps, said = json.loads(sys.argv[1]), json.loads(sys.argv[2]), []
+flags, steps, (table, key) = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+def saved(out):
+    with contextlib.suppress(Exception):
+        return checkpoint.checkpoint_file(out + "/ckpt.safetensors")[table].get(key)
+said = []
 for argv in steps:
-    if argv == "set 99":
-        ckpt = doors.checkpoint_file("a/ckpt.safetensors")
-        ckpt["train_config"]["probe_every"] = 99
-        save_ckpt(ckpt, "a/ckpt.safetensors")
+    if argv[0] == "set":
+        ckpt = checkpoint.checkpoint_file(argv[1] + "/ckpt.safetensors")
+        ckpt[table][key] = argv[2]
+        save_ckpt(ckpt, argv[1] + "/ckpt.safetensors")
         said.append(argv)
         continue
     sys.argv = ["train.py", *(argv if argv == ["--help"] else [*flags, *argv])]
@@ -230,12 +238,38 @@ for argv in steps:
             code = 0
         except SystemExit as e:
             code = e.code
-    saved = None
-    with contextlib.suppress(Exception):
-        saved = doors.checkpoint_file("a/ckpt.safetensors")["train_config"].get("probe_every")
-    said.append([code, out.getvalue(), err.getvalue(), saved])
+    said.append([code, out.getvalue(), err.getvalue(), saved("a"), saved("b")])
 print(json.dumps(said))
 """
+
+
+# The fork of docs/hacking.md's "New run state": a running maximum of the training loss, one field on State and the
+# line of the loop that updates it
+STATE_FIELD = ("    earlier_flops: float = field(default=0.0, metadata=COUNT)\n",
+               "    loss_max: float = field(default=0.0, metadata=COUNT)  # the largest training loss logged\n")
+STATE_UPDATE = ("        state.loss = totals[0].item() / common.world_size()\n",
+                "        state.loss_max = max(state.loss_max, state.loss)\n")
+
+
+def test_run_state_a_fork_adds_to_state_is_saved_checked_and_resumed_with_no_other_edit(tiny_data_dir, tmp_path):
+    """Issue 48's point 3: new run state is one field with a default on checkpoint.State (and the line of the loop
+    that updates it): saved, checked by its declared type and range, restored on --resume, no edit of the doors."""
+    fork = tmp_path / "fork"
+    shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", "data", "out*", "__pycache__", ".*cache"))
+    for name, (line, added) in (("checkpoint.py", STATE_FIELD), ("train.py", STATE_UPDATE)):
+        source = (fork / name).read_text()
+        assert source.count(line) == 1
+        (fork / name).write_text(source.replace(line, line + added))
+    flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--eval_interval=10",
+             "--eval_batches=1", "--log_interval=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
+    steps = [["--max_iters=2", "--out_dir=b"], ["--resume", "--max_iters=4", "--out_dir=b"], ["set", "b", -1.0],
+             ["--resume", "--max_iters=5", "--out_dir=b"]]
+    stopped, resumed, _, refused = run_fork(fork, flags, steps, read=("state", "loss_max"))
+    assert stopped[0] == resumed[0] == 0, resumed[2][-2000:]
+    losses = [r["loss"] for r in map(json.loads, (fork / "b" / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and stopped[4] == max(losses[:2])  # saved
+    assert resumed[4] == max(losses)  # restored on --resume, then updated
+    assert refused[0] == 2 and "state.loss_max is -1.0, outside" in refused[2] and refused[4] == -1.0  # checked
 
 
 # ------------------------------------------------------------------------------------------ the optimizer
@@ -372,8 +406,8 @@ def test_a_piece_sized_by_the_run_is_declared_in_size_for_and_resumes_exactly(ti
     train.train(stopped)
     train.train(dataclasses.replace(stopped, max_iters=4, resume=True))
     assert torch.equal(saved(tmp_path / "resumed")["objective"]["queue"], queue)
-    ckpt = read_ckpt(tmp_path / "straight" / "ckpt.safetensors")
-    loaded = train.objective_of(ckpt, model_module.from_checkpoint(ckpt))
+    ckpt = checkpoint.load_checkpoint(tmp_path / "straight" / "ckpt.safetensors", train.TrainConfig)
+    loaded = train.objective_of(ckpt, checkpoint.checkpoint_model(ckpt, "ckpt"))
     assert torch.equal(loaded.queue, queue)
 
 

@@ -8,13 +8,15 @@ import torch
 import transformers
 from helpers import read_ckpt, save_ckpt
 
+import checkpoint
 import hf
 import train
+from checkpoint import load_model
 from common import UserError
 from data import load_tokenizer
 from finetune import FinetuneConfig, finetune
 from generate import generate
-from model import GPT, GPTConfig, load_model
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
@@ -143,12 +145,11 @@ def test_export_then_import_round_trips(checkpoints, tmp_path):
 
 def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, tmp_path):
     """--init_from=hf:DIR continues an exported (or Pythia) model, and finetune.py fine-tunes one."""
-    import common
     from data import open_split
 
     out = hf.export(str(checkpoints["cwt"]), str(tmp_path / "hf"))
-    ckpt = common.load_checkpoint(f"hf:{out}", train.TrainConfig)
-    assert ckpt["data_meta"] == {"tokenizer": "gpt2"} and ckpt["train_config"] == {"preset": "tiny"}
+    ckpt = checkpoint.load_checkpoint(f"hf:{out}", train.TrainConfig)
+    assert ckpt.data_meta == {"tokenizer": "gpt2"} and ckpt.train_config == {"preset": "tiny"}
     ours = load_model(str(checkpoints["cwt"]))
     settings = dict(dataset=str(tiny_data_dir), block_size=32, batch_size=4, eval_batches=1, device="cpu")
     first = train.train(train.TrainConfig(**settings, init_from=f"hf:{out}", loss="cwt", max_iters=1,

@@ -149,10 +149,12 @@ def test_scored_targets_come_without_hidden_states_and_a_short_window_is_never_s
         scored_targets(short)
 
 
-def test_the_checkpoint_door_knows_mask_spec_as_masking_writes_it():
-    """doors.MASK_RULES (the checkpoint door reads an encoder's mask_spec, importing no extra) names MaskSpec's
-    fields, so that a checkpoint this code writes passes, and one with another field is refused in one line."""
-    import dataclasses
-
+def test_the_checkpoint_door_reads_mask_spec_by_the_declaration_masking_uses():
+    """MaskSpec is declared once, with the checkpoint that carries it (checkpoint.py, which the door reads, importing
+    no extra): a spec masking builds passes the door's declared check, one with another field is refused."""
+    import checkpoint
     import doors
-    assert set(doors.MASK_RULES) == {f.name for f in dataclasses.fields(MaskSpec)}
+    assert MaskSpec is checkpoint.MaskSpec
+    spec = doors.plain(MaskSpec(mask_token=50, vocab_size=50, special_tokens=(49,)))
+    assert doors.declared_problem(spec, MaskSpec) is None
+    assert doors.declared_problem({**spec, "rate": 0.15}, MaskSpec) == "rate is not a field of this code's"

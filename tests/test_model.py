@@ -4,7 +4,8 @@ import pytest
 import torch
 from helpers import save_ckpt
 
-from model import GPT, PRESETS, GPTConfig, KVCache, adamw, build_model, load_model, padded_vocab_size
+from checkpoint import load_model
+from model import GPT, PRESETS, GPTConfig, KVCache, adamw, build_model, padded_vocab_size
 
 
 def small_model(**overrides) -> GPT:

@@ -117,7 +117,7 @@ def test_a_stopped_training_exits_with_the_signals_code_after_its_save(name, tin
              "--eval_batches=2", f"--out_dir={tmp_path}", "--device=cpu"]
     code, _, err = run_cli(train.main, flags, monkeypatch, capsys)
     assert code == SIGNALS[name] and err == STOP_LINES[getattr(signal, name)]  # after "stopped at step 3; ..."
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 3
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 3
 
 
 def test_a_stopped_finetune_exits_143(tiny_data_dir, straight, tmp_path, monkeypatch, capsys):
@@ -128,7 +128,7 @@ def test_a_stopped_finetune_exits_143(tiny_data_dir, straight, tmp_path, monkeyp
     flags = [f"--ckpt={straight[0] / 'ckpt.safetensors'}", "--max_iters=3", f"--out_dir={tmp_path}", "--grad_accum=1",
              f"--data_root={tiny_data_dir.parent}"]
     code, _, err = run_cli(finetune.main, flags, monkeypatch, capsys)
-    assert code == 143 and read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
+    assert code == 143 and read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 2
 
 
 def test_a_frozen_body_is_charged_its_forward_and_the_heads_gradient(tiny_data_dir, straight, tmp_path):

@@ -24,6 +24,7 @@ import torch
 from helpers import read_log, run_cli, snapshot
 from hypothesis import given, settings, strategies as st
 
+import checkpoint
 import common
 import data
 import finetune
@@ -279,10 +280,10 @@ def assert_one_runs_pair(out: Path) -> None:
     ckpt, log = common.run_files(out)
     if not (ckpt.exists() and log.exists()):
         return
-    saved = common.load_checkpoint(ckpt, train.TrainConfig)
+    saved = checkpoint.load_checkpoint(ckpt, train.TrainConfig)
     records = read_log(out)
-    assert any(r["step"] == saved["step"] and "val_ce" in r for r in records), (saved["step"], records)
-    assert {r.get("run_id") for r in records} == {saved.get("run_id")}
+    assert any(r["step"] == saved.state.step and "val_ce" in r for r in records), (saved.state.step, records)
+    assert {r.get("run_id") for r in records} == {saved.run_id}
 
 
 def test_resume_refuses_a_checkpoint_and_a_log_of_two_runs(run_on_books, tmp_path, monkeypatch, capsys):

@@ -18,13 +18,14 @@ import torch
 from conftest import refused_before_any_work
 from helpers import read_ckpt, read_log, snapshot, tiny_config as train_tiny_config
 
+import checkpoint
 import common
 import data
-import doors
 import finetune
 import generate
 import train
 from common import UserError
+from model import GPTConfig
 from train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
@@ -70,14 +71,15 @@ def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir,
 
 def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
     weights = {"w": torch.ones(2)}
-    for bad, message in [({"loss": math.nan}, "the training loss is nan"),
-                         ({"val": {"val_ce": math.inf}}, "val_ce is inf"),
+    for bad, message in [({"state": {"step": 3, "loss": math.nan}}, "the training loss is nan at step 3"),
+                         ({"state": {"step": 3, "val": {"val_ce": math.inf}}}, "val_ce is inf"),
                          ({"model": {"w": torch.tensor([1.0, math.nan])}}, "weight w is not finite")]:
         with pytest.raises(UserError, match=message):
-            common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, **bad})
+            checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, **bad})
         assert not list(tmp_path.iterdir())
-    common.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "step": 3, "loss": 1.5})
-    assert doors.checkpoint_file(tmp_path / "ckpt.safetensors")["loss"] == 1.5  # its bytes (no config: no run)
+    checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "state": {"step": 3, "loss": 1.5}})
+    saved = checkpoint.checkpoint_file(tmp_path / "ckpt.safetensors")  # its bytes (no config: no run)
+    assert saved["state"]["loss"] == 1.5
 
 
 # ------------------------------------------------------------------------------ 2. one run per folder
@@ -185,7 +187,7 @@ def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch
     assert re.fullmatch(r"error: no space left on device while saving \S+ckpt.safetensors; the partial file was "
                         r"removed and \S+ckpt.safetensors is unchanged; the last good checkpoint is "
                         r"\S+ckpt.safetensors \(step 2\)\. Free some space, then continue with --resume", err), err
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 2
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -265,7 +267,7 @@ def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_pat
 
 
 def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    real_bytes, real_log = doors.checkpoint_bytes, train.append_log
+    real_bytes, real_log = checkpoint.checkpoint_bytes, train.append_log
 
     def first_ctrl_c_at_step_2(out_dir, record):
         real_log(out_dir, record)
@@ -279,13 +281,13 @@ def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_pat
             yield piece
 
     monkeypatch.setattr(train, "append_log", first_ctrl_c_at_step_2)
-    monkeypatch.setattr(doors, "checkpoint_bytes", bytes_with_second_ctrl_c)
+    monkeypatch.setattr(checkpoint, "checkpoint_bytes", bytes_with_second_ctrl_c)
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=10)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     with pytest.raises(SystemExit) as e:
         common.run_main(lambda argv: train.train(cfg))
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2  # the save completed
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 2  # the save completed
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -329,7 +331,7 @@ def test_resuming_a_finished_run_adds_nothing(tiny_data_dir, tmp_path):
 
 def test_finetune_recipe_of_a_shape_without_one():
     def recipe(preset):
-        base = {"model_config": {"block_size": 64}, "train_config": {"preset": preset}}
+        base = checkpoint.Checkpoint(model={}, model_config=GPTConfig(block_size=64), train_config={"preset": preset})
         cfg = finetune.inherit_settings(finetune.FinetuneConfig(ckpt="x"), base)
         return cfg.lr, cfg.lr_schedule
     assert recipe("tiny") == (3e-4, "constant")
@@ -342,6 +344,10 @@ def test_finetune_recipe_of_a_shape_without_one():
 # ---------------------------------------------------------------------- 9. weights that don't fit the config
 
 
+def as_checkpoint(payload: dict) -> checkpoint.Checkpoint:
+    return checkpoint.Checkpoint(payload["model"], GPTConfig(**payload["model_config"]))
+
+
 def test_mismatched_weights_name_the_first_tensor(tmp_path):
     from model import build_model
 
@@ -350,17 +356,17 @@ def test_mismatched_weights_name_the_first_tensor(tmp_path):
     wider = {"model": model.state_dict(), "model_config": {**config, "d_model": 64}}
     with pytest.raises(UserError, match=r"ckpt.safetensors does not match this model code: tensor wte.weight has "
                                         r"shape \[64, 32\] in the weights but \[64, 64\] in the model"):
-        common.checkpoint_model(wider, "ckpt.safetensors")
+        checkpoint.checkpoint_model(as_checkpoint(wider), "ckpt.safetensors")
     deeper = {"model": model.state_dict(), "model_config": {**config, "n_layer": 2}}
     with pytest.raises(UserError, match=r"the weights hold 1 layers but the config says 2"):
-        common.checkpoint_model(deeper, "ckpt.safetensors")
+        checkpoint.checkpoint_model(as_checkpoint(deeper), "ckpt.safetensors")
     missing = {"model": {k: v for k, v in model.state_dict().items() if "mlp" not in k}, "model_config": config}
     with pytest.raises(UserError, match=r"tensor blocks.0.mlp.\S+ \(and 3 more\) missing from the weights"):
-        common.checkpoint_model(missing, "ckpt.safetensors")
+        checkpoint.checkpoint_model(as_checkpoint(missing), "ckpt.safetensors")
     # a config's sizes are never trusted: a million layers costs nothing before the weights are compared
     huge = {"model": model.state_dict(), "model_config": {**config, "n_layer": 10**6, "d_model": 10**6}}
     with pytest.raises(UserError, match="the weights hold 1 layers but the config says 1000000"):
-        common.checkpoint_model(huge, "ckpt.safetensors")
+        checkpoint.checkpoint_model(as_checkpoint(huge), "ckpt.safetensors")
 
 
 # ---------------------------------------------------------------------- issue 33, contract 5: one line means one line
@@ -403,4 +409,4 @@ def test_a_signal_at_a_runs_very_end_stops_the_whole_command(tiny_data_dir, tmp_
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=2)
     summary = train.train(cfg)
     assert summary["interrupted"] and summary["signal"] == signal.SIGTERM and summary["step"] == 2
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 2
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 2

@@ -19,6 +19,7 @@ import torch
 from helpers import refusal, run_cli, tiny_config
 from hypothesis import given, settings, strategies as st
 
+import checkpoint
 import common
 import data
 import eval as eval_script
@@ -141,7 +142,7 @@ def test_a_second_signal_during_a_save_waits_for_it_and_exits_with_its_own_code(
     cfg = tiny_config(tiny_data_dir, tmp_path / "o", max_iters=4, eval_interval=10, batch_size=2)
     code, _, last = run_cli(lambda argv: train.train(cfg), [], monkeypatch, capsys)
     assert (code, last) == (128 + second, STOP_LINE[second])
-    assert common.last_good_checkpoint(common.run_files(tmp_path / "o")[0]).endswith("(step 2)")
+    assert checkpoint.last_good_checkpoint(common.run_files(tmp_path / "o")[0]).endswith("(step 2)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("train", "finetune", "generate", "model", "loss", "data", "common", "doors")
+CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "common", "doors")
 
 
 def modules() -> dict[str, Path]:

@@ -15,8 +15,8 @@ import common
 import data
 import finetune
 import train
+from checkpoint import load_model
 from common import UserError
-from model import load_model
 from train import TrainConfig, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_training_reduces_validation_ce(tiny_data_dir, tmp_path, loss):
         assert last["val_cwt"] < first["val_cwt"] - 0.15 and last["val_acc"] > first["val_acc"] + 0.05
     # the checkpoint is usable through the public contract
     ckpt = read_ckpt(tmp_path / "ckpt.safetensors")
-    assert ckpt["step"] == 30 and ckpt["data_meta"]["tokenizer"] == "gpt2"
+    assert ckpt["state"]["step"] == 30 and ckpt["data_meta"]["tokenizer"] == "gpt2"
     model = load_model(str(tmp_path / "ckpt.safetensors"))
     assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 50304)
 
@@ -131,7 +131,7 @@ def test_resume_refuses_a_setting_that_makes_another_experiment(tiny_data_dir, t
             train.main(["--resume", "--max_iters=3", *where, flag])
         assert "\n" not in str(refused.value)
     train.main(["--resume", "--max_iters=3", *where, "--batch_size=4", "--temperature=0.5", "--seed=0"])
-    assert read_ckpt(tmp_path / "ckpt.safetensors")["step"] == 3
+    assert read_ckpt(tmp_path / "ckpt.safetensors")["state"]["step"] == 3
 
 
 def test_an_optimizer_setting_given_on_resume_applies_from_there_on(tiny_data_dir, tmp_path):
