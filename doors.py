@@ -1,5 +1,5 @@
 """The doors: the one way in for each kind of input: settings(cls, argv) (flags over a --config file),
-dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and compare_result(path) (a run's log,
+dataset(folder, files), jsonl_rows(path) (line formats), run_log(path) and results_file(path) (a run's log,
 compare.py's state); a file whose contents are a declared type (a checkpoint: checkpoint.py) is checked by
 declared_problem, from its declaration. A door checks a file (a regular one, of a sane size), then every field's
 type and range, and against the weights or the data where they constrain it, before anything is allocated or built;
