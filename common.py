@@ -1106,6 +1106,15 @@ def load_checkpoint(path: str | Path, settings: type) -> dict:
     return through_door(doors.checkpoint, path, GPTConfig, settings)
 
 
+def checkpoint_settings(path: str | Path, settings: type) -> dict:
+    """What a command plans from: a checkpoint's document (doors.checkpoint_document: its settings and counts, no
+    tensor read); an hf: source's, through hf.py (its config; it has no settings of a run)."""
+    if str(path).startswith("hf:"):
+        return load_checkpoint(path, settings)
+    from model import GPTConfig
+    return through_door(doors.checkpoint_document, path, GPTConfig, settings)
+
+
 def checkpoint_model(ckpt: dict, path: str | Path, **overrides: Any):
     """The model of a loaded checkpoint, its weights checked against its config first (model.from_checkpoint)."""
     from model import from_checkpoint

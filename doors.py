@@ -718,15 +718,21 @@ def checksum(document: str, tensors: dict[str, torch.Tensor]) -> str:
     return f"{crc:08x}"
 
 
-def checkpoint_file(path: str | Path) -> dict:
-    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
-    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
+def checkpoint_open(path: str | Path) -> Any:
+    """A checkpoint file opened through the safetensors door, its fix said for a missing or old one."""
     fix = "pass a checkpoint that train.py or finetune.py wrote"
     missing = ("train.py writes out/ckpt.safetensors and `finetune.py --ckpt=out/ckpt.safetensors` writes "
                "out-ft/ckpt.safetensors: run the step that makes it, or pass --ckpt=PATH")
     old = (f"this project's checkpoints before safetensors (ckpt.pt) are converted once, a file you trust as your "
            f"own: {convert_command(path)}")
-    with safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old) as f:
+    return safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old)
+
+
+def checkpoint_file(path: str | Path) -> dict:
+    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
+    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    with checkpoint_open(path) as f:
         metadata = f.metadata() or {}
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     if CHECKPOINT_KEY not in metadata:
@@ -861,6 +867,33 @@ def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None
         yield fields_problem(ckpt["scaler"], SCALER_RULES, "scaler", tuple(SCALER_RULES))
     if "optimizer" in ckpt:
         yield optimizer_problem(ckpt["optimizer"])
+
+
+# What a command plans from (train.settle): the fields of a checkpoint's document it reads, with no tensor
+PLANNED_RULES = {k: CHECKPOINT_RULES[k] for k in ("model_config", "train_config", "state", "step", "tokens_seen",
+                                                   "flops", "base_tokens", "base_flops")}
+
+
+def checkpoint_document(path: str | Path, config_class: type, train_class: type) -> dict:
+    """A checkpoint's document alone (its safetensors metadata: the settings and counts, null where a tensor is),
+    the fields a run plans from checked (PLANNED_RULES, model_config's and train_config's fields' rules): what
+    a command settles its plan from before it reads anything else. The whole file (its checksum, its tensors,
+    every field) passes `checkpoint` when the run is built."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    with checkpoint_open(path) as f:
+        text = (f.metadata() or {}).get(CHECKPOINT_KEY)
+    if text is None:
+        raise Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its {CHECKPOINT_KEY} "
+                      f"metadata); {fix}")
+    document = parse(text.encode(), f"checkpoint {path}'s document", fix)
+    payload = document.get("payload") if isinstance(document, dict) else document
+    why = known_fields_problem(payload, PLANNED_RULES, "", ("model_config", "step"))
+    why = why or model_config_problem(payload["model_config"], config_class)
+    why = why or fields_problem(payload.get("train_config", {}), field_rules(train_class), "train_config", others=True)
+    why = why or fields_problem(payload.get("state", {}), STATE_RULES, "state")
+    if why:
+        raise Refused(f"checkpoint {path}: {why}; {fix}")
+    return payload
 
 
 def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | None:
