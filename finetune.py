@@ -132,11 +132,10 @@ def inherit_settings(cfg: FinetuneConfig, base: dict, given: Iterable[str] | Non
 def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None, idle: Any = None) -> dict[str, Any]:
     """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given` and `idle`: as
     train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
+    common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
+                      kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
     cfg, given, base = settle(cfg, common.given_settings(cfg, given), idle)
     resuming = common.resumes(cfg.out_dir, cfg.resume)
-    common.declare_io(reads={"--ckpt": None if resuming else cfg.ckpt},
-                      writes={"--out_dir": common.run_files(cfg.out_dir)},
-                      kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
     # the checkpoint's lineage; a resumed fine-tune's base counts alone (its own tokens are not pre-training's)
     pretrain_tokens = base.get("base_tokens", 0) + (0 if resuming else base.get("tokens_seen", 0))
     pretrain_flops = base.get("base_flops", 0.0) + (0.0 if resuming else base.get("flops", 0.0))

@@ -802,13 +802,14 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
     """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
     a signal stopped it: `interrupted`, the signal's number in `signal`). `given`: the names of the settings the
     user gave (common.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
-    the run's own; `idle`: settle's. Its plan is settled first (settle), then what it reads and writes declared
-    from it, and out_dir claimed (its lock taken), before anything is built."""
+    the run's own; `idle`: settle's. The paths given are declared (common.declare_io), its plan settled (settle),
+    the data it reads declared from the plan, and out_dir claimed (its lock taken), before anything is built."""
+    starts_from = None if common.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
+    declared = common.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": common.run_files(
+        cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
     plan = settle(cfg, common.given_settings(cfg, given), idle)
     cfg = plan.cfg
-    common.declare_io(reads={"--init_from": None if plan.resuming else cfg.init_from,
-                             "--dataset": [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]},
-                      writes={"--out_dir": common.run_files(cfg.out_dir)}, kinds={"--init_from": "start"})
+    declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
     with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite), common.compiler_cache(Path(cfg.out_dir)):
         for name in cfg.dataset.split(","):  # the one write outside out_dir: the built-in corpus, if missing
             ensure_dataset(name, cfg.data_root)
