@@ -117,6 +117,8 @@ def test_resume_alone_continues_the_run_as_it_was_started(tiny_data_dir, tmp_pat
                 if "loss" in r or "val_ce" in r]
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
     assert read_ckpt(tmp_path / "resumed" / "ckpt.safetensors")["train_config"]["seed"] == 3
+    changes = [(r["step"], r["changed"]) for r in read_log(tmp_path / "resumed") if "changed" in r]
+    assert changes == [(4, ["--max_iters=6 (the run had 4)"])]  # what the resume changed, where (issue 47)
 
 
 def test_resume_refuses_a_setting_that_makes_another_experiment(tiny_data_dir, tmp_path):
