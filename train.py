@@ -598,7 +598,8 @@ class Run:
         cfg = dataclasses.replace(cfg, dtype=str(self.dtype).removeprefix("torch."))  # recorded as it resolved
         self.cfg = cfg
         self.resumed_step = start["step"] if resuming else None
-        self.changed = plan.changed
+        self.changed = [f"--{name}={common.brief_value(now)} (the run had {common.brief_value(was)})"
+                        for name, (was, now) in plan.changed.items()]  # in the first record after a resume
         self.run_id = start.get("run_id") if resuming else common.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
@@ -676,6 +677,8 @@ class Run:
         """The one writer of log.jsonl: every record carries the step, the tokens seen and the run's id."""
         if common.is_main_process():
             record = {"step": self.state.step, "tokens": self.state.tokens, **record, "run_id": self.run_id}
+            if self.changed:
+                record["changed"], self.changed = self.changed, []
             append_log(self.out_dir, record)
             if self.tracker:
                 self.tracker.log(record)
@@ -827,12 +830,8 @@ def train_claimed(plan: Plan) -> dict[str, Any]:
     stopping = False
     run.model.train()
     common.start_log(run.out_dir, run.resumed_step, run.run_id)
-    changes = [f"--{name}={common.brief_value(now)} (the run had {common.brief_value(was)})"
-               for name, (was, now) in run.changed.items()]
-    for change in changes:  # a curve's meaning changes here: said, and in the log
+    for change in run.changed:  # a curve's meaning changes here: said, and in the log (Run.log)
         note(f"note: resumed with {change} from step {state.step} on")
-    if changes:
-        run.log({"changed": changes})
     with common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():
