@@ -151,8 +151,6 @@ def check_config(cfg: TrainConfig) -> None:
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
     common.check_path_names({"--data_root": [cfg.data_root]})  # named as given, before the dataset paths it prefixes
-    if cfg.resume and cfg.overwrite:
-        raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     check_objective(cfg)
     if "," in cfg.dataset:
         common.need_extra("mixing", "--dataset=A,B,...")
@@ -232,6 +230,8 @@ def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig]
     the checkpoint's document (the run's own on --resume, else --init_from's: its settings and counts, no tensor
     read), the preset; then every check on them, once (ranges, rules between settings, `idle`: the script's
     idle_settings among those given, what a resume must keep). Nothing is prepared, picked or written."""
+    if cfg.resume and cfg.overwrite:  # the command's own flags, before what they name is read
+        raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     ckpt = common.run_files(cfg.out_dir)[0]
     resuming = common.resumes(cfg.out_dir, cfg.resume)
     if cfg.resume is True and not resuming:
