@@ -12,7 +12,7 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 # isort: split
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,7 +91,8 @@ def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneCo
     return cfg, given | {k for k in before if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}, own
 
 
-def settle(cfg: FinetuneConfig, given: frozenset[str], idle: Any = None) -> tuple[FinetuneConfig, frozenset[str], dict]:
+def settle(cfg: FinetuneConfig, given: frozenset[str],
+           idle: Callable | None = None) -> tuple[FinetuneConfig, frozenset[str], dict]:
     """finetune.py's plan (train.settle's, for what a fine-tune decides): its own settings on --resume, `idle` (the
     script's idle_settings) refused among those given, then the pre-training run's: the settings, the names now
     given, and the checkpoint document the budget counts from (the pre-training's; a resumed fine-tune's own,
@@ -129,7 +130,8 @@ def inherit_settings(cfg: FinetuneConfig, base: dict, given: Iterable[str] | Non
     return cfg
 
 
-def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None, idle: Any = None) -> dict[str, Any]:
+def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
+             idle: Callable | None = None) -> dict[str, Any]:
     """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given` and `idle`: as
     train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
     common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
