@@ -837,8 +837,7 @@ def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None
     yield next((f"model.{k} is {t.dtype}, not a floating-point tensor" for k, t in ckpt["model"].items()
                 if t.dtype not in WEIGHT_DTYPES), None)
     yield model_config_problem(ckpt["model_config"], config_class)
-    train = ckpt.get("train_config", {})
-    yield fields_problem(train, field_rules(train_class) if train_class else {}, "train_config", others=True)
+    yield from train_config_problems(ckpt, config_class, train_class)
     yield fields_problem(ckpt.get("state", {}), STATE_RULES, "state")
     if ckpt.get("init") is not None:  # how the lineage's first weights were drawn (train.lineage_init)
         yield fields_problem(ckpt["init"], INIT_RULES, "init", ("seed", "model_config"))
@@ -855,11 +854,6 @@ def checkpoint_problems(ckpt: dict, config_class: type, train_class: type | None
     if not ckpt.get("tokenizer_json") and (name.endswith(".json") or "/" in name and not name.startswith("hf:")):
         yield (f"data_meta names its tokenizer by a file ({brief(name)}) but the checkpoint does not carry it (no "
                "tokenizer_json), and a path inside a checkpoint is never opened")
-    block = config_class(**ckpt["model_config"]).block_size
-    if (train.get("block_size") or 0) > block:
-        yield f"train_config.block_size is more than the model's {block} tokens of context"
-    step = step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
-    yield step and f"train_config: {step}"
     if "state" in ckpt and ckpt["state"].get("step") != ckpt.get("step"):
         yield f"state.step {brief(ckpt['state'].get('step'))} is not its step {brief(ckpt.get('step'))}"
     yield mask_problem(ckpt)
@@ -889,11 +883,23 @@ def checkpoint_document(path: str | Path, config_class: type, train_class: type)
     payload = document.get("payload") if isinstance(document, dict) else document
     why = known_fields_problem(payload, PLANNED_RULES, "", ("model_config", "step"))
     why = why or model_config_problem(payload["model_config"], config_class)
-    why = why or fields_problem(payload.get("train_config", {}), field_rules(train_class), "train_config", others=True)
+    why = why or next(filter(None, train_config_problems(payload, config_class, train_class)), None)
     why = why or fields_problem(payload.get("state", {}), STATE_RULES, "state")
     if why:
         raise Refused(f"checkpoint {path}: {why}; {fix}")
     return payload
+
+
+def train_config_problems(ckpt: dict, config_class: type, train_class: type | None) -> Iterator[str | None]:
+    """A checkpoint's train_config by train_class's fields' rules (a field of none: a plain value), its block within
+    the model's context, its step's tokens within bounds: what both its door and a plan from its document check."""
+    train = ckpt.get("train_config", {})
+    yield fields_problem(train, field_rules(train_class) if train_class else {}, "train_config", others=True)
+    block = config_class(**ckpt["model_config"]).block_size
+    if (train.get("block_size") or 0) > block:
+        yield f"train_config.block_size is more than the model's {block} tokens of context"
+    step = step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
+    yield step and f"train_config: {step}"
 
 
 def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | None:
