@@ -170,6 +170,36 @@ def read_checkpoint(path: str | Path, train_class: type | None = None) -> Checkp
     return doors.declared(Checkpoint, payload)
 
 
+PLANNED = ("model_config", "train_config", "state")  # what a plan reads of a checkpoint's document (train.settle)
+
+
+def read_document(path: str | Path, train_class: type | None = None) -> Checkpoint:
+    """A checkpoint's document alone (its safetensors metadata: the settings and counts; no tensor read, so no
+    checksum pass): what a command settles its plan from (train.settle) before it touches anything. The fields a
+    plan reads are checked against their declarations and together (settings_problems); the rest are left empty
+    here, and the whole file passes read_checkpoint's door when the run is built."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    with open_checkpoint(path) as f:
+        text = (f.metadata() or {}).get(doors.CHECKPOINT_KEY)
+    if text is None:
+        raise doors.Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its "
+                            f"{doors.CHECKPOINT_KEY} metadata); {fix}")
+    document = doors.parse(text.encode(), f"checkpoint {path}'s document", fix)
+    payload = document.get("payload") if isinstance(document, dict) else None
+    if not isinstance(payload, dict) or "model_config" not in payload:
+        raise doors.Refused(f"{path} is not a headless-lm checkpoint (no model_config); {fix}")
+    legacy = [f.name for f in dataclasses.fields(Legacy)]
+    try:
+        planned = upgraded({k: v for k, v in payload.items() if k in PLANNED or k in legacy})
+        why = doors.declared_problem(planned, Checkpoint, partial=True)
+        why = why or next(filter(None, settings_problems(planned, train_class)), None)
+    except doors.Refused as e:
+        why = str(e)
+    if why:
+        raise doors.Refused(f"checkpoint {path}: {why}; {fix}")
+    return doors.declared(Checkpoint, {"model": {}, **planned})
+
+
 def checkpoint_problem(payload: dict, train_class: type | None = None) -> str | None:
     """The first way a checkpoint's payload breaks its declaration (Checkpoint's fields), or what its fields say
     together: weights of a floating-point dtype, a model_config whose heads divide its width, train_config by
@@ -181,13 +211,10 @@ def checkpoint_problem(payload: dict, train_class: type | None = None) -> str | 
 
 
 def together_problems(ckpt: dict, train_class: type | None) -> Iterator[str | None]:
-    yield doors.model_config_problem(ckpt["model_config"], GPTConfig)
+    yield from settings_problems(ckpt, train_class)
     if ckpt.get("init") is not None:
         why = doors.model_config_problem(ckpt["init"]["model_config"], GPTConfig)
         yield why and f"init.{why}"
-    train = ckpt.get("train_config", {})
-    yield doors.fields_problem(train, doors.field_rules(train_class) if train_class else {}, "train_config",
-                               others=True)
     meta = ckpt.get("data_meta", {})
     yield doors.declared_problem(meta, doors.DatasetMeta, "data_meta", partial=True)
     yield doors.meta_problem(meta) and f"data_meta {doors.meta_problem(meta)}"
@@ -195,11 +222,6 @@ def together_problems(ckpt: dict, train_class: type | None) -> Iterator[str | No
     if not ckpt.get("tokenizer_json") and (name.endswith(".json") or "/" in name and not name.startswith("hf:")):
         yield (f"data_meta names its tokenizer by a file ({doors.brief(name)}) but the checkpoint does not carry it "
                "(no tokenizer_json), and a path inside a checkpoint is never opened")
-    block = GPTConfig(**ckpt["model_config"]).block_size
-    if type(train.get("block_size")) is int and train["block_size"] > block:  # a plain value without train_class
-        yield f"train_config.block_size is more than the model's {block} tokens of context"
-    step = doors.step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
-    yield step and f"train_config: {step}"
     counted = (ckpt.get("state") or {}).get("micro_batches") is not None  # a run's: it can resume
     if counted and (missing := [k for k in ("optimizer", "rng") if ckpt.get(k) is None]):
         yield f"lacks {', '.join(missing)}"
@@ -209,6 +231,21 @@ def together_problems(ckpt: dict, train_class: type | None) -> Iterator[str | No
     yield mask_problem(ckpt)
     if ckpt.get("optimizer") is not None:
         yield optimizer_problem(ckpt["optimizer"])
+
+
+def settings_problems(ckpt: dict, train_class: type | None) -> Iterator[str | None]:
+    """What a checkpoint's settings say together: a model_config whose heads divide its width, train_config by
+    `train_class`'s fields (a field of none is a plain value), a block within the model's context and a step the
+    model can take. Checked by the door and by a plan from its document (read_document) alike."""
+    yield doors.model_config_problem(ckpt["model_config"], GPTConfig)
+    train = ckpt.get("train_config", {})
+    yield doors.fields_problem(train, doors.field_rules(train_class) if train_class else {}, "train_config",
+                               others=True)
+    block = GPTConfig(**ckpt["model_config"]).block_size
+    if type(train.get("block_size")) is int and train["block_size"] > block:  # a plain value without train_class
+        yield f"train_config.block_size is more than the model's {block} tokens of context"
+    step = doors.step_problem(train.get("batch_size"), train.get("grad_accum", 1), train.get("block_size") or block)
+    yield step and f"train_config: {step}"
 
 
 def mask_problem(ckpt: dict) -> str | None:
@@ -426,15 +463,21 @@ def checksum(document: str, tensors: dict[str, torch.Tensor]) -> str:
     return f"{crc:08x}"
 
 
-def checkpoint_file(path: str | Path) -> dict:
-    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
-    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
+def open_checkpoint(path: str | Path) -> Any:
+    """A checkpoint file opened through the safetensors door, its fix said for a missing or old one."""
     fix = "pass a checkpoint that train.py or finetune.py wrote"
     missing = ("train.py writes out/ckpt.safetensors and `finetune.py --ckpt=out/ckpt.safetensors` writes "
                "out-ft/ckpt.safetensors: run the step that makes it, or pass --ckpt=PATH")
     old = (f"this project's checkpoints before safetensors (ckpt.pt) are converted once, a file you trust as your "
            f"own: {convert_command(path)}")
-    with doors.safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old) as f:
+    return doors.safetensors_open(path, "checkpoint", fix if os.path.exists(path) else missing, old)
+
+
+def checkpoint_file(path: str | Path) -> dict:
+    """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
+    then each tensor in its place, a null the document holds for it (its fields are checked by `checkpoint`)."""
+    fix = "pass a checkpoint that train.py or finetune.py wrote"
+    with open_checkpoint(path) as f:
         metadata = f.metadata() or {}
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     if doors.CHECKPOINT_KEY not in metadata:
@@ -542,6 +585,14 @@ def load_checkpoint(path: str | Path, train_class: type | None = None) -> Checkp
         from hf import hf_checkpoint
         return hf_checkpoint(str(path))
     return through_door(read_checkpoint, path, train_class)
+
+
+def load_document(path: str | Path, train_class: type | None = None) -> Checkpoint:
+    """What a plan reads of a checkpoint (read_document, through its door: its settings and counts, no tensor); an
+    hf: source whole, through hf.py (an import has no document)."""
+    if str(path).startswith("hf:"):
+        return load_checkpoint(path, train_class)
+    return through_door(read_document, path, train_class)
 
 
 def checkpoint_model(ckpt: Checkpoint, path: str | Path, **overrides: Any) -> GPT:

@@ -774,7 +774,7 @@ def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | Non
 
 
 def check_step(batch_size: int, grad_accum: int, block_size: int) -> None:
-    """step_problem as a refusal, for a script that knows the three (train.Run, finetune.py)."""
+    """step_problem as a refusal, for a script that knows the three (train.settle, finetune.py)."""
     if why := step_problem(batch_size, grad_accum, block_size):
         raise Refused(f"{why}; lower --batch_size or --grad_accum (or --block_size)")
 

@@ -12,12 +12,12 @@ import common  # noqa: F401 (first of all: a signal during the slow imports belo
 # isort: split
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import doors
-from checkpoint import Checkpoint, load_checkpoint
+from checkpoint import Checkpoint, load_document
 from common import UserError, note
 from data import recorded_dataset
 from loss import LossName
@@ -68,24 +68,40 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
 
 
 def resolve_config(argv: list[str]) -> FinetuneConfig:
-    cfg, given = own_settings(*common.parse_given(FinetuneConfig, argv))
-    return inherit_settings(cfg, base_checkpoint(cfg), given)
+    return settle(*common.parse_given(FinetuneConfig, argv))[0]
 
 
 def base_checkpoint(cfg: FinetuneConfig) -> Checkpoint:
+    """The document of the checkpoint a new fine-tune starts from (its settings and counts: train.settle's reader);
+    its weights are read when the run is built."""
     if not cfg.ckpt:
         raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
-    return load_checkpoint(cfg.ckpt, TrainConfig)
+    return load_document(cfg.ckpt, TrainConfig)
 
 
-def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str]]:
+def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str], dict | None]:
     """A resumed fine-tune is its own run: the settings not given are its own (train.resumed_settings: its --ckpt,
-    budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed)."""
+    budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed); and its
+    checkpoint's document (None for a new one), which holds all it needs: its --ckpt is a record, never opened."""
     if not common.resumes(cfg.out_dir, cfg.resume):
-        return cfg, given
-    own = load_checkpoint(common.run_files(cfg.out_dir)[0], FinetuneConfig).train_config
-    cfg = resumed_settings(cfg, given, own, common.run_files(cfg.out_dir)[0])
-    return cfg, given | {k for k in own if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}
+        return cfg, given, None
+    own = load_document(common.run_files(cfg.out_dir)[0], FinetuneConfig)
+    before = own.train_config
+    cfg = resumed_settings(cfg, given, before, common.run_files(cfg.out_dir)[0])
+    return cfg, given | {k for k in before if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}, own
+
+
+def settle(cfg: FinetuneConfig, given: frozenset[str],
+           idle: Callable | None = None) -> tuple[FinetuneConfig, frozenset[str], Checkpoint]:
+    """finetune.py's plan (train.settle's, for what a fine-tune decides): its own settings on --resume, `idle` (the
+    script's idle_settings) refused among those given, then the pre-training run's: the settings, the names now
+    given, and the checkpoint document the budget counts from (the pre-training's; a resumed fine-tune's own,
+    whose base counts are the same)."""
+    cfg, settled, own = own_settings(cfg, given)
+    if idle:
+        common.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
+    base = own if own is not None else base_checkpoint(cfg)
+    return inherit_settings(cfg, base, settled), settled, base
 
 
 def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str] | None = None) -> FinetuneConfig:
@@ -114,15 +130,17 @@ def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str]
     return cfg
 
 
-def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
-    """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given`: as train()'s."""
-    cfg, given = own_settings(cfg, common.given_settings(cfg, given))
+def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
+             idle: Callable | None = None) -> dict[str, Any]:
+    """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given` and `idle`: as
+    train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
     common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
                       kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
-    base = base_checkpoint(cfg)
-    cfg = inherit_settings(cfg, base, given)
-    pretrain_tokens = base.pretrain_tokens()
-    pretrain_flops = base.pretrain_flops()
+    cfg, given, base = settle(cfg, common.given_settings(cfg, given), idle)
+    resuming = common.resumes(cfg.out_dir, cfg.resume)
+    # the checkpoint's lineage; a resumed fine-tune's base counts alone (its own tokens are not pre-training's)
+    pretrain_tokens = base.state.earlier_tokens if resuming else base.pretrain_tokens()
+    pretrain_flops = base.state.earlier_flops if resuming else base.pretrain_flops()
     if not pretrain_tokens and cfg.tokens is None and cfg.max_iters is None:
         raise UserError(f"{cfg.ckpt} records no pre-training tokens (an imported model), so 2% of them is "
                         "unknown: pass --tokens=N or --max_iters=N (Pythia: 2% of 300B is --tokens=6e9)")
@@ -167,8 +185,7 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
 
 def main(argv: list[str]) -> None:
     cfg, given = common.parse_given(FinetuneConfig, argv)
-    common.refuse_idle(cfg, idle_settings(cfg))
-    summary = finetune(cfg, given)
+    summary = finetune(cfg, given, idle_settings)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +38,7 @@ from checkpoint import (
     checkpoint_model,
     diverged,
     load_checkpoint,
+    load_document,
     save_checkpoint,
 )
 from common import DeviceName, DtypeName, UserError, append_log, note
@@ -163,8 +164,6 @@ def check_config(cfg: TrainConfig) -> None:
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
     common.check_path_names({"--data_root": [cfg.data_root]})  # named as given, before the dataset paths it prefixes
-    if cfg.resume and cfg.overwrite:
-        raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
     check_objective(cfg)
     if "," in cfg.dataset:
         common.need_extra("mixing", "--dataset=A,B,...")
@@ -217,41 +216,71 @@ RESUME_SAME = tuple(f.name for f in dataclasses.fields(TrainConfig) if doors.fie
     "resume") == "same")
 
 
-def starting_point(cfg: TrainConfig, meta: dict, ckpt_path: Path, device: torch.device,
-                   given: frozenset[str]) -> tuple[TrainConfig, GPT, State, Checkpoint | None, bool]:
-    """A fresh model, else the checkpoint this run resumes (--resume) or starts from (--init_from): the settings
-    (those not given filled in), the model, the counts, the checkpoint started from (if any) and whether it
-    resumes."""
-    found = ckpt_path.is_file()
-    if common.ranks_agree(cfg, device, found) not in (0, common.world_size()):  # and the same settings everywhere
-        raise UserError(f"{ckpt_path} is seen by some ranks and not others: --out_dir must be on a filesystem "
-                        "every node shares")
-    if cfg.resume is True and not found:
-        raise UserError(f"--resume: {ckpt_path} not found; pass the run's --out_dir, or start without --resume")
-    resuming = found if cfg.resume == "auto" else cfg.resume
-    source = ckpt_path if resuming else cfg.init_from
-    if not source:
-        cfg = with_model(with_schedule(cfg, {}), meta)
-        return cfg, fresh_model(cfg, meta), State(), None, False
-    start = load_checkpoint(source, TrainConfig)
-    if resuming and (start.state is None or start.state.micro_batches is None):
-        raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
-                        f"exactly; start a new run from its weights with --init_from={source}")
-    before = start.train_config
+@dataclass(frozen=True)
+class Plan:
+    """A run's whole plan, settled (settle) before it touches anything: its effective settings, the checkpoint its
+    weights come from (its own on --resume, --init_from's, or none: "") and what a resume changes."""
+    cfg: TrainConfig
+    source: str = ""
+    resuming: bool = False
+    changed: dict[str, list] = field(default_factory=dict)  # settings given on --resume unlike the run's: [was, now]
+
+
+def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig], dict] | None = None) -> Plan:
+    """The effective settings, in one step with no side effect: the flags and --config (`given`: the names given),
+    the checkpoint's document (the run's own on --resume, else --init_from's: its settings and counts, no tensor
+    read: checkpoint.load_document), the preset; then every check on them, once (ranges, rules between settings,
+    `idle`: the script's idle_settings among those given, what a resume must keep). Nothing is prepared, picked or
+    written."""
+    if cfg.resume and cfg.overwrite:  # the command's own flags, before what they name is read
+        raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
+    ckpt = common.run_files(cfg.out_dir)[0]
+    resuming = common.resumes(cfg.out_dir, cfg.resume)
+    if cfg.resume is True and not resuming:
+        raise UserError(f"--resume: {ckpt} not found; pass the run's --out_dir, or start without --resume")
+    source = str(ckpt) if resuming else cfg.init_from
+    start = load_document(source, TrainConfig) if source else None
+    before = start.train_config if start else {}
+    changed = {}
     if resuming:  # the same experiment: what is not given is the run's own
+        if start.state is None or start.state.micro_batches is None:
+            raise UserError(f"{source} was written before runs counted their data position, so it cannot resume "
+                            f"exactly; start a new run from its weights with --init_from={source}")
         cfg = resumed_settings(cfg, given, before, source)
-    check_continuation(cfg, meta, start, source, resuming)
+        changed = {k: [before[k], getattr(cfg, k)] for k in sorted(given & set(before))
+                   if getattr(cfg, k) != before[k] and doors.field_meta(TrainConfig, k).get("resume") != "here"}
+    check_config(cfg)
+    if idle:
+        common.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
     cfg = with_schedule(cfg, before, start.state.step if resuming else None, given)
-    cfg = with_model(cfg, meta, dataclasses.asdict(start.model_config), source)
+    cfg = with_model(cfg, dataclasses.asdict(start.model_config) if start else None, source)
+    if start:
+        check_continuation(cfg, start, source, resuming)
+    common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
+    return Plan(cfg, source, resuming, changed)
+
+
+def starting_point(plan: Plan, meta: dict, device: torch.device) -> tuple[GPT, State, Checkpoint | None]:
+    """A fresh model, else the checkpoint the plan resumes or starts from, through its whole door now (its
+    checksum, every tensor): the model, the counts, and the checkpoint started from (if any)."""
+    cfg = plan.cfg
+    if common.ranks_agree(cfg, device, plan.resuming) not in (0, common.world_size()):  # same settings everywhere
+        raise UserError(f"{plan.source} is seen by some ranks and not others: --out_dir must be on a filesystem "
+                        "every node shares")
+    if not plan.source:
+        return fresh_model(cfg, meta), State(), None
+    source = plan.source
+    start = load_checkpoint(source, TrainConfig)
+    check_data(meta, start, source, cfg.dataset)
     model = checkpoint_model(start, source, dropout=cfg.dropout)
-    if resuming:
-        return cfg, model, dataclasses.replace(start.state), start, True
+    if plan.resuming:
+        return model, dataclasses.replace(start.state), start
     fit_output_layer(model, cfg, source)
     # A run from a checkpoint (a fine-tune) reads on in the data stream where its source stopped, so that the two
     # together read each micro-batch of the stream once, as one run as long would (compare.py's CE reference does)
     earlier = State(micro_batches=(start.state.micro_batches or 0) if start.state else 0,
                     earlier_tokens=start.pretrain_tokens(), earlier_flops=start.pretrain_flops())
-    return cfg, model, earlier, start, False
+    return model, earlier, start
 
 
 def resumed_settings(cfg: Any, given: frozenset[str], before: dict, source: str | Path) -> Any:
@@ -285,10 +314,13 @@ def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = Non
         warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
     min_lr = recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr
     new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
+    if new.min_lr > new.lr and ("min_lr" in given or resumed_step is None):  # the fix: what was given
+        whose = "given" if "lr" in given or resumed_step is None else "this run resumes with"
+        raise UserError(f"--min_lr={new.min_lr:g} is above the lr {new.lr:g} {whose}; lower --min_lr (at most "
+                        f"{new.lr:g}), or raise --lr")
     if new.min_lr > new.lr:
-        whose = "is given" if "min_lr" in given or resumed_step is None else "this run resumes with"
-        raise UserError(f"--lr={new.lr:g} is below the min_lr {new.min_lr:g} {whose}; pass --min_lr too (at most "
-                        "--lr)")
+        raise UserError(f"--lr={new.lr:g} is below the min_lr {new.min_lr:g} this run resumes with; pass --min_lr too "
+                        "(at most --lr)")
     old = dataclasses.replace(new, max_iters=before.get("max_iters", new.max_iters))
     if resumed_step is not None and old.max_iters != new.max_iters and new.lr_schedule == "cosine":
         note(f"note: --max_iters changed from {old.max_iters} to {new.max_iters} on resume: the cosine schedule now "
@@ -297,7 +329,7 @@ def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = Non
     return new
 
 
-def with_model(cfg: TrainConfig, meta: dict, before: dict | None = None, source: str | Path = "") -> TrainConfig:
+def with_model(cfg: TrainConfig, before: dict | None = None, source: str | Path = "") -> TrainConfig:
     """The model's settings filled in, by one rule: a fresh run takes each flag given, else the preset's value, else
     GPTConfig's default; a run from a checkpoint (`before`: its model_config) takes the checkpoint's value, and a flag
     that contradicts it is refused, but for what may change on purpose: dropout, and a shorter block_size (windows
@@ -306,7 +338,7 @@ def with_model(cfg: TrainConfig, meta: dict, before: dict | None = None, source:
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     if before is None:
         values = {**defaults, **PRESETS[cfg.preset], **given}
-        derived = derived_fields(cfg, meta)
+        derived = derived_fields(cfg, {"vocab_size": 1})  # the data's vocabulary, unread yet, fits any shape
     else:
         values = {name: before.get(name, defaults[name]) for name in MODEL_FIELDS}
         for name, value in given.items():
@@ -357,18 +389,13 @@ def fit_output_layer(model: GPT, cfg: TrainConfig, source: str | Path) -> None:
         raise UserError("--loss=nce needs a separate output table; start it fresh, not from a tied checkpoint")
 
 
-def check_continuation(cfg: TrainConfig, meta: dict, start: Checkpoint, source: str | Path, resuming: bool) -> None:
-    """A checkpoint continues on data of its own tokenizer, as the same kind and shape of model; a resumed
-    one longer than its step (its settings: resumed_settings)."""
+def check_continuation(cfg: TrainConfig, start: Checkpoint, source: str | Path, resuming: bool) -> None:
+    """A checkpoint continues as the same kind and shape of model; a resumed one longer than its step (its
+    settings: resumed_settings)."""
     before = start.train_config
     encoder = not start.model_config.causal
     if resuming and cfg.max_iters < start.state.step:
         raise UserError(f"--max_iters={cfg.max_iters} is below the step {start.state.step} of {source}")
-    theirs = start.data_meta
-    check_same_data(meta, start, source, cfg.dataset)
-    if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
-        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
-                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
     if encoder and cfg.objective != "mlm":
         raise UserError(f"{source} is a masked-LM encoder but this run's --objective is {cfg.objective}; continue "
                         "it with --objective=mlm, or fine-tune it with glue.py")
@@ -378,6 +405,16 @@ def check_continuation(cfg: TrainConfig, meta: dict, start: Checkpoint, source: 
     if cfg.preset not in (None, before.get("preset")) and before.get("preset"):
         raise UserError(f"--preset={cfg.preset} but {source} holds a {before['preset']} model; "
                         f"{'resume' if resuming else 'start from it'} with --preset={before['preset']} or without")
+
+
+def check_data(meta: dict, start: Checkpoint, source: str | Path, dataset: str) -> None:
+    """A checkpoint continues on data of its own tokenizer, and on its own dataset only as it was (check_same_data):
+    checked once the data is opened."""
+    theirs = start.data_meta
+    check_same_data(meta, start, source, dataset)
+    if theirs.get("tokenizer") and not same_tokenizer(theirs, meta):
+        raise UserError(f"{source} was trained with tokenizer {theirs['tokenizer']!r} but the dataset uses "
+                        f"{meta['tokenizer']!r} (another vocabulary); prepare the data with the same --tokenizer")
 
 
 # The objective, and validation
@@ -526,29 +563,44 @@ def stream_seed(seed: int, index: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0])
 
 
+def run_dtype(plan: Plan, device: torch.device) -> torch.dtype:
+    """What the run computes in: its dtype on this device (auto: common.pick_dtype), recorded as it resolved so that
+    a resume continues in it; a resumed run whose dtype this device lacks is refused (it would not be the same run)."""
+    name = plan.cfg.dtype
+    lacks = (name == "float16" and device.type != "cuda"
+             or name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported())
+    if plan.resuming and lacks:
+        raise UserError(f"{plan.source} computes in {name}, which this {device.type} device lacks; resume it where "
+                        "it has it, or pass --dtype=float32 to go on in another precision (no longer exact)")
+    return common.pick_dtype(name, device)
+
+
 class Run:
     """One training run. Built (the start: data, weights, objective, optimizer, all restored on --resume),
     then driven by train(): validate, step, log_progress, save."""
 
     tracker = None  # while train() runs with --tensorboard or --wandb: tracking.Tracker, which Run.log feeds
 
-    def __init__(self, cfg: TrainConfig, given: Iterable[str] | None = None):
-        check_config(cfg)
+    def __init__(self, plan: Plan | TrainConfig, given: Iterable[str] | None = None):
+        if not isinstance(plan, Plan):  # built in code (a notebook, a test): its plan first
+            plan = settle(plan, common.given_settings(plan, given))
+        cfg = plan.cfg
         self.device = common.init_distributed(common.pick_device(cfg.device))  # under torchrun, this rank's GPU
-        self.dtype = common.pick_dtype(cfg.dtype, self.device)
+        self.dtype = run_dtype(plan, self.device)
         torch.manual_seed(cfg.seed)
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-        data_dirs = [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
+        data_dirs = [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]  # prepared: train()
         first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
         meta = first.meta
         self.out_dir = Path(cfg.out_dir)
-        ckpt = self.out_dir / "ckpt.safetensors"
-        cfg, model, self.state, start, resuming = starting_point(cfg, meta, ckpt, self.device,
-                                                                 common.given_settings(cfg, given))
+        model, self.state, start = starting_point(plan, meta, self.device)
+        resuming = plan.resuming
+        cfg = dataclasses.replace(cfg, dtype=str(self.dtype).removeprefix("torch."))  # recorded as it resolved
         self.cfg = cfg
-        common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, cfg.block_size)
         self.resumed_step = start.state.step if resuming else None
+        self.changed = [f"--{name}={common.brief_value(now)} (the run had {common.brief_value(was)})"
+                        for name, (was, now) in plan.changed.items()]  # in the first record after a resume
         self.run_id = start.run_id if resuming else common.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
@@ -561,8 +613,7 @@ class Run:
         self.scored_rows = scored_rows(cfg.batch_size, cfg.block_size, self.mask)
         self.objective.size_for(self.scored_rows)
         if start is not None:  # its learned pieces: exactly on --resume; those that fit from another run
-            source = self.out_dir / "ckpt.safetensors" if resuming else cfg.init_from
-            self.objective.load_own_state(start.objective, source, exactly=resuming)
+            self.objective.load_own_state(start.objective, plan.source, exactly=resuming)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         if resuming:
@@ -626,6 +677,8 @@ class Run:
         """The one writer of log.jsonl: every record carries the step, the tokens seen and the run's id."""
         if common.is_main_process():
             record = {"step": self.state.step, "tokens": self.state.tokens, **record, "run_id": self.run_id}
+            if self.changed:
+                record["changed"], self.changed = self.changed, []
             append_log(self.out_dir, record)
             if self.tracker:
                 self.tracker.log(record)
@@ -743,23 +796,28 @@ class Run:
 # The loop
 
 
-def train(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, given: Iterable[str] | None = None,
+          idle: Callable[[TrainConfig], dict] | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
     a signal stopped it: `interrupted`, the signal's number in `signal`). `given`: the names of the settings the
     user gave (common.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
-    the run's own. What it reads and writes is declared, and out_dir claimed (its lock taken), before anything is
-    built."""
-    check_config(cfg)
-    common.declare_io(reads={"--init_from": cfg.init_from,
-                             "--dataset": [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]},
-                      writes={"--out_dir": common.run_files(cfg.out_dir)}, kinds={"--init_from": "start"})
+    the run's own; `idle`: settle's. The paths given are declared (common.declare_io), its plan settled (settle),
+    the data it reads declared from the plan, and out_dir claimed (its lock taken), before anything is built."""
+    starts_from = None if common.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
+    declared = common.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": common.run_files(
+        cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
+    plan = settle(cfg, common.given_settings(cfg, given), idle)
+    cfg = plan.cfg
+    declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
     with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite), common.compiler_cache(Path(cfg.out_dir)):
-        return train_claimed(cfg, given)
+        for name in cfg.dataset.split(","):  # the one write outside out_dir: the built-in corpus, if missing
+            ensure_dataset(name, cfg.data_root)
+        return train_claimed(plan)
 
 
-def train_claimed(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[str, Any]:
-    """train() in its claimed out_dir."""
-    run = Run(cfg, given)
+def train_claimed(plan: Plan) -> dict[str, Any]:
+    """train() in its claimed out_dir, its data prepared."""
+    run = Run(plan)
     cfg = run.cfg
     state = run.state
     negatives_rng = torch.Generator()
@@ -768,6 +826,8 @@ def train_claimed(cfg: TrainConfig, given: Iterable[str] | None = None) -> dict[
     stopping = False
     run.model.train()
     common.start_log(run.out_dir, run.resumed_step, run.run_id)
+    for change in run.changed:  # a curve's meaning changes here: said, and in the log (Run.log)
+        note(f"note: resumed with {change} from step {state.step} on")
     with common.StopFlag() as stop, tracked(run):
         while True:
             if run.validation_due():
@@ -812,7 +872,7 @@ def idle_settings(cfg: TrainConfig) -> dict[str, str]:
         idle["mix_alpha"] = "without a mix (--dataset=A,B,...)"
     if cfg.lr_schedule == "constant":
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
-    if not cfg.init_from or cfg.resume is True:
+    if not cfg.init_from or common.resumes(cfg.out_dir, cfg.resume):
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
     return {**idle, **idle_anywhere(cfg)}
 
@@ -830,8 +890,7 @@ def idle_anywhere(cfg: TrainConfig) -> dict[str, str]:
 
 def main(argv: list[str]) -> None:
     cfg, given = common.parse_given(TrainConfig, argv)
-    common.refuse_idle(cfg, idle_settings(cfg))
-    summary = train(cfg, given)
+    summary = train(cfg, given, idle_settings)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])
 

@@ -36,7 +36,7 @@ def expected_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     for r in records:
         group = "val" if "val_ce" in r else "train"
         for key, value in r.items():
-            if key not in ("step", "run_id"):  # the run's id is no curve
+            if key not in ("step", "run_id", "changed"):  # the run's id, a resume's changes: no curve
                 curves.setdefault(f"{group}/{key}", []).append((r["step"], value))
     return curves
 

@@ -113,10 +113,12 @@ def test_resume_alone_continues_the_run_as_it_was_started(tiny_data_dir, tmp_pat
                 f"--data_root={tiny_data_dir.parent}", "--device=cpu"])
 
     def logged(d):
-        return [{k: v for k, v in r.items() if k not in ("run_id", "tokens_per_s", "mfu", "time")} for r in read_log(d)
-                if "loss" in r or "val_ce" in r]
+        return [{k: v for k, v in r.items() if k not in ("run_id", "tokens_per_s", "mfu", "changed")}
+                for r in read_log(d) if "loss" in r or "val_ce" in r]
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
     assert read_ckpt(tmp_path / "resumed" / "ckpt.safetensors")["train_config"]["seed"] == 3
+    changes = [(r["step"], r["changed"]) for r in read_log(tmp_path / "resumed") if "changed" in r]
+    assert changes == [(5, ["--max_iters=6 (the run had 4)"])]  # what the resume changed, from where (issue 47)
 
 
 def test_resume_refuses_a_setting_that_makes_another_experiment(tiny_data_dir, tmp_path):
@@ -342,3 +344,132 @@ def test_a_flag_that_changes_nothing_is_refused_before_any_work(tmp_path, monkey
     with pytest.raises(UserError, match=words):
         main([flag, f"--out_dir={tmp_path / 'out'}", "--ckpt=x.safetensors"][: 2 if script == "train" else 3])
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------- issue 47: a run's whole plan settled first
+
+FEW = ["--preset=tiny", "--block_size=32", "--batch_size=4", "--eval_batches=1", "--eval_interval=2",
+       "--log_interval=1", "--device=cpu", "--seed=3"]
+SETTLED_ROWS = {  # row: (what it writes first in its root (a --config file), the straight run's flags)
+    "a dataset of another name, in bf16 on the CPU": (None, ["--dataset=corp", "--dtype=bfloat16", *FEW]),
+    "a mix of two datasets": (None, ["--dataset=corp,other", "--mix_alpha=0.5", *FEW]),
+    "a --config file": ('dataset = "other"\ngrad_accum = 2\ntemperature = 0.5\n', ["--config=run.toml", *FEW]),
+    "a fine-tune": (None, ["--eval_batches=1", "--eval_interval=2", "--log_interval=1", "--device=cpu"]),
+}
+
+
+def stop_during_step(monkeypatch, step: int) -> None:
+    """Ctrl-C during the run's step `step` (counting from 1): it saves there and stops."""
+    real = train.Run.step
+
+    def stepping(self, *args):
+        if self.state.step == step - 1:
+            monkeypatch.setattr(train.Run, "step", real)
+            signal.raise_signal(signal.SIGINT)
+        return real(self, *args)
+
+    monkeypatch.setattr(train.Run, "step", stepping)
+
+
+def run_state(out: Path) -> tuple[list[dict], dict]:
+    """A run's log records (timing and ids aside) and its checkpoint's tensors and settings (paths aside)."""
+    records = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "run_id")} for r in read_log(out)]
+    ckpt = read_ckpt(out / "ckpt.safetensors")
+    settings = {k: v for k, v in ckpt["train_config"].items() if k not in ("out_dir", "resume")}
+    return records, {"model": ckpt["model"], "objective": ckpt["objective"], "optimizer": ckpt["optimizer"],
+                     "settings": settings, "state": ckpt["state"]}
+
+
+@pytest.mark.parametrize("row", SETTLED_ROWS)
+def test_a_run_stopped_then_resumed_alone_is_the_straight_run(row, tiny_data_dir, tmp_path, monkeypatch):
+    """Issue 47: a run on a dataset named otherwise than the default, on a mix, in bf16 on the CPU, from a --config
+    file, or a fine-tune (its source moved away before the resume), stopped at step 3 and continued with `--resume`
+    alone, logs, weighs and records what the straight 4-step run does; nothing appears under the data root."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("corp", "other"):
+        shutil.copytree(tiny_data_dir, tmp_path / "data" / name)
+    config, flags = SETTLED_ROWS[row]
+    if config:
+        (tmp_path / "run.toml").write_text(config)
+    main = train.main
+    if row == "a fine-tune":
+        train.main(["--dataset=corp", *FEW, "--max_iters=2", "--out_dir=base"])
+        flags = [*flags, "--ckpt=base/ckpt.safetensors"]
+        main = finetune.main
+    data_before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    main([*flags, "--max_iters=4", "--out_dir=straight"])
+    stop_during_step(monkeypatch, 3)
+    with pytest.raises(common.Interrupted):
+        main([*flags, "--max_iters=4", "--out_dir=resumed"])
+    if row == "a fine-tune":
+        (tmp_path / "base").rename(tmp_path / "moved")  # a resumed fine-tune needs nothing but its own folder
+    main(["--resume", "--out_dir=resumed", "--device=cpu"])
+    straight, resumed = run_state(tmp_path / "straight"), run_state(tmp_path / "resumed")
+    assert resumed[0] == straight[0] and resumed[1]["settings"] == straight[1]["settings"]
+    assert resumed[1]["state"] == straight[1]["state"]
+    for part in ("model", "objective"):
+        for name, tensor in straight[1][part].items():
+            assert torch.equal(resumed[1][part][name], tensor), (part, name)
+    for key, entry in straight[1]["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(resumed[1]["optimizer"]["state"][key][name]), torch.as_tensor(value))
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == data_before
+    assert resumed[1]["settings"]["dtype"] == ("bfloat16" if "bf16" in row else "float32")  # as it resolved
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_data_dir, tmp_path_factory):
+    """A finished 2-step run's checkpoint payload (read once), for the resume plans below to vary."""
+    import model
+    presets = dict(model.PRESETS)
+    model.PRESETS["tiny"] = dict(n_layer=2, n_head=2, d_model=64, block_size=64)
+    out = tmp_path_factory.mktemp("finished")
+    try:
+        train.train(tiny_config(tiny_data_dir, out, max_iters=2, eval_interval=2, warmup_iters=None))
+    finally:
+        model.PRESETS.clear()
+        model.PRESETS.update(presets)
+    return read_ckpt(out / "ckpt.safetensors")
+
+
+RESUME_PLANS = {  # case: (the run's own settings changed, the flags given with --resume, its refusal or None)
+    "--min_lr on a constant run": ({"lr_schedule": "constant"}, ["--min_lr=1e-5"],
+                                   "--min_lr=1e-05 changes nothing with --lr_schedule=constant"),
+    "--min_lr above the run's lr": ({}, ["--min_lr=0.01"], "--min_lr=0.01 is above the lr 0.001 this run resumes "
+                                    "with; lower --min_lr (at most 0.001), or raise --lr"),
+    "--min_lr and --lr": ({}, ["--min_lr=0.01", "--lr=1e-3"], "is above the lr 0.001 given; lower --min_lr"),
+    "--lr below the run's min_lr": ({}, ["--lr=5e-5"], "--lr=5e-05 is below the min_lr 0.0001 this run resumes "
+                                    "with; pass --min_lr too"),
+    "--mix_alpha without a mix": ({}, ["--mix_alpha=0.5"], "--mix_alpha=0.5 changes nothing without a mix"),
+    "--add_lm_head": ({}, ["--add_lm_head"], "--add_lm_head=True changes nothing without --init_from"),
+    "--wandb_run_name on a --wandb run": ({"wandb": True}, ["--wandb_run_name=x"], None),
+    "--mix_alpha on a mix": ({"dataset": "corp,other"}, ["--mix_alpha=0.5"], None),
+    "--eval_batches": ({}, ["--eval_batches=4"], None),
+}
+
+
+@pytest.mark.parametrize("case", RESUME_PLANS)
+def test_a_resume_is_checked_on_the_runs_own_settings(case, finished_run, tmp_path, monkeypatch):
+    """Issue 47: the idle and lr checks of `--resume --FLAG` look at the run's own settings, once they are filled
+    in: refused in one line naming what to change, with nothing written; or accepted, the change recorded."""
+    import copy
+
+    from helpers import save_ckpt
+    own, flags, refusal_words = RESUME_PLANS[case]
+    payload = copy.deepcopy(finished_run)
+    payload["train_config"].update(own)
+    (tmp_path / "run").mkdir()
+    save_ckpt(payload, tmp_path / "run" / "ckpt.safetensors")
+    monkeypatch.chdir(tmp_path)
+    before = tree_state(tmp_path)
+    cfg, given = common.parse_given(TrainConfig, ["--resume", "--out_dir=run", *flags])
+    if refusal_words:
+        with pytest.raises(UserError) as refused:
+            train.settle(cfg, given, train.idle_settings)
+        assert refusal_words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    else:
+        plan = train.settle(cfg, given, train.idle_settings)
+        name, value = flags[0][2:].split("=")
+        assert plan.resuming and list(plan.changed) == [name] and str(plan.changed[name][1]) == value
+        assert {k: getattr(plan.cfg, k) for k in own} == own
+    assert tree_state(tmp_path) == before
