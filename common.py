@@ -910,6 +910,23 @@ def resumes(out_dir: str | Path, resume: bool | str) -> bool:
     return resume is True or (resume == "auto" and run_files(out_dir)[0].is_file())
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """What an out_dir must be before a command reads anything in it (its plan reads the run's checkpoint) or claims
+    it: a folder, not held by a live run (named at once: --resume and --overwrite cannot take its files), its run
+    files plain files."""
+    if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
+        raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
+    if holder := lock_holder(out_dir):
+        raise UserError(f"{out_dir} is in use by another training run, still running ({holder}): wait for it to "
+                        "end, or stop it (Ctrl-C there saves it, and --resume then continues it), or pick another "
+                        "--out_dir")
+    for path, what in zip(reversed(run_files(out_dir)), ("log", "checkpoint")):  # a link (dangling too), a folder,
+        #   a FIFO, a device
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+            raise UserError(f"{path} is a link, a folder or a special file, not a run's {what}: it is never written "
+                            "through, replaced or removed; move it away or pick another --out_dir")
+
+
 @contextlib.contextmanager
 def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterator[None]:
     """out_dir for this run alone, claimed before anything is built (a second run is refused at once). A new
@@ -919,16 +936,7 @@ def claim_out_dir(out_dir: Path, resume: bool | str, overwrite: bool) -> Iterato
         yield
         return
     log, ckpt = run_files(out_dir)[1], run_files(out_dir)[0]
-    if any(p.exists() and not p.is_dir() for p in (out_dir, *out_dir.parents)):
-        raise UserError(f"--out_dir={out_dir}: it or a folder above it is a file; pass a folder")
-    if holder := lock_holder(out_dir):  # first: a live run's files, which --resume and --overwrite cannot take
-        raise UserError(f"{out_dir} is in use by another training run, still running ({holder}): wait for it to "
-                        "end, or stop it (Ctrl-C there saves it, and --resume then continues it), or pick another "
-                        "--out_dir")
-    for path, what in ((log, "log"), (ckpt, "checkpoint")):  # a link (dangling too), folder, FIFO, socket, device
-        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
-            raise UserError(f"{path} is a link, a folder or a special file, not a run's {what}: it is never written "
-                            "through, replaced or removed; move it away or pick another --out_dir")
+    check_out_dir(out_dir)
     resuming = resumes(out_dir, resume)
     if not resuming and not overwrite and (ckpt.exists() or (log.exists() and resume != "auto")):
         raise UserError(f"{out_dir} holds another run ({(ckpt if ckpt.exists() else log).name}); continue "

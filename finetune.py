@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import doors
@@ -136,6 +137,8 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
     train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
     common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
                       kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
+    if common.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
+        common.check_out_dir(Path(cfg.out_dir))
     cfg, given, base = settle(cfg, common.given_settings(cfg, given), idle)
     resuming = common.resumes(cfg.out_dir, cfg.resume)
     # the checkpoint's lineage; a resumed fine-tune's base counts alone (its own tokens are not pre-training's)

@@ -806,6 +806,8 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
     starts_from = None if common.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
     declared = common.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": common.run_files(
         cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
+    if common.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
+        common.check_out_dir(Path(cfg.out_dir))
     plan = settle(cfg, common.given_settings(cfg, given), idle)
     cfg = plan.cfg
     declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
