@@ -13,10 +13,10 @@ import hf
 import train
 from checkpoint import load_model
 from common import UserError
-from data import load_tokenizer
 from finetune import FinetuneConfig, finetune
 from generate import generate
 from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
