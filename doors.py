@@ -577,7 +577,7 @@ def shard_dtypes(vocab_size: int) -> dict[str, np.dtype]:
 
 @dataclasses.dataclass
 class Shard:
-    """Appends values to an open shard file, counting, summing and hashing them as it goes (data.prepare)."""
+    """Appends values to an open shard file, counting, summing and hashing them as it goes (prepare.prepare)."""
     file: IO[bytes]
     dtype: np.dtype
     tokens: int = 0

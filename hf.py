@@ -113,12 +113,12 @@ class HFTokenizer:
         return self._ordinary.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        if num_threads == 1:  # one core, as data.py's tokenising processes expect (no library threads)
+        if num_threads == 1:  # one core, as prepare.py's tokenising processes expect (no library threads)
             return [self.encode_ordinary(text) for text in texts]
         return [e.ids for e in self._ordinary.encode_batch(texts, add_special_tokens=False)]
 
     def encode_with_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each text's ids and the UTF-8 bytes each token stands for in its context (data.encode_with_bytes),
+        """Each text's ids and the UTF-8 bytes each token stands for in its context (tokenizer.encode_with_bytes),
         from the tokens' character offsets: a Metaspace "▁" is a space only where a word starts, byte-fallback
         pieces of one character share its bytes, and the spaces WordPiece drops count with the next token."""
         out = []
@@ -148,7 +148,7 @@ def bytes_at_offsets(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
 
 
 def check_same_tokenizer(out: Path, tokenizer: HFTokenizer) -> None:
-    """data.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
+    """prepare.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
     two tokenizer.json files in folders of one name, or hf:bert-base-cased and -uncased, map to one folder name."""
     try:
         old = load_meta(out)

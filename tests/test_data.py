@@ -1,4 +1,4 @@
-"""data.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
+"""data.py and prepare.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +27,7 @@ DOCS = ["First document.\nIt has two lines, and <|endoftext|> stays plain text."
 
 
 def expected_splits(texts: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """The documented split rule, written out independently of data.py's streaming code: a whole document
+    """The documented split rule, written out independently of prepare.py's streaming code: a whole document
     goes to val when the first 8 bytes of its text's sha256, as a fraction of 2^64, are below val_fraction;
     each whole document is followed by end-of-text."""
     enc, train, val = tokenizer.load_tokenizer(), [], []

@@ -123,7 +123,7 @@ def test_exported_tokenizer_encodes_like_tiktoken(checkpoints, tmp_path):
         ids = gpt2.encode(text, allowed_special="all")
         assert theirs(text)["input_ids"] == ids
         assert theirs.decode(ids) == gpt2.decode(ids) == text
-    # The same file through data.py's adapter: special tokens only where asked for, as tiktoken.
+    # The same file through tokenizer.py's adapter: special tokens only where asked for, as tiktoken.
     adapter = load_tokenizer(str(out / "tokenizer.json"))
     assert (adapter.n_vocab, adapter.eot_token) == (50257, 50256)
     for text in TEXTS:

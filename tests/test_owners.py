@@ -135,7 +135,7 @@ def test_two_data_py_on_one_dataset_at_once_exactly_one_proceeds(tmp_path, monke
 HOLDER = """
 import sys, time
 from pathlib import Path
-import data
+import prepare
 with prepare.hold_dataset(Path(sys.argv[1]) / sys.argv[2]):
     print("held", flush=True)
     time.sleep(60)

@@ -312,17 +312,17 @@ CORE_IO = {  # script: (main, its input's kind, the relations that apply, the na
                         lambda i, o: [*FLAGS, f"--dataset={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
     "finetune --ckpt": (finetune.main, "file", ("same", "link", "link_parent", "hardlink"), "log.jsonl",
                         lambda i, o: [f"--ckpt={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
-    "data.py --dataset": (prepare.main, "corpus", ("same", "inside", "holds", "link", "link_parent"), "books",
+    "prepare.py --dataset": (prepare.main, "corpus", ("same", "inside", "holds", "link", "link_parent"), "books",
                           lambda i, o: [f"--dataset={i}", f"--data_root={os.path.dirname(o)}",
                                         f"--name={os.path.basename(o)}"]),
-    "data.py --tokenizer": (prepare.main, "tokenizer", ("holds",), "books",
+    "prepare.py --tokenizer": (prepare.main, "tokenizer", ("holds",), "books",
                             lambda i, o: [f"--tokenizer={i}", f"--data_root={os.path.dirname(o)}",
                                           f"--name={os.path.basename(o)}"]),
 }
 
 
 def test_no_core_script_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
-    """Contract 1, generated: (input, output) pairs of train.py, finetune.py and data.py (the output is, holds or
+    """Contract 1, generated: (input, output) pairs of train.py, finetune.py and prepare.py (the output is, holds or
     lies inside the input; directly, through a link or a hard link, spelled absolute, relative or with `..`) are
     refused in one line, exit 2, nothing changed. generate.py writes no file."""
     io_pairs(CORE_IO, max_examples=15)(tmp_path_factory, monkeypatch, capsys)
