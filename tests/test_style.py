@@ -1,7 +1,7 @@
-"""The architecture that protects users and forks: no import circle in the core, the core never imports an extra at
-module level, and deleting the extras (with the test files that import them) leaves a core that runs and a suite
-that collects. Sizes are never checked here: a fork that adds lines keeps a green suite. Style is ruff's
-(pyproject.toml; its E7 rules keep one statement a line)."""
+"""The architecture that protects users and forks: no import loop (lazy imports included), plumbing beneath the rest,
+the core never imports an extra at module level, and deleting the extras (with the test files that import them)
+leaves a core that runs and a suite that collects. Sizes are never checked here: a fork that adds lines keeps a
+green suite. Style is ruff's (pyproject.toml; its E7 rules keep one statement a line)."""
 from __future__ import annotations
 
 import ast
