@@ -105,8 +105,8 @@ class CompareConfig(ModelSettings):
     """compare.py's settings; the model's (train.py's ModelSettings) are inherited, and given to every run."""
     preset: PresetName = field(default="tiny", metadata={"help": "the model's shape (model.py), for every run"})
     dataset: str = field(default="shakespeare", metadata={
-        "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (data.py)"})
-    data_root: str = field(default="data", metadata={"help": "where data.py put the datasets"})
+        "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (prepare.py)"})
+    data_root: str = field(default="data", metadata={"help": "where prepare.py put the datasets"})
     block_size: int = 128
     batch_size: int = field(default=8, metadata={"range": (1, 1 << 20), "help": "sequences per micro-batch"})
     ce_iters: int = field(default=240, metadata={
