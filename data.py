@@ -9,6 +9,9 @@ stands for) and meta.json, which vouches for them (read through doors.dataset). 
 documents, the source's own val split or those whose text hashes below --val_fraction; end-of-text follows each."""
 from __future__ import annotations
 
+import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
+
+# isort: split
 import hashlib
 import os
 import re
@@ -21,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import common
 import doors
 from common import UserError
 from doors import DATA_FORMAT, same_tokenizer, special_ids  # noqa: F401 (data.X)

@@ -347,3 +347,17 @@ def test_a_folder_holding_only_a_dataset_is_prepared_again(tiny_data_dir, tmp_pa
     (folder / "notes.txt").write_text("a user's")
     with pytest.raises(UserError, match="holds files that are not a dataset's"):
         preparing.check_replaceable(folder)
+
+
+def test_python_data_py_runs_prepare_py_with_the_same_arguments(monkeypatch):
+    """`python data.py ...` as before: data.py imports nothing that prepares, so its command hands its arguments to
+    prepare.py in a new process (the same interpreter); the exit code is prepare.py's."""
+    import os
+    import runpy
+    calls = []
+    monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, args)))
+    monkeypatch.setattr(sys, "argv", ["data.py", "--dataset=roneneldan/TinyStories", "--max_tokens=1e6"])
+    runpy.run_path(data.__file__, run_name="__main__")
+    prepare_py = str(Path(data.__file__).with_name("prepare.py"))
+    assert calls == [(sys.executable, [sys.executable, prepare_py, "--dataset=roneneldan/TinyStories",
+                                       "--max_tokens=1e6"])]
