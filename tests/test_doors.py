@@ -605,7 +605,7 @@ def test_sigterm_while_preparing_data_leaves_nothing(tmp_path, monkeypatch, caps
         return real(*args, **kwargs)
 
     monkeypatch.setattr(prepare, "write_shards", terminated)
-    monkeypatch.setattr(sys, "argv", ["data.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
     with pytest.raises(SystemExit) as e:
         common.run_main(prepare.main)
     assert e.value.code == 143 and snapshot(tmp_path / "d") == {}  # nothing but the released lock

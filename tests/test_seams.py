@@ -113,7 +113,7 @@ def test_the_command_a_refusal_builds_from_a_files_text_is_quoted_for_the_shell(
     with pytest.raises(UserError) as e:
         data.load_meta(folder)
     command = str(e.value).split("prepare its corpus again with ", 1)[1]
-    assert shlex.split(command) == ["python", "data.py", f"--dataset={source}", f"--data_root={folder.parent}"]
+    assert shlex.split(command) == ["python", "prepare.py", f"--dataset={source}", f"--data_root={folder.parent}"]
 
 
 def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():
