@@ -284,10 +284,10 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
     "meta.json text with newlines that would forge lines": (
         lambda t, d: [f"--dataset={evil_dataset(d, t, 'x' + chr(10) + 'Traceback (most recent call last):')}",
                       f"--out_dir={t / 'o'}"],
-        "python prepare.py --dataset=x\\nTraceback (most recent call last):"),
+        "python prepare.py '--dataset=x\\nTraceback (most recent call last):'"),  # quoted for the shell
     "meta.json text of 5 MB": (
         lambda t, d: [f"--dataset={evil_dataset(d, t, 'A' * 5_000_000)}", f"--out_dir={t / 'o'}"],
-        "python prepare.py --dataset=" + "A" * 80 + "..."),
+        "python prepare.py --dataset=" + "A" * 400 + "..."),
 }
 
 
