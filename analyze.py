@@ -47,8 +47,6 @@ from common import (
 )
 from data import (
     BatchSampler,
-    dataset_tokenizer,
-    ensure_dataset,
     load_meta,
     open_split,
     recorded_dataset,
@@ -56,7 +54,9 @@ from data import (
     sequential_batches,
 )
 from model import GPT
+from prepare import ensure_dataset
 from results import import_pyplot, save_figure, write_json
+from tokenizer import dataset_tokenizer
 from train import TrainConfig
 
 

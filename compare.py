@@ -17,7 +17,7 @@ compare.py, with the run's checkpoint saved), --overwrite starts every run over.
 run's records (tracking.py; `tensorboard --logdir=out-compare` shows them side by side).
 
 --vocab_sizes=N1,N2,...: the same experiment once per vocabulary size, each with a byte-level BPE of N tokens
-learned from the source's training split (the dataset prepared once, as data.py --tokenizer=bpe:N does it), in
+learned from the source's training split (the dataset prepared once, as prepare.py --tokenizer=bpe:N does it), in
 out_dir/bpeN/. Every model is then scored in bits per byte on the whole validation split, which holds out the
 same documents (chosen by a hash of their text) whatever the tokenizer: every size is scored on the same text.
 Budgets are equal within a size, not across sizes (CE's cost grows with V). A size whose out_dir/bpeN/result.json
@@ -72,15 +72,11 @@ from common import (
 )
 from data import (
     BatchSampler,
-    PrepareConfig,
     ValSplit,
     dataset_dir,
-    dataset_tokenizer,
-    ensure_dataset,
     load_meta,
     open_split,
     open_val_split,
-    prepare,
     special_ids,
 )
 from doors import MAXIMA
@@ -88,7 +84,9 @@ from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
+from prepare import PrepareConfig, ensure_dataset, prepare
 from results import import_pyplot, log_curves, plot_curves, save_figure, save_results, write_json
+from tokenizer import dataset_tokenizer
 from train import (
     MODEL_FIELDS,
     ModelSettings,
@@ -107,8 +105,8 @@ class CompareConfig(ModelSettings):
     """compare.py's settings; the model's (train.py's ModelSettings) are inherited, and given to every run."""
     preset: PresetName = field(default="tiny", metadata={"help": "the model's shape (model.py), for every run"})
     dataset: str = field(default="shakespeare", metadata={
-        "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (data.py)"})
-    data_root: str = field(default="data", metadata={"help": "where data.py put the datasets"})
+        "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (prepare.py)"})
+    data_root: str = field(default="data", metadata={"help": "where prepare.py put the datasets"})
     block_size: int = 128
     batch_size: int = field(default=8, metadata={"range": (1, 1 << 20), "help": "sequences per micro-batch"})
     ce_iters: int = field(default=240, metadata={

@@ -1,4 +1,4 @@
-"""Real corpora for data.py, through the `datasets` library: Hugging Face hub datasets (streamed, so
+"""Real corpora for prepare.py, through the `datasets` library: Hugging Face hub datasets (streamed, so
 FineWeb-Edu never has to fit on disk) and local .txt, .jsonl or .parquet files; and tokenising in
 several processes (--num_proc).
 
@@ -26,7 +26,8 @@ import numpy as np
 import common
 import doors
 from common import UserError, check_hub, first_line, refuse_idle, through_door
-from data import PrepareConfig, encode_batches, load_meta, split_by_hash
+from data import load_meta, split_by_hash
+from tokenizer import encode_batches
 
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -34,8 +35,9 @@ SPLIT_WORDS = {"train": ("train", "training"), "val": ("validation", "valid", "v
 OWN_VAL = "with the source's own validation split (nothing is held out by hash; --val_split=hash would)"
 
 
-def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
-    """(description, (split, text, ends a document) items, number of documents if known)."""
+def open_corpus(cfg: Any) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
+    """(description, (split, text, ends a document) items, number of documents if known) of cfg, a
+    sources.PrepareConfig."""
     if not cfg.dataset.strip():
         raise UserError("--dataset is empty; use shakespeare, a Hugging Face id or a local path")
     path = Path(cfg.dataset)
@@ -58,7 +60,7 @@ def open_corpus(cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]
     return source + " + its validation split", Items([train, val], own_splits(train, val), cfg), None
 
 
-def open_local(path: Path, cfg: PrepareConfig) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
+def open_local(path: Path, cfg: Any) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
     """A local file or folder of one format; .txt files are one document each."""
     if not path.exists():
         raise UserError(f"{path} does not exist; pass an existing .txt/.jsonl/.parquet file or folder")
@@ -153,7 +155,7 @@ def own_splits(train: Iterable[str], val: Iterable[str]) -> Iterator[tuple[str, 
     yield from (("train", text, True) for text in train)
 
 
-def split_names(cfg: PrepareConfig) -> list[str]:
+def split_names(cfg: Any) -> list[str]:
     import datasets
     try:
         with datasets_cache(cfg) as cache:
@@ -165,14 +167,14 @@ def split_names(cfg: PrepareConfig) -> list[str]:
                         "and the network, or pass --val_split=hash") from None
 
 
-def read_files(cfg: PrepareConfig, files: list[Path], builder: str, source: str) -> Any:
+def read_files(cfg: Any, files: list[Path], builder: str, source: str) -> Any:
     # Streaming reads the files lazily, with no Arrow cache copy; .txt: one file is one document.
     options = {"sample_by": "document"} if builder == "text" else {}
     return load(cfg, source, "is every file valid?", builder, data_files=[str(f) for f in files], split="train",
                 streaming=True, **options)
 
 
-def load(cfg: PrepareConfig, what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
+def load(cfg: Any, what: str, hint: str, *args: Any, **kwargs: Any) -> Any:
     import datasets  # slow to import, and only real corpora need it
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # failures are reported here, in one line
     try:
@@ -185,10 +187,10 @@ def load(cfg: PrepareConfig, what: str, hint: str, *args: Any, **kwargs: Any) ->
 
 
 @contextlib.contextmanager
-def datasets_cache(cfg: PrepareConfig) -> Iterator[str | None]:
+def datasets_cache(cfg: Any) -> Iterator[str | None]:
     """The datasets library's cache for one call, a temp folder inside --data_root, removed after it (with the
     folders made for it): it writes lock files there (in ~/.cache/huggingface/datasets by default), which a stream
-    needs no more once opened. A data.py killed meanwhile leaves it to the next one's sweep (its pid is in its name).
+    needs no more once opened. A prepare.py killed meanwhile leaves it to the next one's sweep (its pid is in its name).
     Where HF_DATASETS_CACHE or HF_HOME says where (the user's choice), the library's own (None)."""
     if os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME"):
         yield None
@@ -243,7 +245,7 @@ class Items:
     """(split, text, ends a document) items that count the rows their sources skipped, and say so; and what
     they were read from, so that a folder of another source's dataset is never replaced by this one."""
 
-    def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]], cfg: PrepareConfig):
+    def __init__(self, texts: list[Texts], items: Iterable[tuple[str, str, bool]], cfg: Any):
         self.texts, self.items = texts, items
         path = Path(cfg.dataset)
         self.source_id = str(path.resolve()) if path.exists() or cfg.dataset.startswith(("/", ".")) else \

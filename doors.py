@@ -577,7 +577,7 @@ def shard_dtypes(vocab_size: int) -> dict[str, np.dtype]:
 
 @dataclasses.dataclass
 class Shard:
-    """Appends values to an open shard file, counting, summing and hashing them as it goes (data.prepare)."""
+    """Appends values to an open shard file, counting, summing and hashing them as it goes (prepare.prepare)."""
     file: IO[bytes]
     dtype: np.dtype
     tokens: int = 0
@@ -607,7 +607,7 @@ def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | N
     folder = Path(folder)
     meta = dataset_meta(folder)
     source = clip(meta.get("settings", {}).get("dataset", "..."), 400)  # a file's text: quoted, never run if pasted
-    redo = f"prepare the dataset again: python data.py {shlex.quote(f'--dataset={source}')}"
+    redo = f"prepare the dataset again: python prepare.py {shlex.quote(f'--dataset={source}')}"
     path = folder / "tokenizer.json"
     sha256 = meta.get("tokenizer_sha256")  # None: tiktoken's, and no tokenizer.json
     data = read_small(path, MAX_TOKENIZER_BYTES, "tokenizer file", redo) if sha256 or os.path.lexists(path) else b""
@@ -627,7 +627,7 @@ def dataset(folder: str | Path, files: tuple[str, ...] = (), vocab_size: int | N
 def dataset_meta(folder: Path) -> dict:
     path = folder / "meta.json"
     root = shlex.quote(f"--data_root={folder.parent}")
-    redo = f"prepare its corpus again with python data.py --dataset=SOURCE {root}"
+    redo = f"prepare its corpus again with python prepare.py --dataset=SOURCE {root}"
     meta = parse(read_small(path, MAX_TEXT_BYTES, "dataset file", redo), str(path), redo)
     settings = meta.get("settings") if isinstance(meta, dict) else None
     if isinstance(settings, dict) and isinstance(settings.get("dataset"), str):

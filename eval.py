@@ -60,8 +60,6 @@ from common import (
 from data import (
     ValSplit,
     dataset_dir,
-    dataset_tokenizer,
-    ensure_dataset,
     load_meta,
     open_split,
     open_val_split,
@@ -70,7 +68,9 @@ from data import (
     special_ids,
 )
 from loss import NotFinite
+from prepare import ensure_dataset
 from results import check_finite, jsonl_rows, write_json
+from tokenizer import dataset_tokenizer
 from train import TrainConfig, Validation, evaluate, objective_of
 
 LAMBADA_HUB = ("EleutherAI/lambada_openai", "default", "test")  # dataset id, config, split: 5153 texts

@@ -23,8 +23,8 @@ import torch
 import doors
 from checkpoint import checkpoint_model, load_checkpoint
 from common import DeviceName, DtypeName, UserError
-from data import dataset_tokenizer
 from model import GPT, KVCache
+from tokenizer import dataset_tokenizer
 
 
 @dataclass

@@ -53,10 +53,10 @@ from common import (
     run_main,
     within_ranges,
 )
-from data import dataset_tokenizer
 from doors import MAXIMA
 from model import GPT, adamw
 from results import check_finite, jsonl_rows, write_json
+from tokenizer import dataset_tokenizer
 from train import TrainConfig, optimizer_step
 
 GLUE_HUB = "nyu-mll/glue"

@@ -45,13 +45,14 @@ from common import (
     config_path,
     declare_io,
     first_line,
+    gpt2_vocab_files,
     parse_flags,
     remove_stale_temps,
     run_main,
     temp_path,
     through_door,
 )
-from data import dataset_tokenizer, gpt2_vocab_files, load_meta
+from data import load_meta
 from doors import brief
 from model import GPT, PRESETS, GPTConfig, weights_problem
 
@@ -112,12 +113,12 @@ class HFTokenizer:
         return self._ordinary.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        if num_threads == 1:  # one core, as data.py's tokenising processes expect (no library threads)
+        if num_threads == 1:  # one core, as prepare.py's tokenising processes expect (no library threads)
             return [self.encode_ordinary(text) for text in texts]
         return [e.ids for e in self._ordinary.encode_batch(texts, add_special_tokens=False)]
 
     def encode_with_bytes(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each text's ids and the UTF-8 bytes each token stands for in its context (data.encode_with_bytes),
+        """Each text's ids and the UTF-8 bytes each token stands for in its context (tokenizer.encode_with_bytes),
         from the tokens' character offsets: a Metaspace "▁" is a space only where a word starts, byte-fallback
         pieces of one character share its bytes, and the spaces WordPiece drops count with the next token."""
         out = []
@@ -147,7 +148,7 @@ def bytes_at_offsets(text: str, offsets: list[tuple[int, int]]) -> np.ndarray:
 
 
 def check_same_tokenizer(out: Path, tokenizer: HFTokenizer) -> None:
-    """data.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
+    """prepare.py prepares a folder again only with the tokenizer it was prepared with (meta.json records its sha256):
     two tokenizer.json files in folders of one name, or hf:bert-base-cased and -uncased, map to one folder name."""
     try:
         old = load_meta(out)
@@ -552,16 +553,23 @@ def gpt2_tokenizer() -> Any:
     return tok
 
 
-def save_tokenizer(enc: Any, name: str, out: Path, max_length: int) -> int:
-    """Write a checkpoint's tokenizer for AutoTokenizer; returns its EOT id."""
+def checkpoint_tokenizer(payload: Checkpoint, name: str) -> HFTokenizer:
+    """A checkpoint's tokenizer as a Hugging Face one: the tokenizer.json it carries, else GPT-2's (the files
+    tiktoken's gpt2 reads) or a tokenizer.json / hf:ID by name."""
+    if payload.tokenizer_json:
+        return tokenizer_from_json(payload.tokenizer_json, name)
     if name == "gpt2":
-        tok = gpt2_tokenizer()
-    elif getattr(enc, "json", None):  # a Hugging Face tokenizer (not isinstance: as a script this file is __main__)
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_str(enc.json)
-    else:
-        raise UserError(f"tokenizer {name!r} is a tiktoken encoding with no tokenizer.json; export supports "
-                        "gpt2 and Hugging Face tokenizers")
+        return HFTokenizer(name, gpt2_tokenizer())
+    if name.startswith("hf:") or name.endswith(".json"):
+        return load_hf_tokenizer(name)
+    raise UserError(f"tokenizer {name!r} has no tokenizer.json in the checkpoint; export supports gpt2 and Hugging "
+                    "Face tokenizers")
+
+
+def save_tokenizer(enc: HFTokenizer, out: Path, max_length: int) -> int:
+    """Write a checkpoint's tokenizer (checkpoint_tokenizer) for AutoTokenizer; returns its EOT id."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(enc.json)
     from transformers import PreTrainedTokenizerFast
     eot = tok.id_to_token(enc.eot_token)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, unk_token=eot,
@@ -653,10 +661,8 @@ def export(ckpt: str, out: str) -> Path:
     A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
     parent folder the export created."""
     from safetensors.torch import save_file
-
-    from train import TrainConfig  # the rules of its train_config
     out_dir = export_target(out)
-    payload = load_checkpoint(ckpt, TrainConfig)
+    payload = load_checkpoint(ckpt, None)  # its train_config as plain values: an export reads none of them
     model = checkpoint_model(payload, ckpt).eval()
     meta = payload.data_meta
     tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None
@@ -676,7 +682,7 @@ def export(ckpt: str, out: str) -> Path:
         _make_folders(out_dir.parent, created)
         remove_stale_temps(out_dir.parent)
         tmp.mkdir()
-        eot = save_tokenizer(dataset_tokenizer(payload), tokenizer, tmp, c.block_size)
+        eot = save_tokenizer(checkpoint_tokenizer(payload, tokenizer), tmp, c.block_size)
         (tmp / "config.json").write_text(json.dumps(hf_config(c, eot), indent=2) + "\n", encoding="utf-8")
         save_file(state_to_hf(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         readable = 0o666 & ~_umask()  # as any new file (safetensors writes 0600)

@@ -116,14 +116,15 @@ def scaled(scores: torch.Tensor, temperature: Temperature) -> torch.Tensor:
 def training_loss(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch.Tensor,
                   output_weight: torch.Tensor, config: LossConfig,
                   generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
-    """The pre-training objective `config.loss`, from hidden states (..., d) and targets (...); `output_weight` is the
-    LM head (or E when tied); a chunk size scores in blocks (chunked.py); other negatives come from negatives.py,
-    sampled ones drawn with `generator` (or drawn ahead: a permutation)."""
+    """The pre-training objective `config.loss`, from hidden states (..., d) and targets (...), against the paper's
+    negatives; `output_weight` is the LM head (or E when tied); a chunk size scores in blocks (chunked.py). Other
+    negatives are negatives.training_loss_with_negatives' (the extra builds on this file, never the reverse:
+    train.objective_loss picks between the two)."""
     h = h.reshape(-1, h.size(-1))
     targets = targets.reshape(-1)
     if not config.paper_negatives:
-        from negatives import training_loss_with_negatives  # the extra, not in the paper
-        return training_loss_with_negatives(h, targets, input_embedding, output_weight, config, generator)
+        raise ValueError("other negatives than the paper's (negatives, num_negatives, negatives_scope) are scored by "
+                         "negatives.training_loss_with_negatives; train.objective_loss picks it")
     t = config.temperature
     chunk = config.chunk_size
     if config.loss == "ce":

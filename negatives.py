@@ -53,7 +53,11 @@ def contrastive_loss(h: torch.Tensor, e: torch.Tensor, temperature: Temperature 
 def training_loss_with_negatives(h: torch.Tensor, targets: torch.Tensor, input_embedding: torch.Tensor,
                                  output_weight: torch.Tensor, config: LossConfig,
                                  generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
-    """loss.training_loss's objectives, their contrastive part scored against config's negatives."""
+    """loss.training_loss's objectives, their contrastive part scored against config's negatives (train.objective_loss
+    calls it for them)."""
+    h = h.reshape(-1, h.size(-1))
+    targets = targets.reshape(-1)
+
     def contrastive(table):
         return contrastive_loss(h, table[targets], config.temperature, targets=targets, negatives=config.negatives,
                                 num_negatives=config.num_negatives, generator=generator,

@@ -47,7 +47,6 @@ from data import (
     ValSplit,
     check_same_data,
     dataset_dir,
-    ensure_dataset,
     open_split,
     open_val_split,
     same_tokenizer,
@@ -85,8 +84,8 @@ class TrainConfig(ModelSettings, LossConfig):
     --help and docs/training.md's table)."""
     # data and model
     dataset: str = field(default="shakespeare", metadata={
-        **SAME, "help": "a prepared dataset under --data_root, or its folder (data.py); A,B,C: a mix of several"})
-    data_root: str = field(default="data", metadata={**HERE, "help": "where data.py put the datasets"})
+        **SAME, "help": "a prepared dataset under --data_root, or its folder (prepare.py); A,B,C: a mix of several"})
+    data_root: str = field(default="data", metadata={**HERE, "help": "where prepare.py put the datasets"})
     mix_alpha: float = field(default=0.3, metadata={
         "range": (0, 100, "(]"), "help": "with several datasets: a source is drawn with probability ~ tokens^alpha"})
     preset: PresetName | None = field(default=None, metadata={
@@ -420,6 +419,16 @@ def check_data(meta: dict, start: Checkpoint, source: str | Path, dataset: str) 
 # The objective, and validation
 
 
+def objective_loss(h: torch.Tensor, y: torch.Tensor, input_embedding: torch.Tensor, output_weight: torch.Tensor,
+                   config: LossConfig, generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+    """loss.training_loss against the paper's negatives; other negatives (--negatives, --num_negatives,
+    --negatives_scope) are negatives.py's, imported only then."""
+    if config.paper_negatives:
+        return training_loss(h, y, input_embedding, output_weight, config, generator)
+    from negatives import training_loss_with_negatives  # the extra, not in the paper
+    return training_loss_with_negatives(h, y, input_embedding, output_weight, config, generator)
+
+
 class Objective(torch.nn.Module):
     """The model and its loss as one module: DDP averages the gradients of what runs through its forward
     (hidden states, then the loss against the embeddings), torch.compile fuses both, and the optimizer takes
@@ -451,7 +460,7 @@ class Objective(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
         h, y = self.scored(x, y)
-        return training_loss(h, y, self.model.wte.weight, self.model.output_weight, self.settings(), generator)
+        return objective_loss(h, y, self.model.wte.weight, self.model.output_weight, self.settings(), generator)
 
     def validation_sums(self, x: torch.Tensor, y: torch.Tensor, y_bytes: torch.Tensor | None,
                         special: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -590,7 +599,7 @@ class Run:
         torch.manual_seed(cfg.seed)
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-        data_dirs = [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]  # prepared: train()
+        data_dirs = [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]  # prepared: prepared_datasets
         first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
         meta = first.meta
         self.out_dir = Path(cfg.out_dir)
@@ -812,8 +821,7 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
     cfg = plan.cfg
     declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
     with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite), common.compiler_cache(Path(cfg.out_dir)):
-        for name in cfg.dataset.split(","):  # the one write outside out_dir: the built-in corpus, if missing
-            ensure_dataset(name, cfg.data_root)
+        prepared_datasets(cfg)  # the one write outside out_dir: the built-in corpus, if missing
         return train_claimed(plan)
 
 
@@ -857,6 +865,15 @@ def train_claimed(plan: Plan) -> dict[str, Any]:
             "ckpt": str(ckpt), "tokens": state.earlier_tokens + state.tokens,
             "flops": state.earlier_flops + state.flops, "interrupted": stopping,
             "signal": stop.signal if stopping else None, "seconds": elapsed}
+
+
+def prepared_datasets(cfg: TrainConfig) -> list[Path]:
+    """--dataset's prepared folders, the one step of a run that may write data: the built-in corpus (shakespeare,
+    shakespeare-bpeN) is prepared on its first use, and a folder a killed prepare.py left mid-swap is put back; by
+    rank 0 under torchrun, while the others wait (the process group is joined first; Run finds it joined)."""
+    common.init_distributed(common.pick_device(cfg.device))
+    from prepare import ensure_dataset  # the preparing room: only this step of a run enters it
+    return [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
 
 
 def tracked(run: Run) -> contextlib.AbstractContextManager:

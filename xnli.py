@@ -56,10 +56,10 @@ from common import (
     run_main,
     within_ranges,
 )
-from data import dataset_tokenizer
 from doors import MAXIMA
 from model import adamw
 from results import check_finite, jsonl_rows, write_json
+from tokenizer import dataset_tokenizer
 from train import TrainConfig
 
 XNLI_HUB = "facebook/xnli"

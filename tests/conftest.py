@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flat layout: `im
 
 import pytest  # noqa: E402
 
-import data  # noqa: E402
+import prepare
 
 # A shell starts background jobs (`pytest ... &`) with SIGINT ignored, which Python keeps: the tests that press
 # Ctrl-C with signal.raise_signal need it to raise KeyboardInterrupt, as in a terminal.
@@ -29,9 +29,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small prepared dataset: the first 4 Shakespeare plays, gpt2 tokens; at --val_fraction=0.25 their
-    hashes hold out the fourth whole (~90k train / ~35k val tokens). Built by data.prepare in ~2 seconds."""
+    hashes hold out the fourth whole (~90k train / ~35k val tokens). Built by prepare.prepare in ~2 seconds."""
     root = tmp_path_factory.mktemp("data")
-    data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=4, val_fraction=0.25, data_root=str(root)))
+    prepare.prepare(prepare.PrepareConfig(dataset="shakespeare", max_docs=4, val_fraction=0.25, data_root=str(root)))
     return root / "shakespeare"
 
 

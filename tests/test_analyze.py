@@ -21,9 +21,10 @@ import checkpoint
 import common
 import data
 import train
-from data import load_tokenizer, open_split
+from data import open_split
 from finetune import FinetuneConfig, finetune
 from model import GPT, PRESETS, GPTConfig
+from tokenizer import load_tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # The measures against plain references

@@ -13,6 +13,9 @@ from helpers import save_ckpt
 
 import bpe
 import data
+import prepare
+import sources
+import tokenizer
 from common import UserError
 from hf import HFTokenizer
 
@@ -29,7 +32,7 @@ ROUND_TRIPS = ["Hello, world!", "  leading and trailing spaces  ", "\n\nnew\nlin
 @pytest.fixture(scope="module")
 def corpus() -> list[str]:
     """Three plays (~400 kB) and some text beyond ASCII."""
-    return [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()[:3]] + UNICODE
+    return [sources.clean_play(p.read_text(encoding="utf-8")) for p in sources.play_files()[:3]] + UNICODE
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +106,7 @@ def test_save_is_atomic_and_loadable(trained: dict, tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["tokenizer.json"]  # no temp file left behind
     trained[300].save(str(tmp_path / "saved.json"))  # the same bytes as tokenizers' own save
     assert bpe.sha256_of(tmp_path / "saved.json") == sha
-    enc = data.load_tokenizer(str(path))  # the project's loader reads it back
+    enc = tokenizer.load_tokenizer(str(path))  # the project's loader reads it back
     assert (enc.n_vocab, enc.eot_token) == (300, 299)
     with pytest.raises(UserError, match="cannot read"):
         bpe.sha256_of(tmp_path / "missing.json")
@@ -172,21 +175,20 @@ def test_a_tokenizer_for_a_mix_takes_each_source_in_its_alpha_share(tmp_path):
 
 
 def test_the_mix_command_writes_a_tokenizer_data_py_then_uses(tmp_path, monkeypatch):
-    import data
 
     monkeypatch.chdir(tmp_path)
     bpe.main(["--sources=shakespeare", "--vocab_size=300", f"--out={tmp_path / 'mix' / 'tokenizer.json'}",
               "--docs_per_source=4"])
-    meta = data.prepare(data.PrepareConfig(tokenizer=str(tmp_path / "mix" / "tokenizer.json"), max_docs=4,
+    meta = prepare.prepare(prepare.PrepareConfig(tokenizer=str(tmp_path / "mix" / "tokenizer.json"), max_docs=4,
                                            val_fraction=0.25, data_root=str(tmp_path / "data")))
     assert meta["vocab_size"] == 300 and (tmp_path / "data" / "shakespeare-mix" / "tokenizer.json").is_file()
 
 
 def test_a_bpe_dataset_leaves_the_gpt2_dataset_of_its_source_untouched(tmp_path):
     settings = dict(dataset="shakespeare", max_docs=4, val_fraction=0.25, data_root=str(tmp_path))
-    data.prepare(data.PrepareConfig(**settings))
+    prepare.prepare(prepare.PrepareConfig(**settings))
     gpt2 = {p.name: p.read_bytes() for p in (tmp_path / "shakespeare").iterdir()}
-    meta = data.prepare(data.PrepareConfig(**settings, tokenizer="bpe:300"))
+    meta = prepare.prepare(prepare.PrepareConfig(**settings, tokenizer="bpe:300"))
     assert {p.name: p.read_bytes() for p in (tmp_path / "shakespeare").iterdir()} == gpt2
     assert meta["tokenizer"] == "bpe:300" and data.load_meta(tmp_path / "shakespeare-bpe300")["vocab_size"] == 300
     assert (tmp_path / "shakespeare-bpe300" / "tokenizer.json").is_file()

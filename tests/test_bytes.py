@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 from test_data import expected_splits
 
 import data
+import sources
+import tokenizer
 import train
 from model import build_model
 
@@ -26,15 +28,15 @@ TEXTS = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)
 @settings(max_examples=60, deadline=None)
 @given(TEXTS)
 def test_gpt2_bytes_of_every_token_sum_to_the_text(text):
-    enc = data.load_tokenizer("gpt2")
-    [(ids, counts)] = data.encode_with_bytes(enc, [text])
+    enc = tokenizer.load_tokenizer("gpt2")
+    [(ids, counts)] = tokenizer.encode_with_bytes(enc, [text])
     assert ids.tolist() == enc.encode_ordinary(text)
     assert int(counts.sum()) == len(text.encode())
     assert [len(enc.decode_single_token_bytes(i)) for i in ids.tolist()] == counts.tolist()
 
 
 def test_val_bytes_hold_each_documents_bytes(tiny_data_dir):
-    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()[:4]]
+    plays = [sources.clean_play(p.read_text(encoding="utf-8")) for p in sources.play_files()[:4]]
     val_docs = [p for p in plays if expected_splits([p], 0.25)[1]]
     meta = data.load_meta(tiny_data_dir)
     counts = data.open_val_split(tiny_data_dir, 50304).byte_counts
@@ -54,7 +56,7 @@ def test_val_bpb_is_the_bits_of_the_text_over_its_bytes(tiny_data_dir):
     objective = train.Objective(model, train.LossConfig(loss="ce"))
     got = train.evaluate(objective, data.ValSplit(tokens, val.byte_counts[:n + 1], val.special),
                          train.Validation(batch_size=1, block_size=n))["val_bpb"]
-    enc = data.load_tokenizer("gpt2")
+    enc = tokenizer.load_tokenizer("gpt2")
     text = enc.decode(tokens.tolist()).replace("<|endoftext|>", "")
     n_bytes = len(text.encode()) - len(enc.decode_single_token_bytes(int(tokens[0])))
     with torch.no_grad():

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import chunked
 import train
 from common import UserError
-from loss import LossConfig, training_loss
+from loss import LossConfig
 
 
 def rounding_tolerance(h, candidates, temperature):
@@ -48,7 +48,7 @@ def test_chunked_training_loss_equals_plain(objective, negatives, k, chunk_size,
     def run(chunk):
         config = LossConfig(loss=objective, temperature=temperature, negatives=negatives, num_negatives=k,
                             loss_chunk_size=chunk or 0)
-        return lambda h, E, W: training_loss(h, t, E, W, config, torch.Generator().manual_seed(3))
+        return lambda h, E, W: train.objective_loss(h, t, E, W, config, torch.Generator().manual_seed(3))
     want, want_grads = loss_and_grads(run(None), h, E, W)
     got, got_grads = loss_and_grads(run(chunk_size), h, E, W)
     tol = rounding_tolerance(h, torch.cat([E, W]), temperature)
@@ -217,7 +217,7 @@ def test_chunked_under_bfloat16_autocast_is_fp32_and_matches_plain(objective, k)
         def fn(h, E):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 config = LossConfig(loss=objective, num_negatives=k, loss_chunk_size=chunk or 0)
-                return training_loss(h, t, E, E, config, torch.Generator().manual_seed(3))
+                return train.objective_loss(h, t, E, E, config, torch.Generator().manual_seed(3))
         return fn
     want, want_grads = loss_and_grads(run(None), h, E)
     got, got_grads = loss_and_grads(run(16), h, E)
@@ -242,7 +242,7 @@ def test_chunked_compiles_whole(case):
 
     def fn(h, E):
         if case == "cwt":
-            return training_loss(h, t, E, E, LossConfig(loss="cwt", loss_chunk_size=8))
+            return train.objective_loss(h, t, E, E, LossConfig(loss="cwt", loss_chunk_size=8))
         return chunked.chunked_softmax_loss(h, E[drawn], 0.7, 8, positives=E[t], exclude=slot[t])
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     want, want_grads = loss_and_grads(fn, h, E)

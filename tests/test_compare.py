@@ -25,6 +25,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import common
 import compare
+import prepare
+import sources
 import train
 from common import UserError
 
@@ -239,11 +241,11 @@ def finished_compare(tmp_path_factory):
     import model
 
     root = tmp_path_factory.mktemp("state")
-    speeches = [s for p in data.play_files()[:2] for s in data.clean_play(p.read_text()).split("\n\n")]
+    speeches = [s for p in sources.play_files()[:2] for s in sources.clean_play(p.read_text()).split("\n\n")]
     (root / "src").mkdir()
     for name, part in (("train", speeches[:300]), ("validation", speeches[300:330])):
         (root / "src" / f"{name}.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in part))
-    data.prepare(data.PrepareConfig(dataset=str(root / "src"), tokenizer="bpe:300", data_root=str(root / "data")))
+    prepare.prepare(prepare.PrepareConfig(dataset=str(root / "src"), tokenizer="bpe:300", data_root=str(root / "data")))
     flags = [f"--dataset={data.dataset_dir(str(root / 'src'), str(root / 'data'), tokenizer='bpe:300')}", "--quick",
              "--device=cpu", f"--data_root={root / 'data'}"]
     with pytest.MonkeyPatch.context() as mp:

@@ -15,6 +15,8 @@ import bench
 import compare
 import data
 import model
+import prepare
+import sources
 from common import UserError
 
 FLAGS = ["--quick", "--negatives_sweep=all,8,unique", "--negatives_batch_sizes=4,2", "--seeds=7", "--device=cpu"]
@@ -29,11 +31,11 @@ def sweep(tmp_path_factory, one_thread):
     bench.py with stand-in timings and memory (bench's own tests measure them). One torch thread: a model this
     small only loses time to threads, badly so on a busy machine."""
     root = tmp_path_factory.mktemp("negatives")
-    speeches = [s for p in data.play_files()[:2] for s in data.clean_play(p.read_text()).split("\n\n")]
+    speeches = [s for p in sources.play_files()[:2] for s in sources.clean_play(p.read_text()).split("\n\n")]
     (root / "src").mkdir()
     for name, part in (("train", speeches[:300]), ("validation", speeches[300:330])):
         (root / "src" / f"{name}.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in part))
-    data.prepare(data.PrepareConfig(dataset=str(root / "src"), tokenizer="bpe:300", data_root=str(root / "data")))
+    prepare.prepare(prepare.PrepareConfig(dataset=str(root / "src"), tokenizer="bpe:300", data_root=str(root / "data")))
     data_dir = data.dataset_dir(str(root / "src"), str(root / "data"), tokenizer="bpe:300")
     argv = [*FLAGS, f"--dataset={data_dir}", f"--data_root={root / 'data'}", f"--out_dir={root / 'out'}"]
     with pytest.MonkeyPatch.context() as mp:

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import compare
 import data
 import model
+import sources
 from common import UserError
 
 SIZES = (300, 400)
@@ -23,7 +24,7 @@ def sweep(tmp_path_factory):
     100 held out: ~10k validation tokens), each BPE dataset prepared by the sweep itself, with the `tiny`
     preset shrunk as small_tiny_preset does."""
     root = tmp_path_factory.mktemp("vocab")
-    speeches = [s for p in data.play_files()[:2] for s in data.clean_play(p.read_text()).split("\n\n")]
+    speeches = [s for p in sources.play_files()[:2] for s in sources.clean_play(p.read_text()).split("\n\n")]
     (root / "src").mkdir()
     for name, part in (("train", speeches[:1000]), ("validation", speeches[1000:1100])):
         (root / "src" / f"{name}.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in part))

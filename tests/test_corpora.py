@@ -12,6 +12,8 @@ from test_data import DOCS, assert_one_line_error, expected_splits, prepare_file
 
 import corpora  # noqa: F401  (the extra under test: data.py reaches it for any source but shakespeare)
 import data
+import prepare
+import tokenizer
 from common import UserError
 from data import open_split
 
@@ -102,7 +104,7 @@ def test_rows_without_text_are_counted_and_reported(tmp_path, capsys):
     src.mkdir()
     rows = [{"text": f"{i} one two three " * 20} for i in range(8)] + [{"title": "no text"}, {"text": ""}]
     (src / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    meta = data.prepare(data.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d"), val_fraction=0.5))
+    meta = prepare.prepare(prepare.PrepareConfig(dataset=str(src), data_root=str(tmp_path / "d"), val_fraction=0.5))
     assert meta["documents"] == 8 and meta["skipped_rows"] == 2
     assert "skipped 2 rows of" in capsys.readouterr().err
 
@@ -113,17 +115,17 @@ def test_the_hint_for_an_unprepared_dataset_works_when_followed(tmp_path):
     (corpus / "a.txt").write_text("some words to train on\n" * 40)
     root = str(tmp_path / "d")
     with pytest.raises(UserError) as e:
-        data.ensure_dataset(str(corpus), root)
-    command = re.search(r"run: python data.py (.*)$", str(e.value))[1]
-    data.main(command.split(" "))  # exactly what the hint says
-    assert data.load_meta(data.ensure_dataset(str(corpus), root))["documents"] == 1
+        prepare.ensure_dataset(str(corpus), root)
+    command = re.search(r"run: python prepare.py (.*)$", str(e.value))[1]
+    prepare.main(command.split(" "))  # exactly what the hint says
+    assert data.load_meta(prepare.ensure_dataset(str(corpus), root))["documents"] == 1
     # A folder with shards but no meta.json (what an interrupted preparation left before datasets were built
     # beside their folder and renamed into place whole) holds nothing data.py can read.
     broken = tmp_path / "d" / "broken"
     broken.mkdir()
     (broken / "train.bin").write_bytes(b"\0\0")
     with pytest.raises(UserError, match="is not prepared .* missing"):
-        data.ensure_dataset(str(broken), root)
+        prepare.ensure_dataset(str(broken), root)
     with pytest.raises(UserError) as e:
         data.load_meta(broken)
     assert "..." not in str(e.value) and f"--data_root={tmp_path / 'd'}" in str(e.value)
@@ -152,7 +154,7 @@ def test_a_folder_with_its_own_validation_files_uses_them(tmp_path):
     with pytest.raises(UserError, match=r"--val_fraction=0.99 changes nothing with the source's own validation"):
         prepare_files(tmp_path / "idle", dataset=str(src), val_fraction=0.99)  # issue 42: an idle flag is refused
     out = prepare_files(tmp_path, dataset=str(src))
-    enc = data.load_tokenizer()
+    enc = tokenizer.load_tokenizer()
     assert open_split(out, "val").tolist() == enc.encode_ordinary(val_docs[0]) + [50256]
     assert open_split(out, "train").tolist() == sum((enc.encode_ordinary(t) + [50256] for t in train_docs), [])
     assert "own validation files" in data.load_meta(out)["source"]
@@ -167,7 +169,7 @@ def test_one_text_file_is_split_once_at_a_line_break_near_its_end(tmp_path):
     lines = [f"line {i} of the only document" for i in range(100)]
     (tmp_path / "book.txt").write_text("\n".join(lines) + "\n")
     out = prepare_files(tmp_path, dataset=str(tmp_path / "book.txt"), val_fraction=0.1)
-    enc = data.load_tokenizer()
+    enc = tokenizer.load_tokenizer()
     train, val = open_split(out, "train").tolist(), open_split(out, "val").tolist()
     assert 50256 not in train and val.count(50256) == 1 and val[-1] == 50256  # end-of-text: the document's end
     assert enc.decode(train + val[:-1]) == "\n".join(lines) + "\n"
@@ -182,11 +184,11 @@ def test_a_second_source_never_replaces_a_dataset_of_the_same_name(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name / "books").mkdir(parents=True)
         (tmp_path / name / "books" / "x.txt").write_text(f"{name} words\n" * 50)
-    cfg = data.PrepareConfig(dataset=str(tmp_path / "a" / "books"), data_root=str(tmp_path / "data"))
-    data.prepare(cfg)
+    cfg = prepare.PrepareConfig(dataset=str(tmp_path / "a" / "books"), data_root=str(tmp_path / "data"))
+    prepare.prepare(cfg)
     first = (out / "train.bin").read_bytes()
     with pytest.raises(UserError, match=f"already holds a dataset prepared from {tmp_path / 'a' / 'books'}"):
-        data.prepare(dataclasses.replace(cfg, dataset=str(tmp_path / "b" / "books")))
+        prepare.prepare(dataclasses.replace(cfg, dataset=str(tmp_path / "b" / "books")))
     assert (out / "train.bin").read_bytes() == first
-    data.prepare(dataclasses.replace(cfg, val_fraction=0.2))  # the same source again: replaced, as asked
+    prepare.prepare(dataclasses.replace(cfg, val_fraction=0.2))  # the same source again: replaced, as asked
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "val.bytes"]

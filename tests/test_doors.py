@@ -36,6 +36,8 @@ import generate
 import glue
 import hf
 import model
+import prepare
+import tokenizer
 import train
 import xnli
 from common import UserError
@@ -265,12 +267,12 @@ def test_a_tokenizer_that_would_be_downloaded_is_one_line(checkpoint_dict, tmp_p
     def fetched(name):
         raise AssertionError("a tokenizer was fetched")
 
-    monkeypatch.setattr(data.tiktoken, "get_encoding", fetched)
+    monkeypatch.setattr(tokenizer.tiktoken, "get_encoding", fetched)
     path = tmp_path / "ckpt.safetensors"
     save_ckpt(edited(checkpoint_dict, "data_meta/tokenizer", "cl100k_base"), path)
     refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], "unknown tokenizer 'cl100k_base'",
             monkeypatch, capsys)
-    refused(data.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "hf:ORG/NAME",
+    refused(prepare.main, ["--tokenizer=cl100k_base", f"--data_root={tmp_path / 'd'}"], "hf:ORG/NAME",
             monkeypatch, capsys)
     assert not (tmp_path / "d").exists()
 
@@ -353,10 +355,10 @@ def test_a_swapped_tokenizer_json_is_refused_and_never_carried(tmp_path, monkeyp
     """Case 9: meta.json's sha256 of tokenizer.json is checked: a swapped file (another valid tokenizer) neither
     trains nor reaches a checkpoint."""
     root = tmp_path / "d"
-    data.prepare(data.PrepareConfig(dataset=str(small_corpus(tmp_path / "corpus")), tokenizer="bpe:260",
+    prepare.prepare(prepare.PrepareConfig(dataset=str(small_corpus(tmp_path / "corpus")), tokenizer="bpe:260",
                                     data_root=str(root)))
     folder = root / "corpus-bpe260"
-    assert data.dataset_tokenizer(folder).n_vocab == 260
+    assert tokenizer.dataset_tokenizer(folder).n_vocab == 260
     bpe.save_tokenizer_json(bpe.train_bpe(["another text, another tokenizer"], 260), folder / "tokenizer.json")
     refused(train.main, [f"--dataset={folder}", f"--out_dir={tmp_path / 'o'}", *TRAIN],
             "tokenizer.json is not the tokenizer bpe:260 that meta.json records", monkeypatch, capsys, root)
@@ -372,7 +374,7 @@ def test_a_dataset_written_by_todays_main_loads_and_an_older_one_names_its_fix(t
                             "train_tokens", "val_bytes", "val_tokens", "vocab_size"]
     folder = Path(shutil.copytree(tiny_data_dir, tmp_path / "books"))
     meta_edit(format=2)(folder)
-    with pytest.raises(UserError, match=r"prepared before val.bytes .* python data.py --dataset=shakespeare"):
+    with pytest.raises(UserError, match=r"prepared before val.bytes .* python prepare.py --dataset=shakespeare"):
         data.load_meta(folder)
 
 
@@ -429,7 +431,7 @@ def test_a_micro_batch_larger_than_the_training_split_is_refused(tiny_data_dir, 
 def test_bpe_sizes_no_vocabulary_has_are_refused_before_any_work(name, tmp_path, monkeypatch, capsys):
     """Cases 10 and 14: full-width digits (the folder was named shakespeare-bpe), 10^23 and 2^64 + 1 (an
     OverflowError), 10^9 (the tokenizer library aborted after 70 GB, leaving a .lock)."""
-    refused(data.main, [f"--tokenizer={name}", f"--data_root={tmp_path / 'd'}"], "N must be a whole number",
+    refused(prepare.main, [f"--tokenizer={name}", f"--data_root={tmp_path / 'd'}"], "N must be a whole number",
             monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []
 
@@ -529,7 +531,7 @@ def test_an_interrupted_bpe_preparation_leaves_the_earlier_dataset_whole(stop_in
     """Case 8: Ctrl-C while preparing a bpe dataset over an existing one replaced its tokenizer.json first (4 of
     4 timings). Now the new dataset is built beside it and renamed into place as a unit."""
     settings = dict(dataset=str(small_corpus(tmp_path / "corpus")), tokenizer="bpe:260", data_root=str(tmp_path / "d"))
-    data.prepare(data.PrepareConfig(**settings))
+    prepare.prepare(prepare.PrepareConfig(**settings))
     before = snapshot(tmp_path / "d")
     assert sorted(before) == [f"corpus-bpe260/{f}" for f in ("meta.json", "tokenizer.json", "train.bin", "val.bin",
                                                               "val.bytes")]
@@ -543,13 +545,13 @@ def test_an_interrupted_bpe_preparation_leaves_the_earlier_dataset_whole(stop_in
         monkeypatch.setattr(common.os, "rename", lambda a, b: renames.append(a) or (
             stop() if len(renames) == 2 else os.replace(a, b)))
     elif stop_in == "write_meta":
-        monkeypatch.setattr(data.json, "dumps", stop)
+        monkeypatch.setattr(prepare.json, "dumps", stop)
     elif stop_in == "encode_batches":
-        monkeypatch.setattr(data, stop_in, stop)
+        monkeypatch.setattr(prepare, stop_in, stop)
     else:
         monkeypatch.setattr(bpe, stop_in, stop)
     with pytest.raises(KeyboardInterrupt):
-        data.prepare(data.PrepareConfig(**settings))
+        prepare.prepare(prepare.PrepareConfig(**settings))
     assert snapshot(tmp_path / "d") == before  # the dataset, and no temp folder or .lock beside it
     assert len(renames) == (3 if stop_in == "rename" else 0)  # away, (stopped), back
 
@@ -596,16 +598,16 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
 def test_sigterm_while_preparing_data_leaves_nothing(tmp_path, monkeypatch, capsys):
     """Case 15: SIGTERM early in data.py left an empty dataset folder with a .lock. It now unwinds as Ctrl-C
     does (exit 143): the folder and the temp folder beside it are removed."""
-    real = data.write_shards
+    real = prepare.write_shards
 
     def terminated(*args, **kwargs):
         signal.raise_signal(signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "write_shards", terminated)
-    monkeypatch.setattr(sys, "argv", ["data.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
+    monkeypatch.setattr(prepare, "write_shards", terminated)
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "--max_docs=2", f"--data_root={tmp_path / 'd'}"])
     with pytest.raises(SystemExit) as e:
-        common.run_main(data.main)
+        common.run_main(prepare.main)
     assert e.value.code == 143 and snapshot(tmp_path / "d") == {}  # nothing but the released lock
     assert signal.getsignal(signal.SIGTERM) is not common._terminate
 
@@ -656,9 +658,9 @@ def test_two_tokenizers_of_one_folder_name_never_replace_each_others_dataset(tmp
         (tmp_path / name / "mytok").mkdir(parents=True)
         bpe.save_tokenizer_json(bpe.train_bpe([text], 260), tmp_path / name / "mytok" / "tokenizer.json")
     flags = [f"--dataset={small_corpus(tmp_path / 'corpus')}", f"--data_root={tmp_path / 'd'}"]
-    data.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])
-    data.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])  # the same: prepared again
-    err = refused(data.main, [*flags, f"--tokenizer={tmp_path / 'tokB' / 'mytok' / 'tokenizer.json'}"],
+    prepare.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])
+    prepare.main([*flags, f"--tokenizer={tmp_path / 'tokA' / 'mytok' / 'tokenizer.json'}"])  # the same: prepared again
+    err = refused(prepare.main, [*flags, f"--tokenizer={tmp_path / 'tokB' / 'mytok' / 'tokenizer.json'}"],
                   "holds a dataset of another tokenizer", monkeypatch, capsys, tmp_path / "d")
     assert "pass --name=NAME" in err
     assert data.load_meta(tmp_path / "d" / "corpus-mytok")["tokenizer"].startswith(str(tmp_path / "tokA"))

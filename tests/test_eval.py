@@ -18,9 +18,10 @@ from hypothesis import given, settings, strategies as st
 import eval as evaluation
 import train
 from common import UserError
-from data import load_tokenizer, open_split
+from data import open_split
 from loss import LossConfig, contrastive_table
 from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
 from train import Objective, Validation, ValSplit, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,6 +28,7 @@ import eval as evaluation
 import finetune
 import generate
 import glue
+import prepare
 import results
 import train
 import xnli
@@ -87,7 +88,7 @@ def test_ctrl_c_before_a_run_starts_writes_nothing(during, flags, tiny_data_dir,
     is as it was (the log is trimmed only once the run is built)."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    module = common if during == "claim_out_dir" else train  # where train() finds it
+    module = {"claim_out_dir": common, "ensure_dataset": prepare}.get(during, train)  # where train() finds it
     real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
@@ -105,7 +106,7 @@ def test_a_refused_run_is_refused_before_anything_is_built(tiny_data_dir, finish
     """Issue 34: a second `python train.py` into out/ was refused only after ~10 s and the model line; the claim
     on out_dir (its checks and lock) now comes first, before the data, the model or the first line."""
     out = copy_of(finished, tmp_path / "o")
-    monkeypatch.setattr(train, "ensure_dataset", lambda *a: pytest.fail("built before the refusal"))
+    monkeypatch.setattr(prepare, "ensure_dataset", lambda *a: pytest.fail("built before the refusal"))
     code, _, err = run_cli(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", "--device=cpu"],
                            monkeypatch, capsys)
     assert code == 2 and err == REFUSED.format(out=out, what="ckpt.safetensors")
@@ -529,5 +530,5 @@ def test_a_checkpoint_save_on_a_read_only_folder(tiny_data_dir, tmp_path, monkey
 def test_a_damaged_meta_json_of_the_built_in_dataset_is_prepared_again(tmp_path):
     (tmp_path / "shakespeare").mkdir()
     (tmp_path / "shakespeare" / "meta.json").write_text("{not json")
-    out = data.ensure_dataset("shakespeare", str(tmp_path))
+    out = prepare.ensure_dataset("shakespeare", str(tmp_path))
     assert data.load_meta(out)["format"] == data.DATA_FORMAT

@@ -12,9 +12,9 @@ import torch
 from helpers import refusal, save_ckpt
 
 from common import run_main
-from data import load_tokenizer
 from generate import filter_logits, generate, main, sample_token, stream_text
 from model import build_model
+from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,9 +14,9 @@ import model as model_module
 import train
 from checkpoint import save_checkpoint
 from common import UserError
-from data import load_tokenizer
 from glue import TASKS, accuracy, f1, matthews, pearson, spearman
 from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
 from train import TrainConfig
 
 

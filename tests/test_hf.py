@@ -13,10 +13,10 @@ import hf
 import train
 from checkpoint import load_model
 from common import UserError
-from data import load_tokenizer
 from finetune import FinetuneConfig, finetune
 from generate import generate
 from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 
@@ -123,7 +123,7 @@ def test_exported_tokenizer_encodes_like_tiktoken(checkpoints, tmp_path):
         ids = gpt2.encode(text, allowed_special="all")
         assert theirs(text)["input_ids"] == ids
         assert theirs.decode(ids) == gpt2.decode(ids) == text
-    # The same file through data.py's adapter: special tokens only where asked for, as tiktoken.
+    # The same file through tokenizer.py's adapter: special tokens only where asked for, as tiktoken.
     adapter = load_tokenizer(str(out / "tokenizer.json"))
     assert (adapter.n_vocab, adapter.eot_token) == (50257, 50256)
     for text in TEXTS:

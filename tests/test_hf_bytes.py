@@ -14,6 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 import bpe
 import data
+import prepare
+import sources
 import train
 from hf import HFTokenizer
 from model import build_model
@@ -99,12 +101,12 @@ def test_bits_per_byte_of_data_prepared_with_each_kind(kind, tokenizers_by_kind,
     path = tmp_path / kind.replace(" ", "") / "tokenizer.json"
     path.parent.mkdir()
     path.write_text(tokenizers_by_kind[kind].json)
-    cfg = data.PrepareConfig(dataset="shakespeare", tokenizer=str(path), max_docs=4, val_fraction=0.25,
+    cfg = prepare.PrepareConfig(dataset="shakespeare", tokenizer=str(path), max_docs=4, val_fraction=0.25,
                              data_root=str(tmp_path / "data"), name="plays")
-    meta = data.prepare(cfg)
+    meta = prepare.prepare(cfg)
     folder = tmp_path / "data" / "plays"
     val = data.open_val_split(folder, meta["vocab_size"])
-    plays = [data.clean_play(p.read_text(encoding="utf-8")) for p in data.play_files()[:4]]
+    plays = [sources.clean_play(p.read_text(encoding="utf-8")) for p in sources.play_files()[:4]]
     held_out = [p for p in plays if data.split_by_hash([p], 0.25).__next__()[0] == "val"]
     assert int(val.byte_counts.sum()) == meta["val_bytes"] == sum(len(p.encode()) for p in held_out)
     n = 128

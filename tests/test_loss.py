@@ -119,6 +119,8 @@ def test_training_loss_selects_objectives():
     assert nce_loss(hf, W, tf).item() == pytest.approx(naive_cwt(hf, W[tf]), abs=1e-12)
     with pytest.raises(ValueError):
         training_loss(h, t, E, E, LossConfig(loss="mse"))
+    with pytest.raises(ValueError, match="negatives.training_loss_with_negatives"):  # the extra's: never imported here
+        training_loss(h, t, E, E, LossConfig(negatives="unique"))
 
 
 @pytest.mark.parametrize("t0", [1.0, 0.4])

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import data
 import mixing
+import prepare
 import train
 from common import UserError
 
@@ -40,7 +41,7 @@ def languages(tmp_path_factory) -> tuple[Path, list[str]]:
     names = []
     for name, letters, docs in (("big", "abcdefgh", 40), ("small", "stuvwxyz", 10)):
         source = write_language(root / "sources" / name, letters, docs, seed=len(name))
-        data.prepare(data.PrepareConfig(dataset=str(source), val_fraction=0.3, data_root=str(root)))
+        prepare.prepare(prepare.PrepareConfig(dataset=str(source), val_fraction=0.3, data_root=str(root)))
         names.append(name)
     return root, names
 
@@ -97,7 +98,7 @@ def test_bad_mixes_are_one_line(languages, tmp_path, overrides, message):
     root, _ = languages
     if "other" in overrides.get("dataset", ""):  # the same kind of text, another vocabulary
         source = write_language(tmp_path / "other", "abcdefgh", 12, seed=9)
-        data.prepare(data.PrepareConfig(dataset=str(source), tokenizer="bpe:300", name="other",
+        prepare.prepare(prepare.PrepareConfig(dataset=str(source), tokenizer="bpe:300", name="other",
                                         val_fraction=0.3, data_root=str(root)))
     with pytest.raises(UserError, match=message) as e:
         train.train(config(root, tmp_path / "out", **overrides))
@@ -123,7 +124,7 @@ def test_an_encoder_on_a_wordpiece_mix_masks_with_its_own_mask_id(tmp_path):
     tokenizer = wordpiece(tmp_path / "wordpiece.json")
     for name, letters in (("xx", "abcdefgh"), ("yy", "stuvwxyz")):
         source = write_language(tmp_path / "sources" / name, letters, 12, seed=len(letters) + ord(name[0]))
-        meta = data.prepare(data.PrepareConfig(dataset=str(source), tokenizer=str(tokenizer), name=name,
+        meta = prepare.prepare(prepare.PrepareConfig(dataset=str(source), tokenizer=str(tokenizer), name=name,
                                                val_fraction=0.3, data_root=str(tmp_path / "data")))
     assert (meta["eot_token"], meta["mask_token"], meta["special_tokens"]) == (3, 4, [0, 1, 2, 3, 4])
     summary = train.train(train.TrainConfig(

@@ -22,12 +22,12 @@ ELSEWHERE = ("home", "config", "cache", "data", "state", "runtime", "tmp", "cwd"
 COMMANDS = """
 import sys
 sys.path.insert(0, ROOT)
-import data, train, finetune, generate, eval, results, analyze, model
+import prepare, train, finetune, generate, eval, results, analyze, model
 model.PRESETS["tiny"] = dict(n_layer=1, n_head=2, d_model=32, block_size=16)
 corpus, d, out, ft = (f"{WORK}/{name}" for name in ("corpus", "data", "out", "ft"))
 tiny = ["--block_size=16", "--batch_size=2", "--eval_batches=1", "--warmup_iters=1", "--device=cpu"]
-data.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])  # GPT-2's tokens (tiktoken)
-data.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5", "--tokenizer=bpe:260"])  # tokenizers'
+prepare.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])  # GPT-2's tokens (tiktoken)
+prepare.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5", "--tokenizer=bpe:260"])  # tokenizers'
 train.main([f"--dataset={d}/corpus-bpe260", f"--out_dir={out}", "--preset=tiny", "--max_iters=2", "--eval_interval=2",
             "--tensorboard", "--wandb", *tiny])
 finetune.main([f"--ckpt={out}/ckpt.safetensors", f"--out_dir={ft}", "--max_iters=1", f"--data_root={d}"])

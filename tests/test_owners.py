@@ -28,6 +28,7 @@ import checkpoint
 import common
 import data
 import finetune
+import prepare
 import train
 from common import UserError
 
@@ -89,8 +90,8 @@ def corpus(folder: Path, words: str) -> Path:
     return folder
 
 
-def prepared(root: Path, source: Path) -> data.PrepareConfig:
-    return data.PrepareConfig(dataset=str(source), data_root=str(root), name="books")
+def prepared(root: Path, source: Path) -> prepare.PrepareConfig:
+    return prepare.PrepareConfig(dataset=str(source), data_root=str(root), name="books")
 
 
 def checksums(folder: Path) -> dict | None:
@@ -111,7 +112,7 @@ def test_two_data_py_on_one_dataset_at_once_exactly_one_proceeds(tmp_path, monke
     source = corpus(tmp_path / "corpus", "old")
     root = tmp_path / "d"
     argv = [f"--dataset={source}", f"--data_root={root}", "--name=books"]
-    data.main(argv)
+    prepare.main(argv)
     before = snapshot(root / "books")
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), "books"], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
@@ -119,14 +120,14 @@ def test_two_data_py_on_one_dataset_at_once_exactly_one_proceeds(tmp_path, monke
         assert holder.stdout.readline().strip() == "held"
         for offset in sorted(random.Random(42).uniform(0, 0.2) for _ in range(4)):
             time.sleep(offset)
-            code, _, err = run_cli(data.main, argv, monkeypatch, capsys)
-            assert code == 2 and err.startswith(f"error: {root / 'books'} is in use by another data.py preparing it "
+            code, _, err = run_cli(prepare.main, argv, monkeypatch, capsys)
+            assert code == 2 and err.startswith(f"error: {root / 'books'} is in use by another prepare.py preparing it "
                                                 f"(pid {holder.pid}") and "\n" not in err.strip(), err
             assert snapshot(root / "books") == before and (root / ".books.lock").exists()
     finally:
         holder.kill()  # kill -9 of the holder: the kernel releases its lock
         holder.wait(timeout=30)
-    data.main(argv)  # the killed holder left no stale lock: the next one proceeds
+    prepare.main(argv)  # the killed holder left no stale lock: the next one proceeds
     assert checksums(root / "books") is not None
     assert sorted(p.name for p in root.iterdir()) == [".books.lock", "books"]
 
@@ -134,8 +135,8 @@ def test_two_data_py_on_one_dataset_at_once_exactly_one_proceeds(tmp_path, monke
 HOLDER = """
 import sys, time
 from pathlib import Path
-import data
-with data.hold_dataset(Path(sys.argv[1]) / sys.argv[2]):
+import prepare
+with prepare.hold_dataset(Path(sys.argv[1]) / sys.argv[2]):
     print("held", flush=True)
     time.sleep(60)
 """
@@ -146,13 +147,13 @@ def test_releasing_a_dataset_never_removes_the_lock_another_holds(tmp_path):
     its lock deleted the one another held. The lock file is beside the folder (the swap never moves it) and is
     never unlinked: held by one, a second is refused, before and after any swap."""
     root = tmp_path / "d"
-    data.prepare(prepared(root, corpus(tmp_path / "old", "old")))
-    with data.hold_dataset(root / "books"):
-        with pytest.raises(UserError, match="is in use by another data.py preparing it"):
-            data.prepare(prepared(root, corpus(tmp_path / "old", "old")))
+    prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))
+    with prepare.hold_dataset(root / "books"):
+        with pytest.raises(UserError, match="is in use by another prepare.py preparing it"):
+            prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))
         assert common.lock_holder(root, ".books.lock") is not None
-    data.prepare(prepared(root, corpus(tmp_path / "old", "old")))  # released: the next one proceeds
-    with data.hold_dataset(root / "books"):  # the same lock file, after the swap
+    prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))  # released: the next one proceeds
+    with prepare.hold_dataset(root / "books"):  # the same lock file, after the swap
         assert f"pid {os.getpid()}" in common.lock_holder(root, ".books.lock")
 
 
@@ -187,23 +188,23 @@ def test_kill_9_of_data_py_at_every_step_loses_no_dataset(two_renames, tmp_path)
     new one is in place, whole, or set aside for the next start (a file system without an exchange, killed
     between its two renames); the next data.py finishes, and a reader finds the earlier one back."""
     root, source = tmp_path / "d", tmp_path / "corpus"
-    data.prepare(prepared(root, corpus(source, "old")))
+    prepare.prepare(prepared(root, corpus(source, "old")))
     old = checksums(root / "books")
     corpus(source, "new")  # the same source, edited: prepared again under its name
-    steps = killed_at(10**6, lambda: data.prepare(prepared(root, source)), two_renames=two_renames)
+    steps = killed_at(10**6, lambda: prepare.prepare(prepared(root, source)), two_renames=two_renames)
     new = checksums(root / "books")
     assert steps >= 2 and new != old, steps
     for k in random.Random(7).sample(range(1, steps + 1), steps):
         shutil.rmtree(root)
-        data.prepare(prepared(root, corpus(source, "old")))
+        prepare.prepare(prepared(root, corpus(source, "old")))
         corpus(source, "new")
-        assert killed_at(k, lambda: data.prepare(prepared(root, source)), two_renames=two_renames) == -1
+        assert killed_at(k, lambda: prepare.prepare(prepared(root, source)), two_renames=two_renames) == -1
         found = checksums(root / "books")
         aside = common.set_aside(root / "books") if hasattr(common, "set_aside") else []
         assert found in (old, new) or (found is None and [checksums(p) for p in aside] == [old]), k
-        data.ensure_dataset(str(root / "books"), str(root))  # a reader: what a killed swap left, put back
+        prepare.ensure_dataset(str(root / "books"), str(root))  # a reader: what a killed swap left, put back
         assert checksums(root / "books") in (old, new), k
-        data.prepare(prepared(root, source))  # the next start finishes
+        prepare.prepare(prepared(root, source))  # the next start finishes
         assert checksums(root / "books") == new
         assert sorted(p.name for p in root.iterdir()) == [".books.lock", "books"], k  # no temp, nothing aside
 
@@ -215,7 +216,7 @@ def test_kill_9_of_data_py_at_every_step_loses_no_dataset(two_renames, tmp_path)
 def run_on_books(tmp_path):
     """A 2-step run on a dataset `books` (its checkpoint records the shards' checksums)."""
     root = tmp_path / "d"
-    data.prepare(prepared(root, corpus(tmp_path / "old", "old")))
+    prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))
     flags = [f"--dataset={root / 'books'}", "--preset=tiny", "--block_size=16", "--batch_size=2", "--max_iters=2",
              "--eval_interval=2", "--eval_batches=1", "--device=cpu", f"--out_dir={tmp_path / 'o'}", "--seed=0"]
     train.main(flags)
@@ -229,7 +230,7 @@ def test_a_run_goes_on_only_on_its_own_data(command, again, run_on_books, tmp_pa
     went on silently with other shards than the checksums its checkpoint recorded. Refused in one line (prepare
     it under another name, or --overwrite); the same data prepared again goes on."""
     root, flags = run_on_books
-    data.prepare(prepared(root, corpus(tmp_path / "old", "old" if again == "same" else "new")))
+    prepare.prepare(prepared(root, corpus(tmp_path / "old", "old" if again == "same" else "new")))
     before = snapshot(tmp_path / "o")
     if command == "finetune":
         argv = [f"--ckpt={tmp_path / 'o' / 'ckpt.safetensors'}", f"--data_root={root}", f"--out_dir={tmp_path / 'ft'}",
@@ -242,7 +243,7 @@ def test_a_run_goes_on_only_on_its_own_data(command, again, run_on_books, tmp_pa
         return
     code, _, err = run_cli(main, argv, monkeypatch, capsys)
     assert code == 2 and "books was prepared again since (its shards differ from the checksums the checkpoint " \
-                          "recorded)" in err and "data.py --name=NAME), or start over with --overwrite" in err, err
+                          "recorded)" in err and "prepare.py --name=NAME), or start over with --overwrite" in err, err
     assert snapshot(tmp_path / "o") == before
     if command != "finetune":
         train.main([*flags, "--overwrite"])  # a new run on the new data
@@ -319,7 +320,7 @@ def test_every_corpus_file_is_read_within_the_bound_of_its_kind(kind, size, spar
     with open(path, "wb") as f:
         f.truncate(size) if sparse else f.write(b'{"text": "' + b"x" * size + b'"}\n')
     started = time.monotonic()
-    code, _, err = run_cli(data.main, [f"--dataset={path}", f"--data_root={tmp_path / 'd'}"], monkeypatch, capsys)
+    code, _, err = run_cli(prepare.main, [f"--dataset={path}", f"--data_root={tmp_path / 'd'}"], monkeypatch, capsys)
     assert code == 2 and words in err and time.monotonic() - started < 30, err
 
 
@@ -338,11 +339,12 @@ def test_the_longest_line_is_measured_in_bounded_reads(lengths, scan):
 
 
 HUB_COMMANDS = {  # every way a command reaches the hub: what it loads, named in its one line
-    "data.py --dataset=ORG/NAME": (lambda t: data.main(["--dataset=someone/corpus", f"--data_root={t}"]),
-                                   "dataset 'someone/corpus'"),
-    "data.py --tokenizer=hf:ORG/NAME": (lambda t: data.main([f"--dataset={corpus(t / 'c', 'old')}", f"--data_root={t}",
-                                                            "--tokenizer=hf:someone/tokenizer"]),
-                                        "the tokenizer of 'someone/tokenizer'"),
+    "prepare.py --dataset=ORG/NAME": (lambda t: prepare.main(["--dataset=someone/corpus", f"--data_root={t}"]),
+                                      "dataset 'someone/corpus'"),
+    "prepare.py --tokenizer=hf:ORG/NAME": (lambda t: prepare.main([f"--dataset={corpus(t / 'c', 'old')}",
+                                                                   f"--data_root={t}",
+                                                                   "--tokenizer=hf:someone/tokenizer"]),
+                                           "the tokenizer of 'someone/tokenizer'"),
     "eval.py (LAMBADA)": (lambda t: __import__("eval").load_lambada(None), "EleutherAI/lambada_openai"),
     "glue.py": (lambda t: __import__("glue").load_split(__import__("glue").GlueConfig(), "train"), "nyu-mll/glue"),
     "xnli.py": (lambda t: list(__import__("xnli").hub_split("en", "test")), "facebook/xnli/en test"),

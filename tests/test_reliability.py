@@ -20,9 +20,9 @@ from helpers import read_ckpt, read_log, snapshot, tiny_config as train_tiny_con
 
 import checkpoint
 import common
-import data
 import finetune
 import generate
+import prepare
 import train
 from common import UserError
 from model import GPTConfig
@@ -128,9 +128,9 @@ def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
 
 
 def test_two_preparations_of_one_dataset_folder(tmp_path):
-    with data.hold_dataset(tmp_path / "data" / "shakespeare"):
-        with pytest.raises(UserError, match="in use by another data.py preparing it"):
-            data.prepare(data.PrepareConfig(max_docs=1, data_root=str(tmp_path / "data")))
+    with prepare.hold_dataset(tmp_path / "data" / "shakespeare"):
+        with pytest.raises(UserError, match="in use by another prepare.py preparing it"):
+            prepare.prepare(prepare.PrepareConfig(max_docs=1, data_root=str(tmp_path / "data")))
 
 
 # ------------------------------------------------------------------------------ 3. disk full
@@ -196,10 +196,10 @@ def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
         f = open(path, mode, *args, **kwargs)
         return FullDisk(f, 5000) if common.TEMP_MARK in str(path) else f
 
-    monkeypatch.setattr(data, "open", opener, raising=False)
+    monkeypatch.setattr(prepare, "open", opener, raising=False)
     with pytest.raises(UserError, match=r"^no space left on device while saving \S+shakespeare; the partial folder "
                                         r"was removed and any earlier one is unchanged$"):
-        data.prepare(data.PrepareConfig(dataset="shakespeare", max_docs=2, data_root=str(tmp_path / "d")))
+        prepare.prepare(prepare.PrepareConfig(dataset="shakespeare", max_docs=2, data_root=str(tmp_path / "d")))
     assert snapshot(tmp_path / "d") == {}  # nothing but the released lock
 
 
@@ -260,7 +260,7 @@ def test_resume_after_a_crash_gives_the_log_of_an_uninterrupted_run(tiny_data_di
     ("data", ["--num_proc=0"], "--num_proc must be in [1, 1024], got 0"),
 ])
 def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_path):
-    mains = {"train": train.main, "finetune": finetune.main, "data": data.main, "generate": generate.main}
+    mains = {"train": train.main, "finetune": finetune.main, "data": prepare.main, "generate": generate.main}
     out = {"train": "--out_dir=OUT/out", "finetune": "--out_dir=OUT/out", "data": "--data_root=OUT/out",
            "generate": "--ckpt=CKPT"}[script]
     refused_before_any_work(mains[script], [out, *flags], message, tmp_path)

@@ -15,6 +15,7 @@ from helpers import read_ckpt, save_ckpt, tiny_config
 
 import data
 import finetune
+import prepare
 import train
 from common import UserError
 
@@ -94,10 +95,10 @@ def test_a_dataset_of_an_older_format_is_refused_and_shakespeare_is_prepared_aga
         meta = {"tokenizer": "gpt2", "vocab_size": 50257, "dtype": "uint16", "eot_token": 50256,
                 "train_tokens": 0, "val_tokens": 0, "checksums": {}, "settings": {"dataset": name}, **fields}
         (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=re.escape(f"{message}; prepare its corpus again with python data.py "
+    with pytest.raises(UserError, match=re.escape(f"{message}; prepare its corpus again with python prepare.py "
                                                   "--dataset=books")):
         data.load_meta(tmp_path / "books")
-    out = data.ensure_dataset("shakespeare", str(tmp_path))
+    out = prepare.ensure_dataset("shakespeare", str(tmp_path))
     assert "preparing the built-in shakespeare dataset" in capsys.readouterr().err
     assert data.load_meta(out)["format"] == data.DATA_FORMAT and data.load_meta(out)["documents"] == 38
 
@@ -112,7 +113,7 @@ def test_the_command_a_refusal_builds_from_a_files_text_is_quoted_for_the_shell(
     with pytest.raises(UserError) as e:
         data.load_meta(folder)
     command = str(e.value).split("prepare its corpus again with ", 1)[1]
-    assert shlex.split(command) == ["python", "data.py", f"--dataset={source}", f"--data_root={folder.parent}"]
+    assert shlex.split(command) == ["python", "prepare.py", f"--dataset={source}", f"--data_root={folder.parent}"]
 
 
 def test_bits_per_byte_equals_a_float64_computation_from_the_tokens():

@@ -21,9 +21,10 @@ from hypothesis import given, settings, strategies as st
 
 import checkpoint
 import common
-import data
 import eval as eval_script
 import generate
+import prepare
+import tokenizer
 import train
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
@@ -225,13 +226,13 @@ def test_the_error_writer_follows_an_explicit_chain_only(links):
 def test_a_signal_while_the_built_in_dataset_is_prepared_is_a_stop(tmp_path, monkeypatch, capsys):
     """The probe's case: Ctrl-C while train.py prepares the built-in dataset (an error raised while handling the
     missing meta.json's error) was "cannot write ... while saving", exit 2."""
-    real = data.encode_batches
+    real = tokenizer.encode_batches
 
     def ctrl_c_while_encoding(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "encode_batches", ctrl_c_while_encoding)
+    monkeypatch.setattr(prepare, "encode_batches", ctrl_c_while_encoding)
     argv = [f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'o'}", "--max_iters=1", "--device=cpu"]
     assert run_cli(train.main, argv, monkeypatch, capsys)[::2] == (130, "interrupted")
     assert not (tmp_path / "data" / "shakespeare").exists()
@@ -318,7 +319,7 @@ def test_a_path_starting_with_a_tilde_means_one_thing_everywhere(script, flag, t
     """Issue 42, contract 5: `--out_dir=~/r` was checked as $HOME/r and written as ./~/r (a fine-tune replaced its
     own input). ~ is expanded nowhere: such a path is refused in one line naming the fix, before any work."""
     monkeypatch.chdir(tmp_path)
-    main = {"train": train.main, "data": data.main, "generate": generate.main}[script]
+    main = {"train": train.main, "data": prepare.main, "generate": generate.main}[script]
     err = refusal(main, [flag, "--prompt=a"] if script == "generate" else [flag], monkeypatch, capsys)
     assert "a path starting with ~ is not expanded here" in err and "$HOME" in err, err
     if "--data_root" in flag:  # the flag given, not the dataset folder made from it (--dataset=~/d/shakespeare)

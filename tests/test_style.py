@@ -1,7 +1,7 @@
-"""The architecture that protects users and forks: no import circle in the core, the core never imports an extra at
-module level, and deleting the extras (with the test files that import them) leaves a core that runs and a suite
-that collects. Sizes are never checked here: a fork that adds lines keeps a green suite. Style is ruff's
-(pyproject.toml; its E7 rules keep one statement a line)."""
+"""The architecture that protects users and forks: no import loop (lazy imports included), plumbing beneath the rest,
+the core never imports an extra at module level, and deleting the extras (with the test files that import them)
+leaves a core that runs and a suite that collects. Sizes are never checked here: a fork that adds lines keeps a
+green suite. Style is ruff's (pyproject.toml; its E7 rules keep one statement a line)."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +12,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "common", "doors")
+CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "prepare", "sources", "tokenizer",
+        "common", "doors")
+PLUMBING = ("common", "doors")
+# The one loop left, named: checkpoint.load_checkpoint resolves hf: sources through hf.py, whose imports lead back to
+# checkpoint.py. It goes when the script that accepts an hf: source resolves it (issue 49, with common.py's split).
+KNOWN_EDGES = {("checkpoint", "hf")}
 
 
 def modules() -> dict[str, Path]:
@@ -20,7 +25,8 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
-    """Every module a file imports: at the top (and under a top-level if/try), or anywhere."""
+    """Every module a file imports: at the top (and under a top-level if/try), or anywhere (inside functions too);
+    `from . import x` counts as importing x."""
     tree = ast.parse(path.read_text())
     nodes = list(ast.walk(tree))
     if top_level_only:  # a function's body is left out; a top-level `if` or `try` runs at import
@@ -31,19 +37,54 @@ def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
     for node in nodes:
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
+        if isinstance(node, ast.ImportFrom) and not node.module:
+            names |= {a.name for a in node.names}
     return names
 
 
-def test_no_import_circle_in_the_core_and_train_never_imports_finetune():
-    files = {name: path for name, path in modules().items() if name in CORE}
-    graph = {name: imports_of(path) & set(files) for name, path in files.items()}
-    assert "finetune" not in graph["train"]
+def import_graph() -> dict[str, set[str]]:
+    """Which project files each project file imports, at any depth (lazy imports included), from the source."""
+    files = modules()
+    return {name: (imports_of(path) & set(files)) - {name} for name, path in files.items()}
 
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
-    assert [name for name in graph if reaches(name, name, set())] == []
+
+def import_cycles(graph: dict[str, set[str]], limit: int = 20) -> list[list[str]]:
+    """The import loops of a graph, each as its files in order from its first name (at most `limit` of them)."""
+    found: list[list[str]] = []
+
+    def walk(path: list[str]) -> None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == path[0]:
+                found.append([*path, nxt])
+            elif nxt > path[0] and nxt not in path and len(found) < limit:
+                walk([*path, nxt])
+    for start in sorted(graph):
+        walk([start])
+    return found[:limit]
+
+
+def test_no_import_loop_lazy_imports_included_and_train_never_imports_finetune():
+    graph = import_graph()
+    assert "finetune" not in graph["train"]
+    for a, b in KNOWN_EDGES:
+        graph[a].discard(b)
+    assert [" -> ".join(f"{name}.py" for name in cycle) for cycle in import_cycles(graph)] == []
+
+
+def test_import_cycles_finds_and_names_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_plumbing_imports_nothing_above_it():
+    graph = import_graph()
+    above = {name: sorted(found - set(PLUMBING))
+             for name, found in graph.items() if name in PLUMBING}
+    assert {name: found for name, found in above.items() if found} == {}
+    assert "common" not in graph["doors"]  # common reads its files through doors
 
 
 def test_the_core_imports_an_extra_only_inside_the_function_that_serves_it():

@@ -12,8 +12,8 @@ import torch
 from helpers import io_pairs, read_ckpt, read_log, refusal, tiny_config, tree_state
 
 import common
-import data
 import finetune
+import prepare
 import train
 from checkpoint import load_model
 from common import UserError
@@ -206,7 +206,7 @@ def run_train(*flags, cwd=ROOT):
     (["--batch_size=zero"], "--batch_size='zero' is not a valid int"),
     (["--max_iters=0"], "--max_iters must be in [1, 4294967296], got 0"),
     (["--config=missing.toml"], "config file missing.toml not found"),
-    (["--dataset=no_such_dataset_here"], "python data.py --dataset="),
+    (["--dataset=no_such_dataset_here"], "python prepare.py --dataset="),
 ])
 def test_bad_flags_give_one_line_errors(flags, message, tmp_path):
     result = run_train(*flags, f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}")
@@ -286,10 +286,10 @@ TRAIN_CASES = {  # case: (the flags, given the test's tmp_path and the test data
     "meta.json text with newlines that would forge lines": (
         lambda t, d: [f"--dataset={evil_dataset(d, t, 'x' + chr(10) + 'Traceback (most recent call last):')}",
                       f"--out_dir={t / 'o'}"],
-        "python data.py '--dataset=x\\nTraceback (most recent call last):'"),  # quoted for the shell
+        "python prepare.py '--dataset=x\\nTraceback (most recent call last):'"),  # quoted for the shell
     "meta.json text of 5 MB": (
         lambda t, d: [f"--dataset={evil_dataset(d, t, 'A' * 5_000_000)}", f"--out_dir={t / 'o'}"],
-        "python data.py --dataset=" + "A" * 400 + "..."),
+        "python prepare.py --dataset=" + "A" * 400 + "..."),
 }
 
 
@@ -314,17 +314,17 @@ CORE_IO = {  # script: (main, its input's kind, the relations that apply, the na
                         lambda i, o: [*FLAGS, f"--dataset={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
     "finetune --ckpt": (finetune.main, "file", ("same", "link", "link_parent", "hardlink"), "log.jsonl",
                         lambda i, o: [f"--ckpt={i}", f"--out_dir={os.path.dirname(o)}", "--overwrite"]),
-    "data.py --dataset": (data.main, "corpus", ("same", "inside", "holds", "link", "link_parent"), "books",
+    "prepare.py --dataset": (prepare.main, "corpus", ("same", "inside", "holds", "link", "link_parent"), "books",
                           lambda i, o: [f"--dataset={i}", f"--data_root={os.path.dirname(o)}",
                                         f"--name={os.path.basename(o)}"]),
-    "data.py --tokenizer": (data.main, "tokenizer", ("holds",), "books",
+    "prepare.py --tokenizer": (prepare.main, "tokenizer", ("holds",), "books",
                             lambda i, o: [f"--tokenizer={i}", f"--data_root={os.path.dirname(o)}",
                                           f"--name={os.path.basename(o)}"]),
 }
 
 
 def test_no_core_script_writes_over_into_or_around_its_inputs(tmp_path_factory, monkeypatch, capsys):
-    """Contract 1, generated: (input, output) pairs of train.py, finetune.py and data.py (the output is, holds or
+    """Contract 1, generated: (input, output) pairs of train.py, finetune.py and prepare.py (the output is, holds or
     lies inside the input; directly, through a link or a hard link, spelled absolute, relative or with `..`) are
     refused in one line, exit 2, nothing changed. generate.py writes no file."""
     io_pairs(CORE_IO, max_examples=15)(tmp_path_factory, monkeypatch, capsys)
