@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Checkpoint, Init, State, checkpoint_model, load_checkpoint
+from checkpoint import Checkpoint, Init, State, checkpoint_model
 from common import (
     DeviceName,
     UserError,
@@ -53,6 +53,7 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
+from load import load_source
 from model import GPT
 from prepare import ensure_dataset
 from results import import_pyplot, save_figure, write_json
@@ -255,7 +256,7 @@ class Subject:
 
 def subjects(cfg: AnalyzeConfig) -> list[Subject]:
     """Every checkpoint through its door and its dataset found, before anything is computed."""
-    loaded = [(path, load_checkpoint(path, TrainConfig)) for path in cfg.ckpts]
+    loaded = [(path, load_source(path, TrainConfig)) for path in cfg.ckpts]
     return [Subject(path, ckpt, *dataset_of(path, ckpt, cfg.data_root)) for path, ckpt in loaded]
 
 

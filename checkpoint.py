@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import doors
-from common import UserError, atomic_file, first_line, need_extra, through_door
+from common import UserError, atomic_file, first_line, through_door
 from model import GPT, GPTConfig, from_checkpoint
 
 COUNT = doors.COUNT_RANGE
@@ -579,19 +579,12 @@ def last_good_checkpoint(path: str | Path) -> str:
 def load_checkpoint(path: str | Path, train_class: type | None = None) -> Checkpoint:
     """A checkpoint through its door (read_checkpoint: safetensors and its checksum, then every field, before
     anything is built; tensors memory-mapped; its train_config by the rules of `train_class`' fields, where the
-    reader has it: train.TrainConfig); hf:ORG/NAME or hf:FOLDER: a GPT-NeoX model, through hf.py."""
-    if str(path).startswith("hf:"):
-        need_extra("hf", "an hf: source")
-        from hf import hf_checkpoint
-        return hf_checkpoint(str(path))
+    reader has it: train.TrainConfig). An hf: source is a script's to accept: load.load_source."""
     return through_door(read_checkpoint, path, train_class)
 
 
 def load_document(path: str | Path, train_class: type | None = None) -> Checkpoint:
-    """What a plan reads of a checkpoint (read_document, through its door: its settings and counts, no tensor); an
-    hf: source whole, through hf.py (an import has no document)."""
-    if str(path).startswith("hf:"):
-        return load_checkpoint(path, train_class)
+    """What a plan reads of a checkpoint (read_document, through its door: its settings and counts, no tensor)."""
     return through_door(read_document, path, train_class)
 
 

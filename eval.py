@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
+from checkpoint import Checkpoint, checkpoint_model
 from common import (
     DeviceName,
     DtypeName,
@@ -67,6 +67,7 @@ from data import (
     same_tokenizer,
     special_ids,
 )
+from load import load_source
 from loss import NotFinite
 from prepare import ensure_dataset
 from results import check_finite, jsonl_rows, write_json
@@ -321,7 +322,7 @@ def main(argv: list[str]) -> dict:
         check_hub()  # before the checkpoint is read: offline, the answer comes at once
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)
+    ckpt = load_source(cfg.ckpt, TrainConfig)
     if cfg.task == "val":  # the dataset a checkpoint names is an input too, before it is opened
         io.also_reads("--dataset", dataset_dir(val_dataset(cfg, ckpt), cfg.data_root))
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()

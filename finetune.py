@@ -21,6 +21,7 @@ import doors
 from checkpoint import Checkpoint, load_document
 from common import UserError, note
 from data import recorded_dataset
+from load import source_document
 from loss import LossName
 from train import SAME, TrainConfig, idle_anywhere, resumed_settings, train
 
@@ -77,7 +78,7 @@ def base_checkpoint(cfg: FinetuneConfig) -> Checkpoint:
     its weights are read when the run is built."""
     if not cfg.ckpt:
         raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
-    return load_document(cfg.ckpt, TrainConfig)
+    return source_document(cfg.ckpt, TrainConfig)
 
 
 def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str], dict | None]:

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 import doors
-from checkpoint import checkpoint_model, load_checkpoint
+from checkpoint import checkpoint_model
 from common import DeviceName, DtypeName, UserError
+from load import load_source
 from model import GPT, KVCache
 from tokenizer import dataset_tokenizer
 
@@ -161,7 +162,7 @@ def main(argv: list[str]) -> None:
     prompts = read_prompts(cfg)
     device = common.pick_device(cfg.device)
     dtype = common.pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt)  # its train_config as plain values: generating reads none of it
+    ckpt = load_source(cfg.ckpt)  # its train_config as plain values: generating reads none of it
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
         raise UserError(f"{cfg.ckpt} is a masked-LM encoder (bidirectional attention) and cannot generate text; "

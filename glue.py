@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
+from checkpoint import Checkpoint, checkpoint_model
 from common import (
     DeviceName,
     DtypeName,
@@ -54,6 +54,7 @@ from common import (
     within_ranges,
 )
 from doors import MAXIMA
+from load import load_source
 from model import GPT, adamw
 from results import check_finite, jsonl_rows, write_json
 from tokenizer import dataset_tokenizer
@@ -351,7 +352,7 @@ def fine_tune(cfg: GlueConfig) -> dict:
     task = TASKS[cfg.task]
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)
+    ckpt = load_source(cfg.ckpt, TrainConfig)
     meta = ckpt.data_meta
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out

@@ -662,7 +662,8 @@ def export(ckpt: str, out: str) -> Path:
     parent folder the export created."""
     from safetensors.torch import save_file
     out_dir = export_target(out)
-    payload = load_checkpoint(ckpt, None)  # its train_config as plain values: an export reads none of them
+    # its train_config as plain values (an export reads none of them); an hf: source re-exported as it reads
+    payload = hf_checkpoint(ckpt) if ckpt.startswith("hf:") else load_checkpoint(ckpt, None)
     model = checkpoint_model(payload, ckpt).eval()
     meta = payload.data_meta
     tokenizer = meta.get("tokenizer", "gpt2") if isinstance(meta, dict) else None

@@ -37,8 +37,6 @@ from checkpoint import (
     State,
     checkpoint_model,
     diverged,
-    load_checkpoint,
-    load_document,
     save_checkpoint,
 )
 from common import DeviceName, DtypeName, UserError, append_log, note
@@ -52,6 +50,7 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
+from load import load_source, source_document
 from loss import (
     VAL_SUMS,
     LossConfig,
@@ -228,7 +227,7 @@ class Plan:
 def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig], dict] | None = None) -> Plan:
     """The effective settings, in one step with no side effect: the flags and --config (`given`: the names given),
     the checkpoint's document (the run's own on --resume, else --init_from's: its settings and counts, no tensor
-    read: checkpoint.load_document), the preset; then every check on them, once (ranges, rules between settings,
+    read: load.source_document), the preset; then every check on them, once (ranges, rules between settings,
     `idle`: the script's idle_settings among those given, what a resume must keep). Nothing is prepared, picked or
     written."""
     if cfg.resume and cfg.overwrite:  # the command's own flags, before what they name is read
@@ -238,7 +237,7 @@ def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig]
     if cfg.resume is True and not resuming:
         raise UserError(f"--resume: {ckpt} not found; pass the run's --out_dir, or start without --resume")
     source = str(ckpt) if resuming else cfg.init_from
-    start = load_document(source, TrainConfig) if source else None
+    start = source_document(source, TrainConfig) if source else None
     before = start.train_config if start else {}
     changed = {}
     if resuming:  # the same experiment: what is not given is the run's own
@@ -269,7 +268,7 @@ def starting_point(plan: Plan, meta: dict, device: torch.device) -> tuple[GPT, S
     if not plan.source:
         return fresh_model(cfg, meta), State(), None
     source = plan.source
-    start = load_checkpoint(source, TrainConfig)
+    start = load_source(source, TrainConfig)
     check_data(meta, start, source, cfg.dataset)
     model = checkpoint_model(start, source, dropout=cfg.dropout)
     if plan.resuming:

@@ -43,7 +43,6 @@ import torch
 from tqdm import tqdm
 
 import glue
-from checkpoint import load_checkpoint
 from common import (
     UserError,
     check_hub,
@@ -57,6 +56,7 @@ from common import (
     within_ranges,
 )
 from doors import MAXIMA
+from load import load_source
 from model import adamw
 from results import check_finite, jsonl_rows, write_json
 from tokenizer import dataset_tokenizer
@@ -261,7 +261,7 @@ def run_xnli(cfg: XnliConfig) -> dict:
     plan = plan_languages(cfg, known_languages(cfg))
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    ckpt = load_checkpoint(cfg.ckpt, TrainConfig)  # read lazily: cheap, and a wrong path fails before any download
+    ckpt = load_source(cfg.ckpt, TrainConfig)  # read lazily: cheap, and a wrong path fails before any download
     meta = ckpt.data_meta
     tokenizer = dataset_tokenizer(ckpt)
     separator = meta.get("eot_token", tokenizer.eot_token)  # also the padding id: padding is masked out

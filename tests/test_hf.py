@@ -8,8 +8,8 @@ import torch
 import transformers
 from helpers import read_ckpt, save_ckpt
 
-import checkpoint
 import hf
+import load
 import train
 from checkpoint import load_model
 from common import UserError
@@ -148,7 +148,7 @@ def test_hf_sources_work_wherever_a_checkpoint_does(checkpoints, tiny_data_dir, 
     from data import open_split
 
     out = hf.export(str(checkpoints["cwt"]), str(tmp_path / "hf"))
-    ckpt = checkpoint.load_checkpoint(f"hf:{out}", train.TrainConfig)
+    ckpt = load.load_source(f"hf:{out}", train.TrainConfig)
     assert ckpt.data_meta == {"tokenizer": "gpt2"} and ckpt.train_config == {"preset": "tiny"}
     ours = load_model(str(checkpoints["cwt"]))
     settings = dict(dataset=str(tiny_data_dir), block_size=32, batch_size=4, eval_batches=1, device="cpu")
