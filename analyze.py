@@ -33,18 +33,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import Checkpoint, Init, State, checkpoint_model
-from common import (
-    DeviceName,
-    UserError,
-    config_path,
-    declare_io,
-    format_metric,
-    note,
-    parse_flags,
-    pick_device,
-    run_main,
-    within_ranges,
-)
+from cli import config_path, parse_flags, within_ranges
+from common import UserError, format_metric, note, run_main
 from data import (
     BatchSampler,
     load_meta,
@@ -53,6 +43,8 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
+from devices import DeviceName, pick_device
+from io_checks import declare_io
 from load import load_source
 from model import GPT
 from prepare import ensure_dataset

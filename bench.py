@@ -76,29 +76,12 @@ import data
 import prepare
 import sources
 import tokenizer
-from common import (
-    DeviceName,
-    DtypeName,
-    UserError,
-    all_reduce_sum,
-    autocast_context,
-    barrier,
-    config_path,
-    declare_io,
-    first_line,
-    init_distributed,
-    is_main_process,
-    parse_flags,
-    peak_flops,
-    pick_device,
-    pick_dtype,
-    rank,
-    refuse_idle,
-    run_main,
-    within_ranges,
-    world_size,
-)
+from cli import config_path, parse_flags, refuse_idle, within_ranges
+from common import UserError, first_line, run_main
+from ddp import all_reduce_sum, barrier, init_distributed, is_main_process, rank, world_size
+from devices import DeviceName, DtypeName, autocast_context, peak_flops, pick_device, pick_dtype
 from doors import MAXIMA
+from io_checks import declare_io
 from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
@@ -1322,7 +1305,7 @@ def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
 
 
 def idle_settings(cfg: BenchConfig) -> dict[str, str]:
-    """The settings that would change nothing in this run (refused: common.refuse_idle), by what it measures."""
+    """The settings that would change nothing in this run (refused: cli.refuse_idle), by what it measures."""
     names = [f.name for f in dataclasses.fields(BenchConfig)]
     if cfg.gpu_check:
         used = ("gpu_check", "check_backend", "check_presets", "device", "dtype")

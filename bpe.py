@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import UserError, atomic_file, config_path, declare_io, first_line, local_source, parse_flags, run_main
+from cli import config_path, parse_flags
+from common import UserError, first_line, run_main
 from doors import MAXIMA
+from io_checks import declare_io, local_source
+from safe_files import atomic_file
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # the 256 bytes and EOT: a tokenizer with no merges

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 import doors
-from common import UserError, atomic_file, first_line, through_door
+from common import UserError, first_line, through_door
 from model import GPT, GPTConfig, from_checkpoint
+from safe_files import atomic_file
 
 COUNT = doors.COUNT_RANGE
 Metrics = dict[str, float | None]  # validation metrics (loss.val_metrics): each finite, or None where no row scored
@@ -103,7 +104,7 @@ class Checkpoint:
     tokenizer_json: str | None = None  # its dataset's tokenizer.json, carried (None: tiktoken's)
     mix: dict[str, float] | None = field(default=None, metadata={"range": (0, 1)})  # a mix's sources' shares
     init: Init | None = None
-    run_id: str | None = None  # in its checkpoint and log records (common.new_run_id)
+    run_id: str | None = None  # in its checkpoint and log records (run_folder.new_run_id)
 
     def pretrain_tokens(self) -> int:
         """The tokens its lineage has read (0: unknown, an import)."""
@@ -431,7 +432,7 @@ def checkpoint_bytes(payload: dict) -> Iterator[Any]:
     """A checkpoint file's bytes, in pieces (encode_checkpoint's tensors and metadata, as safetensors lays them out:
     the header's length in 8 bytes, the header, JSON padded with spaces to a multiple of 8, then each tensor's bytes,
     the widest dtypes first, so that each is aligned to its element). Written here, not by the library, so that
-    save_checkpoint writes them (common.atomic_file): the library's save_file renames a temp file of its own over
+    save_checkpoint writes them (safe_files.atomic_file): the library's save_file renames a temp file of its own over
     the path."""
     tensors, metadata = encode_checkpoint(payload)
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))

@@ -49,27 +49,8 @@ import numpy as np
 
 import doors
 from checkpoint import Checkpoint, State, checkpoint_model, load_checkpoint
-from common import (
-    DeviceName,
-    DtypeName,
-    Interrupted,
-    UserError,
-    barrier,
-    config_path,
-    declare_io,
-    format_metric,
-    init_distributed,
-    is_main_process,
-    local_source,
-    need_extra,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    refuse_idle,
-    run_main,
-    through_door,
-    within_ranges,
-)
+from cli import config_path, parse_flags, refuse_idle, within_ranges
+from common import Interrupted, UserError, format_metric, need_extra, run_main, through_door
 from data import (
     BatchSampler,
     ValSplit,
@@ -79,9 +60,12 @@ from data import (
     open_val_split,
     special_ids,
 )
+from ddp import barrier, init_distributed, is_main_process
+from devices import DeviceName, DtypeName, pick_device, pick_dtype
 from doors import MAXIMA
 from eval import load_lambada, score_lambada
 from finetune import FinetuneConfig, finetune
+from io_checks import declare_io, local_source
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
 from prepare import PrepareConfig, ensure_dataset, prepare
@@ -203,7 +187,7 @@ def planned_folders(cfg: CompareConfig) -> list[Path]:
 
 
 def declared_io(cfg: CompareConfig, argv: list[str]) -> None:
-    """What compare.py reads and writes, declared before any work (common.declare_io)."""
+    """What compare.py reads and writes, declared before any work (io_checks.declare_io)."""
     if cfg.vocab_sizes:  # a source, and the datasets of each size prepared from it
         dataset = local_source(cfg.dataset)
         prepared = [dataset_dir(f"shakespeare-bpe{n}" if cfg.dataset == "shakespeare" else cfg.dataset, cfg.data_root,

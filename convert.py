@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 
 import doors
+import safe_files
 from checkpoint import load_checkpoint, save_checkpoint
-from common import UserError, config_path, declare_io, first_line, parse_flags, run_main, through_door
+from cli import config_path, parse_flags
+from common import UserError, first_line, run_main, through_door
+from io_checks import declare_io
 from train import TrainConfig
 
 FIX = "pass a ckpt.pt that train.py or finetune.py wrote before checkpoints were safetensors"
@@ -65,7 +68,7 @@ def convert(old: str | Path, out: str | Path) -> Path:
     old, out = Path(old), Path(out)
     refuse_existing(out)
     payload = load_old(old)
-    tmp = common.temp_path(out)
+    tmp = safe_files.temp_path(out)
     try:
         try:
             save_checkpoint(tmp, payload)

@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-import common
 import doors
-from common import UserError, check_hub, first_line, refuse_idle, through_door
+import safe_files
+from cli import refuse_idle
+from common import UserError, check_hub, first_line, through_door
 from data import load_meta, split_by_hash
 from tokenizer import encode_batches
 
@@ -197,7 +198,7 @@ def datasets_cache(cfg: Any) -> Iterator[str | None]:
         return
     root = Path(cfg.data_root)
     made = [p for p in (root, *root.parents) if not os.path.lexists(p)]
-    cache = common.temp_path(root / "datasets-cache")
+    cache = safe_files.temp_path(root / "datasets-cache")
     try:
         try:
             cache.mkdir(parents=True)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import doors
+import io_checks
 from common import UserError
 from doors import DATA_FORMAT, same_tokenizer, special_ids  # noqa: F401 (data.X)
 
@@ -45,7 +46,7 @@ def dataset_dir(dataset: str, data_root: str = "data", subset: str | None = None
     """data_root/NAME: a prepared folder as it is; else the source's last path part, its subset and any tokenizer
     but GPT-2's: roneneldan/TinyStories -> data/tinystories, with bpe:32768 data/tinystories-bpe32768."""
     path = Path(dataset)
-    common.check_path_names({"--data_root": [data_root]})  # its own refusal (~/d), not that of a folder under it
+    io_checks.check_path_names({"--data_root": [data_root]})  # its own refusal (~/d), not that of a folder under it
     if name is not None and (name in ("", ".", "..") or "/" in name or "\0" in name):
         raise UserError(f"--name={doors.clip(name)} must be one folder name under --data_root (no /, not . or ..)")
     if name or (dataset != "shakespeare" and os.path.exists(path / "meta.json")):  # never raises on a long name

@@ -40,23 +40,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import Checkpoint, checkpoint_model
-from common import (
-    DeviceName,
-    DtypeName,
-    UserError,
-    autocast_context,
-    check_hub as common_check_hub,
-    config_path,
-    declare_io,
-    first_line,
-    format_metric,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    refuse_idle,
-    run_main,
-    within_ranges,
-)
+from cli import config_path, parse_flags, refuse_idle, within_ranges
+from common import UserError, check_hub as common_check_hub, first_line, format_metric, run_main
 from data import (
     ValSplit,
     dataset_dir,
@@ -67,6 +52,8 @@ from data import (
     same_tokenizer,
     special_ids,
 )
+from devices import DeviceName, DtypeName, autocast_context, pick_device, pick_dtype
+from io_checks import declare_io
 from load import load_source
 from loss import NotFinite
 from prepare import ensure_dataset

@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import cli
+import ddp
+import devices
 import doors
+import io_checks
+import run_folder
 from checkpoint import Checkpoint, load_document
 from common import UserError, note
 from data import recorded_dataset
@@ -70,7 +75,7 @@ def finetune_budget(pretrain_tokens: int, tokens_per_iter: int, fraction: float 
 
 
 def resolve_config(argv: list[str]) -> FinetuneConfig:
-    return settle(*common.parse_given(FinetuneConfig, argv))[0]
+    return settle(*cli.parse_given(FinetuneConfig, argv))[0]
 
 
 def base_checkpoint(cfg: FinetuneConfig) -> Checkpoint:
@@ -85,11 +90,11 @@ def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneCo
     """A resumed fine-tune is its own run: the settings not given are its own (train.resumed_settings: its --ckpt,
     budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed); and its
     checkpoint's document (None for a new one), which holds all it needs: its --ckpt is a record, never opened."""
-    if not common.resumes(cfg.out_dir, cfg.resume):
+    if not run_folder.resumes(cfg.out_dir, cfg.resume):
         return cfg, given, None
-    own = load_document(common.run_files(cfg.out_dir)[0], FinetuneConfig)
+    own = load_document(run_folder.run_files(cfg.out_dir)[0], FinetuneConfig)
     before = own.train_config
-    cfg = resumed_settings(cfg, given, before, common.run_files(cfg.out_dir)[0])
+    cfg = resumed_settings(cfg, given, before, run_folder.run_files(cfg.out_dir)[0])
     return cfg, given | {k for k in before if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}, own
 
 
@@ -101,7 +106,7 @@ def settle(cfg: FinetuneConfig, given: frozenset[str],
     whose base counts are the same)."""
     cfg, settled, own = own_settings(cfg, given)
     if idle:
-        common.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
+        cli.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
     base = own if own is not None else base_checkpoint(cfg)
     return inherit_settings(cfg, base, settled), settled, base
 
@@ -109,7 +114,7 @@ def settle(cfg: FinetuneConfig, given: frozenset[str],
 def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str] | None = None) -> FinetuneConfig:
     """The settings of INHERITED not given from the pre-training run, then the preset's recipe for those still
     unset (None), then the checks that need the checkpoint."""
-    given = common.given_settings(cfg, given)
+    given = cli.given_settings(cfg, given)
     if cfg.loss != "ce":
         raise UserError(f"finetune.py trains the LM head with cross-entropy; --loss={cfg.loss} is for train.py")
     if not base.model_config.causal:
@@ -126,7 +131,7 @@ def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str]
     lr = recipe["lr"] if cfg.lr is None else cfg.lr
     cfg = dataclasses.replace(cfg, lr=lr, lr_schedule=cfg.lr_schedule or recipe["lr_schedule"],
                               min_lr=recipe["final_lr"] * lr if cfg.min_lr is None else cfg.min_lr)
-    common.in_range(cfg, "block_size", 2, base.model_config.block_size)  # before any data
+    cli.in_range(cfg, "block_size", 2, base.model_config.block_size)  # before any data
     block = cfg.block_size or base.model_config.block_size
     common.through_door(doors.check_step, cfg.batch_size, cfg.grad_accum, block)
     return cfg
@@ -136,21 +141,21 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
              idle: Callable | None = None) -> dict[str, Any]:
     """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given` and `idle`: as
     train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
-    common.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": common.run_files(cfg.out_dir)},
+    io_checks.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": run_folder.run_files(cfg.out_dir)},
                       kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
-    if common.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
-        common.check_out_dir(Path(cfg.out_dir))
-    cfg, given, base = settle(cfg, common.given_settings(cfg, given), idle)
-    resuming = common.resumes(cfg.out_dir, cfg.resume)
+    if ddp.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
+        run_folder.check_out_dir(Path(cfg.out_dir))
+    cfg, given, base = settle(cfg, cli.given_settings(cfg, given), idle)
+    resuming = run_folder.resumes(cfg.out_dir, cfg.resume)
     # the checkpoint's lineage; a resumed fine-tune's base counts alone (its own tokens are not pre-training's)
     pretrain_tokens = base.state.earlier_tokens if resuming else base.pretrain_tokens()
     pretrain_flops = base.state.earlier_flops if resuming else base.pretrain_flops()
     if not pretrain_tokens and cfg.tokens is None and cfg.max_iters is None:
         raise UserError(f"{cfg.ckpt} records no pre-training tokens (an imported model), so 2% of them is "
                         "unknown: pass --tokens=N or --max_iters=N (Pythia: 2% of 300B is --tokens=6e9)")
-    common.init_distributed(common.pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
+    ddp.init_distributed(devices.pick_device(cfg.device))  # under torchrun a step takes every rank's micro-batches
     block = cfg.block_size or base.model_config.block_size
-    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * common.world_size()
+    tokens_per_iter = cfg.batch_size * block * cfg.grad_accum * ddp.world_size()
     steps = finetune_budget(pretrain_tokens, tokens_per_iter, cfg.budget_fraction, cfg.tokens, cfg.max_iters)
     most = doors.field_meta(TrainConfig, "max_iters")["range"][1]  # the bound of --max_iters, which it stands for
     if steps > most:
@@ -177,7 +182,7 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
 
 
 def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
-    """The settings a command line gives that would change nothing (refused: common.refuse_idle)."""
+    """The settings a command line gives that would change nothing (refused: cli.refuse_idle)."""
     idle = {"init_from": "in finetune.py (it starts from --ckpt)",
             "add_lm_head": "in finetune.py (it always adds the LM head)"}
     if cfg.max_iters is not None or cfg.tokens is not None:
@@ -188,7 +193,7 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    cfg, given = common.parse_given(FinetuneConfig, argv)
+    cfg, given = cli.parse_given(FinetuneConfig, argv)
     summary = finetune(cfg, given, idle_settings)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])

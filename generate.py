@@ -20,9 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+import cli
+import devices
 import doors
+import io_checks
 from checkpoint import checkpoint_model
-from common import DeviceName, DtypeName, UserError
+from common import UserError
+from devices import DeviceName, DtypeName
 from load import load_source
 from model import GPT, KVCache
 from tokenizer import dataset_tokenizer
@@ -150,18 +154,18 @@ def stream_text(tokenizer, prompt_ids: list[int], new_tokens: Iterable[int], out
 
 
 def main(argv: list[str]) -> None:
-    cfg = common.parse_flags(GenerateConfig, argv)
-    common.declare_io(reads={"--ckpt": cfg.ckpt, "--prompt_file": cfg.prompt_file,
-                             "--config": common.config_path(argv)}, writes={})
+    cfg = cli.parse_flags(GenerateConfig, argv)
+    io_checks.declare_io(reads={"--ckpt": cfg.ckpt, "--prompt_file": cfg.prompt_file,
+                             "--config": cli.config_path(argv)}, writes={})
     if cfg.temperature == 0:
-        common.refuse_idle(cfg, dict.fromkeys(("top_k", "top_p", "seed"), "with --temperature=0 (greedy: always the "
+        cli.refuse_idle(cfg, dict.fromkeys(("top_k", "top_p", "seed"), "with --temperature=0 (greedy: always the "
                                                                          "most likely token, nothing is drawn)"))
     if 0 < cfg.temperature < 1e-3:
         raise UserError(f"--temperature={cfg.temperature} is too small to mean anything but greedy; use 0 "
                         "(greedy) or at least 1e-3")
     prompts = read_prompts(cfg)
-    device = common.pick_device(cfg.device)
-    dtype = common.pick_dtype(cfg.dtype, device)
+    device = devices.pick_device(cfg.device)
+    dtype = devices.pick_dtype(cfg.dtype, device)
     ckpt = load_source(cfg.ckpt)  # its train_config as plain values: generating reads none of it
     model = checkpoint_model(ckpt, cfg.ckpt).to(device).eval()
     if not model.config.causal:
@@ -184,7 +188,7 @@ def main(argv: list[str]) -> None:
     runs = [(i, s) for i in range(len(encoded)) for s in range(cfg.num_samples)]
     n_tokens = 0
     start = time.perf_counter()
-    with common.autocast_context(device, dtype):
+    with devices.autocast_context(device, dtype):
         for i, s in runs:
             if len(runs) > 1:
                 print(f"---------- prompt {i + 1}/{len(encoded)}, sample {s + 1}/{cfg.num_samples} ----------")

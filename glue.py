@@ -39,21 +39,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import Checkpoint, checkpoint_model
-from common import (
-    DeviceName,
-    DtypeName,
-    UserError,
-    autocast_context,
-    check_hub,
-    config_path,
-    declare_io,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    run_main,
-    within_ranges,
-)
+from cli import config_path, parse_flags, within_ranges
+from common import UserError, check_hub, run_main
+from devices import DeviceName, DtypeName, autocast_context, pick_device, pick_dtype
 from doors import MAXIMA
+from io_checks import declare_io
 from load import load_source
 from model import GPT, adamw
 from results import check_finite, jsonl_rows, write_json

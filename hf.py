@@ -39,22 +39,13 @@ import torch
 
 import doors
 from checkpoint import Checkpoint, checkpoint_model, load_checkpoint
-from common import (
-    UserError,
-    check_hub,
-    config_path,
-    declare_io,
-    first_line,
-    gpt2_vocab_files,
-    parse_flags,
-    remove_stale_temps,
-    run_main,
-    temp_path,
-    through_door,
-)
+from cli import config_path, parse_flags
+from common import UserError, check_hub, first_line, gpt2_vocab_files, run_main, through_door
 from data import load_meta
 from doors import brief
+from io_checks import declare_io
 from model import GPT, PRESETS, GPTConfig, weights_problem
+from safe_files import remove_stale_temps, temp_path
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
 MAX_POSITIONS = 1 << 20  # max_position_embeddings has no weight to check it against: a sane bound instead
@@ -629,7 +620,7 @@ def _os_error(e: BaseException) -> int | None:
     while chained is not None:
         if isinstance(chained, OSError) and chained.errno:
             return chained.errno
-        chained = chained.__cause__  # an explicit chain only (common.write_error)
+        chained = chained.__cause__  # an explicit chain only (safe_files.write_error)
     m = re.search(r"os error (\d+)|code: (\d+)", str(e))
     return int(m[1] or m[2]) if m else None
 

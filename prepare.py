@@ -28,7 +28,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+import cli
+import ddp
 import doors
+import io_checks
+import safe_files
 from common import UserError
 from data import dataset_dir, load_meta
 from doors import DATA_FORMAT, Shard, shard_dtypes, token_dtype
@@ -40,11 +44,11 @@ from tokenizer import encode_batches, load_tokenizer
 
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenise cfg.dataset into dataset_dir(...), built beside it and renamed into place as a unit once meta.json
-    vouches for the rest (common.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
+    vouches for the rest (safe_files.atomic_folder): an interruption leaves the earlier dataset whole, or nothing."""
     check_config(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
-    common.declare_io(reads={"--dataset": play_folder() if cfg.dataset == "shakespeare" else
-                             common.local_source(cfg.dataset),
+    io_checks.declare_io(reads={"--dataset": play_folder() if cfg.dataset == "shakespeare" else
+                             io_checks.local_source(cfg.dataset),
                              "--tokenizer": cfg.tokenizer if cfg.tokenizer.endswith(".json") else None},
                       writes={"the dataset folder": out})
     enc = None  # bpe:N is learned from this source's own training text, once the folder is ours
@@ -56,21 +60,21 @@ def prepare(cfg: PrepareConfig) -> dict:
         enc = load_tokenizer(cfg.tokenizer)
     source, items, total = documents(cfg)
     with hold_dataset(out):  # from before the first read of the folder until the new one is in its place
-        common.recover_folder(out)  # a prepare.py killed mid-swap: its earlier dataset back in place
+        safe_files.recover_folder(out)  # a prepare.py killed mid-swap: its earlier dataset back in place
         check_replaceable(out)
         return write_dataset(cfg, out, enc, source, items, total)
 
 
 def hold_dataset(out: Path) -> contextlib.AbstractContextManager:
-    """The dataset folder `out` for this command alone (common.hold_lock): its lock file lies beside it, as the
+    """The dataset folder `out` for this command alone (safe_files.hold_lock): its lock file lies beside it, as the
     folder itself is replaced whole."""
-    return common.hold_lock(out.parent, "prepare.py preparing it", f".{out.name}.lock")
+    return safe_files.hold_lock(out.parent, "prepare.py preparing it", f".{out.name}.lock")
 
 
 def write_dataset(cfg: PrepareConfig, out: Path, enc: Any, source: str, items: Iterable[tuple[str, str, bool]],
                   total: int | None) -> dict:
     """The dataset built beside `out` and swapped into its place (prepare, holding its lock)."""
-    with common.atomic_folder(out) as tmp:
+    with safe_files.atomic_folder(out) as tmp:
         getattr(items, "check_same_source", lambda out: None)(out)  # corpora.py: two sources, one folder name
         if hasattr(enc, "sha256"):  # a tokenizer.json or hf: one; another may map to this folder's name
             from hf import check_same_tokenizer
@@ -105,13 +109,13 @@ def write_dataset(cfg: PrepareConfig, out: Path, enc: Any, source: str, items: I
 def check_config(cfg: PrepareConfig) -> None:
     """Each setting within its field's range (built in code too); no setting the source would not use (the built-in
     corpus has its own text and split, a tokenizer other than bpe:N learns nothing)."""
-    if why := doors.settings_problem(cfg):
+    if why := cli.settings_problem(cfg):
         raise UserError(why)
     idle = {"tokenizer_docs": "without --tokenizer=bpe:N (only a BPE is learned from the source)"}
     if cfg.dataset == "shakespeare":
         idle.update(dict.fromkeys(("subset", "split", "val_split", "text_field"),
                                   "for the built-in shakespeare (its plays are split by hash)"))
-    common.refuse_idle(cfg, {k: v for k, v in idle.items() if k != "tokenizer_docs" or
+    cli.refuse_idle(cfg, {k: v for k, v in idle.items() if k != "tokenizer_docs" or
                              not cfg.tokenizer.startswith("bpe:")})
 
 
@@ -127,7 +131,7 @@ def check_replaceable(out: Path) -> None:
                         "prepared: pass another --name or --data_root")
     if not out.exists():
         return
-    names = sorted(p.name for p in out.iterdir() if common.TEMP_MARK not in p.name and p.name != ".lock")
+    names = sorted(p.name for p in out.iterdir() if safe_files.TEMP_MARK not in p.name and p.name != ".lock")
     others = [n for n in names if n not in DATASET_FILES]
     if others or (names and "meta.json" not in names):
         shown = ", ".join(map(doors.clip, others or names))[:200]
@@ -169,17 +173,17 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
     """The prepared folder of `dataset`. The built-in corpus (shakespeare, or shakespeare-bpeN: a BPE of N tokens) is
     prepared on first use, and again when its door refuses it: by rank 0 under torchrun, while the others wait."""
     out = dataset_dir(dataset, data_root)
-    if common.is_main_process() and not os.path.lexists(out) and common.set_aside(out):
+    if ddp.is_main_process() and not os.path.lexists(out) and safe_files.set_aside(out):
         with hold_dataset(out):  # a prepare.py killed mid-swap: its earlier dataset back in place, before any read
-            common.recover_folder(out)
+            safe_files.recover_folder(out)
     builtin = re.fullmatch(r"shakespeare(-bpe(\d+))?", dataset)
     try:
         load_meta(out)
     except UserError:  # missing, damaged or of an older format: a built-in one is prepared (again)
-        if builtin and common.is_main_process():
+        if builtin and ddp.is_main_process():
             print(f"preparing the built-in {dataset} dataset in {out} (a few seconds)", file=sys.stderr)
             prepare(PrepareConfig(data_root=data_root, tokenizer=f"bpe:{builtin[2]}" if builtin[2] else "gpt2"))
-    common.barrier()
+    ddp.barrier()
     if not (out / "meta.json").exists():  # there but refused: its door says why, at load_meta
         raise UserError(f"dataset {dataset!r} is not prepared ({out / 'meta.json'} missing); run: python prepare.py "
                         f"{shlex.join([f'--dataset={dataset}', f'--data_root={data_root}'])}")
@@ -187,7 +191,7 @@ def ensure_dataset(dataset: str = "shakespeare", data_root: str = "data") -> Pat
 
 
 def main(argv: list[str]) -> None:
-    cfg = common.parse_flags(PrepareConfig, argv)
+    cfg = cli.parse_flags(PrepareConfig, argv)
     meta = prepare(cfg)
     out = dataset_dir(cfg.dataset, cfg.data_root, cfg.subset, cfg.tokenizer, cfg.name)
     print(f"{meta['source']}: {meta['documents']:,} documents -> {out} ({meta['tokenizer']}, {meta['dtype']})\n"

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import doors
-from common import UserError, atomic_file, declare_io, parse_flags, run_main, through_door
+from cli import parse_flags
+from common import UserError, run_main, through_door
+from io_checks import declare_io
+from safe_files import atomic_file
 
 
 def jsonl_rows(path: str | Path, what: str, fix: str) -> Iterator[tuple[int, Any]]:

@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import common
+import ddp
 import doors
+import safe_files
 from common import UserError, note
 
 WANDB_SERVER = "https://api.wandb.ai"  # or WANDB_BASE_URL: a W&B server of your own
@@ -99,7 +101,7 @@ def record(out_dir: Path, names: set[str]) -> None:
     if not names:
         return
     try:
-        with open(out_dir / WRITTEN, "a", opener=common.no_link) as f:
+        with open(out_dir / WRITTEN, "a", opener=safe_files.no_link) as f:
             f.writelines(json.dumps(name) + "\n" for name in sorted(names))
     except OSError as e:
         raise UserError(f"cannot append to {out_dir / WRITTEN} ({e.strerror}); free some space or fix the "
@@ -126,7 +128,7 @@ class Tracker:
         self.environment = contextlib.ExitStack()  # the variables set for W&B while the run is tracked
 
     def __enter__(self) -> Tracker:
-        if not common.is_main_process():
+        if not ddp.is_main_process():
             return self
         cfg, out_dir, resumed = self.run.cfg, self.run.out_dir, self.run.resumed_step
         if resumed is None:  # a new run in out_dir: earlier curves would mix with its own

@@ -7,7 +7,8 @@
 
 The whole training story, top to bottom: the settings (TrainConfig: --key=value flags or --config=FILE,
 --help lists them); where the weights come from; the objective; validation; the run; the loop, train(),
-which finetune.py and compare.py call too. Plumbing (processes, files, signals) is reached as common.X.
+which finetune.py and compare.py call too. Plumbing (processes, files, signals) is reached as
+file.X: ddp.X, safe_files.X, common.X.
 """
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ import numpy as np
 import torch
 
 import checkpoint
+import cli
+import ddp
+import devices
 import doors
+import io_checks
+import run_folder
 from checkpoint import (
     Checkpoint,
     Init,
@@ -39,7 +45,7 @@ from checkpoint import (
     diverged,
     save_checkpoint,
 )
-from common import DeviceName, DtypeName, UserError, append_log, note
+from common import UserError, note
 from data import (
     BatchSampler,
     ValSplit,
@@ -50,6 +56,7 @@ from data import (
     same_tokenizer,
     sequential_batches,
 )
+from devices import DeviceName, DtypeName
 from load import load_source, source_document
 from loss import (
     VAL_SUMS,
@@ -62,13 +69,14 @@ from loss import (
     validation_sums,
 )
 from model import GPT, PRESETS, GPTConfig, PresetName, adamw, optimizer_step, padded_vocab_size
+from run_folder import append_log
 
 # The model's settings: every GPTConfig field is a flag of the same name (a field a fork adds too), unset (None) by
 # default: a fresh run takes the preset's value, a run from a checkpoint the checkpoint's (with_model). Three follow
 # from other settings instead: vocab_size (the tokenizer's, padded), causal (--objective), lm_head (--loss,
 # --untied_head, --add_lm_head).
 DERIVED = ("vocab_size", "causal", "lm_head")
-ModelSettings = common.unset_fields(GPTConfig, DERIVED, "model settings: GPTConfig's fields (unset: the preset's "
+ModelSettings = cli.unset_fields(GPTConfig, DERIVED, "model settings: GPTConfig's fields (unset: the preset's "
                                     "value, or the checkpoint's)")
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSettings))
 SAME = {"resume": "same"}  # a field's resume rule (doors: field metadata): another value is another experiment
@@ -155,13 +163,13 @@ DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
 def check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, or that would change nothing, before any time is spent. Each setting's
     own range is its field's (checked by the flags' door; again here for settings built in code)."""
-    if why := doors.settings_problem(cfg):
+    if why := cli.settings_problem(cfg):
         raise UserError(why)
     if not cfg.resume:  # a resumed run's lr may be its own: with_schedule
-        common.in_range(cfg, "min_lr", 0, cfg.lr)
+        cli.in_range(cfg, "min_lr", 0, cfg.lr)
     if "" in (cfg.out_dir, cfg.data_root, *cfg.dataset.split(",")):  # an empty path is the current folder
         raise UserError("--out_dir, --data_root and each name of --dataset must be given (not empty)")
-    common.check_path_names({"--data_root": [cfg.data_root]})  # named as given, before the dataset paths it prefixes
+    io_checks.check_path_names({"--data_root": [cfg.data_root]})  # named as given, before the dataset paths it prefixes
     check_objective(cfg)
     if "," in cfg.dataset:
         common.need_extra("mixing", "--dataset=A,B,...")
@@ -232,8 +240,8 @@ def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig]
     written."""
     if cfg.resume and cfg.overwrite:  # the command's own flags, before what they name is read
         raise UserError("--resume continues the run in --out_dir and --overwrite starts it over; pass one of them")
-    ckpt = common.run_files(cfg.out_dir)[0]
-    resuming = common.resumes(cfg.out_dir, cfg.resume)
+    ckpt = run_folder.run_files(cfg.out_dir)[0]
+    resuming = run_folder.resumes(cfg.out_dir, cfg.resume)
     if cfg.resume is True and not resuming:
         raise UserError(f"--resume: {ckpt} not found; pass the run's --out_dir, or start without --resume")
     source = str(ckpt) if resuming else cfg.init_from
@@ -249,7 +257,7 @@ def settle(cfg: TrainConfig, given: frozenset[str], idle: Callable[[TrainConfig]
                    if getattr(cfg, k) != before[k] and doors.field_meta(TrainConfig, k).get("resume") != "here"}
     check_config(cfg)
     if idle:
-        common.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
+        cli.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
     cfg = with_schedule(cfg, before, start.state.step if resuming else None, given)
     cfg = with_model(cfg, dataclasses.asdict(start.model_config) if start else None, source)
     if start:
@@ -262,7 +270,7 @@ def starting_point(plan: Plan, meta: dict, device: torch.device) -> tuple[GPT, S
     """A fresh model, else the checkpoint the plan resumes or starts from, through its whole door now (its
     checksum, every tensor): the model, the counts, and the checkpoint started from (if any)."""
     cfg = plan.cfg
-    if common.ranks_agree(cfg, device, plan.resuming) not in (0, common.world_size()):  # same settings everywhere
+    if devices.ranks_agree(cfg, device, plan.resuming) not in (0, ddp.world_size()):  # same settings everywhere
         raise UserError(f"{plan.source} is seen by some ranks and not others: --out_dir must be on a filesystem "
                         "every node shares")
     if not plan.source:
@@ -294,8 +302,8 @@ def resumed_settings(cfg: Any, given: frozenset[str], before: dict, source: str 
         if f.name not in given:
             kept[f.name] = before[f.name]
         elif rule == "same" and value != before[f.name]:
-            raise UserError(f"--{f.name}={common.brief_value(value)} but {source} was trained with "
-                            f"--{f.name}={common.brief_value(before[f.name])}; resume with the same --{f.name} (or "
+            raise UserError(f"--{f.name}={cli.brief_value(value)} but {source} was trained with "
+                            f"--{f.name}={cli.brief_value(before[f.name])}; resume with the same --{f.name} (or "
                             "without it), or use another --out_dir for another experiment")
     return dataclasses.replace(cfg, **kept)
 
@@ -540,18 +548,18 @@ def evaluate(objective: Objective, split: ValSplit, how: Validation) -> dict[str
     totals = torch.zeros(len(VAL_SUMS), dtype=torch.float64, device=how.device)
     special = torch.tensor(split.special, dtype=torch.long, device=how.device)
     batches = sequential_batches(split.tokens, how.batch_size, how.block_size, how.device, how.max_batches,
-                                 common.rank(), common.world_size(), split.byte_counts)
+                                 ddp.rank(), ddp.world_size(), split.byte_counts)
     sums_of = objective.validation_sums
     compiled = torch.compile(sums_of, fullgraph=True, dynamic=False) if how.compile else sums_of
     with torch.no_grad():
         for i, x, y, y_bytes in batches:
             if objective.mask:
                 x, y = objective.mask.validation_batch(x, i)
-            with common.autocast_context(how.device, how.dtype):
+            with devices.autocast_context(how.device, how.dtype):
                 sums = (compiled if x.size(0) == how.batch_size else sums_of)(x, y, y_bytes, special)
             totals += torch.stack([sums[name] for name in VAL_SUMS])
     objective.train(was_training)
-    sums = dict(zip(VAL_SUMS, common.all_reduce_sum(totals).tolist()))
+    sums = dict(zip(VAL_SUMS, ddp.all_reduce_sum(totals).tolist()))
     if sums["tokens"] == 0:
         raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
                         "--block_size")
@@ -572,7 +580,7 @@ def stream_seed(seed: int, index: int, stream: int) -> int:
 
 
 def run_dtype(plan: Plan, device: torch.device) -> torch.dtype:
-    """What the run computes in: its dtype on this device (auto: common.pick_dtype), recorded as it resolved so that
+    """What the run computes in: its dtype on this device (auto: devices.pick_dtype), recorded as it resolved so that
     a resume continues in it; a resumed run whose dtype this device lacks is refused (it would not be the same run)."""
     name = plan.cfg.dtype
     lacks = (name == "float16" and device.type != "cuda"
@@ -580,7 +588,7 @@ def run_dtype(plan: Plan, device: torch.device) -> torch.dtype:
     if plan.resuming and lacks:
         raise UserError(f"{plan.source} computes in {name}, which this {device.type} device lacks; resume it where "
                         "it has it, or pass --dtype=float32 to go on in another precision (no longer exact)")
-    return common.pick_dtype(name, device)
+    return devices.pick_dtype(name, device)
 
 
 class Run:
@@ -591,9 +599,9 @@ class Run:
 
     def __init__(self, plan: Plan | TrainConfig, given: Iterable[str] | None = None):
         if not isinstance(plan, Plan):  # built in code (a notebook, a test): its plan first
-            plan = settle(plan, common.given_settings(plan, given))
+            plan = settle(plan, cli.given_settings(plan, given))
         cfg = plan.cfg
-        self.device = common.init_distributed(common.pick_device(cfg.device))  # under torchrun, this rank's GPU
+        self.device = ddp.init_distributed(devices.pick_device(cfg.device))  # under torchrun, this rank's GPU
         self.dtype = run_dtype(plan, self.device)
         torch.manual_seed(cfg.seed)
         if self.device.type == "cuda":
@@ -607,9 +615,9 @@ class Run:
         cfg = dataclasses.replace(cfg, dtype=str(self.dtype).removeprefix("torch."))  # recorded as it resolved
         self.cfg = cfg
         self.resumed_step = start.state.step if resuming else None
-        self.changed = [f"--{name}={common.brief_value(now)} (the run had {common.brief_value(was)})"
+        self.changed = [f"--{name}={cli.brief_value(now)} (the run had {cli.brief_value(was)})"
                         for name, (was, now) in plan.changed.items()]  # in the first record after a resume
-        self.run_id = start.run_id if resuming else common.new_run_id()  # in its checkpoint and log records
+        self.run_id = start.run_id if resuming else run_folder.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
             p.requires_grad = not cfg.freeze_body or name.startswith("lm_head.")
@@ -635,7 +643,7 @@ class Run:
             from mixing import MixedSampler
             self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
         self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
-        self.tokens_per_step = cfg.grad_accum * common.world_size() * cfg.batch_size * self.block
+        self.tokens_per_step = cfg.grad_accum * ddp.world_size() * cfg.batch_size * self.block
         self.saved_with = dict(  # what each checkpoint carries besides the weights and the counts
             data_meta=meta, mask_spec=self.mask.spec if self.mask else None, tokenizer_json=first.tokenizer_json,
             run_id=self.run_id, init=lineage_init(cfg, model, start),
@@ -644,7 +652,7 @@ class Run:
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)
         self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
-        if common.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward.
+        if ddp.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward.
             # Buffers are not broadcast at each forward: the model's are the same on every rank, and one of the
             # objective's may hold each rank's own state (a queue of its past targets)
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True,
@@ -671,11 +679,11 @@ class Run:
 
     def describe(self) -> None:
         cfg = self.cfg
-        if cfg.num_negatives is not None and cfg.loss != "ce" and common.is_main_process():
+        if cfg.num_negatives is not None and cfg.loss != "ce" and ddp.is_main_process():
             from negatives import warn_if_every_negative
             warn_if_every_negative(cfg.num_negatives, self.candidates())
         trainable = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
-        ranks = f" x {common.world_size()} ranks" if common.world_size() > 1 else ""
+        ranks = f" x {ddp.world_size()} ranks" if ddp.world_size() > 1 else ""
         dtype = str(self.dtype).removeprefix("torch.")
         note(f"model {cfg.preset}: {self.model.num_params(False) / 1e6:.2f}M parameters without embeddings, "
              f"{self.model.num_params() / 1e6:.2f}M with ({trainable / 1e6:.2f}M trainable) | loss {cfg.loss} | "
@@ -683,7 +691,7 @@ class Run:
 
     def log(self, record: dict) -> None:
         """The one writer of log.jsonl: every record carries the step, the tokens seen and the run's id."""
-        if common.is_main_process():
+        if ddp.is_main_process():
             record = {"step": self.state.step, "tokens": self.state.tokens, **record, "run_id": self.run_id}
             if self.changed:
                 record["changed"], self.changed = self.changed, []
@@ -723,32 +731,32 @@ class Run:
         for micro in range(cfg.grad_accum):
             # Micro-batch i of the stream is a function of (seed, i) alone, whoever draws it: a step takes
             # world_size x grad_accum consecutive ones, rank r the r-th run of grad_accum.
-            index = self.state.micro_batches + common.rank() * cfg.grad_accum + micro
+            index = self.state.micro_batches + ddp.rank() * cfg.grad_accum + micro
             x, y = self.sampler.get(index)
             if self.mask:
                 x, y = self.mask.training_batch(x, index)
             order = None  # sampled negatives: drawn here from (seed, i), so that no generator runs in a compiled graph
             if cfg.num_negatives:
                 rng = negatives_rng.manual_seed(stream_seed(cfg.seed, index, NEGATIVES_STREAM))
-                order = torch.randperm(y.numel() * common.world_size(), generator=rng).to(self.device)
+                order = torch.randperm(y.numel() * ddp.world_size(), generator=rng).to(self.device)
             torch.manual_seed(stream_seed(cfg.seed, index, DROPOUT_STREAM))  # dropout masks too
             last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
-            with self.wrapped.no_sync() if common.world_size() > 1 and not last else contextlib.nullcontext():
-                with common.autocast_context(self.device, self.dtype):
+            with self.wrapped.no_sync() if ddp.world_size() > 1 and not last else contextlib.nullcontext():
+                with devices.autocast_context(self.device, self.dtype):
                     loss = self.wrapped(x, y, order) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             self.state.flops += self.flops_of(y)
         optimizer_step(self.optimizer, self.objective.parameters(), cfg.grad_clip, self.scaler)
         self.state.step += 1
-        self.state.micro_batches += cfg.grad_accum * common.world_size()
+        self.state.micro_batches += cfg.grad_accum * ddp.world_size()
         self.state.tokens += self.tokens_per_step
         return loss_sum
 
     def candidates(self) -> int:
         """The candidates a contrastive loss scores each row against: the scored rows of this rank's micro-batch,
         or of every rank's under --negatives_scope=global."""
-        return self.scored_rows * (common.world_size() if self.cfg.negatives_scope == "global" else 1)
+        return self.scored_rows * (ddp.world_size() if self.cfg.negatives_scope == "global" else 1)
 
     def flops_of(self, y: torch.Tensor) -> float:
         """Training FLOPs of every rank's micro-batch like this one (targets y): unique negatives score the
@@ -761,22 +769,22 @@ class Run:
         columns = scored_columns(cfg.loss, self.model.config.vocab_size, candidates, cfg.num_negatives)
         share = self.scored_rows / (cfg.batch_size * self.block)  # of the positions, those the loss scores
         per_token = self.model.flops_per_token(self.block, share * columns, body_backward=not cfg.freeze_body)
-        return per_token * cfg.batch_size * self.block * common.world_size()
+        return per_token * cfg.batch_size * self.block * ddp.world_size()
 
     def log_progress(self, loss_sum: torch.Tensor, stop: common.StopFlag, since: tuple[float, int]) -> bool:
         """One all-reduce (the mean loss over ranks, and whether any rank must stop), a progress line (tokens/s and
         MFU since `since`: a (time, step) pair) and a log record; returns whether to stop."""
         cfg = self.cfg
         state = self.state
-        totals = common.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
-        state.loss = totals[0].item() / common.world_size()
+        totals = ddp.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
+        state.loss = totals[0].item() / ddp.world_size()
         if not math.isfinite(state.loss):
             raise diverged("loss", state.loss, state.step, self.out_dir / "ckpt.safetensors")
         lr = lr_at(state.step - 1, cfg)
         tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
         eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
-        peak = common.peak_flops(self.device)
-        mfu = {"mfu": tok_s / common.world_size() * state.flops / state.tokens / peak} if peak else {}  # a share
+        peak = devices.peak_flops(self.device)
+        mfu = {"mfu": tok_s / ddp.world_size() * state.flops / state.tokens / peak} if peak else {}  # a share
         shown = f" | MFU {100 * mfu['mfu']:.1f}%" if peak else ""
         note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
              f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{shown}")
@@ -788,7 +796,7 @@ class Run:
         if self.saved_step == self.state.step:
             return
         self.saved_step = self.state.step
-        if not common.is_main_process():
+        if not ddp.is_main_process():
             return
         scaler = self.scaler.state_dict()  # empty when disabled
         ckpt = Checkpoint(
@@ -808,18 +816,19 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
           idle: Callable[[TrainConfig], dict] | None = None) -> dict[str, Any]:
     """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
     a signal stopped it: `interrupted`, the signal's number in `signal`). `given`: the names of the settings the
-    user gave (common.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
-    the run's own; `idle`: settle's. The paths given are declared (common.declare_io), its plan settled (settle),
+    user gave (cli.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
+    the run's own; `idle`: settle's. The paths given are declared (io_checks.declare_io), its plan settled (settle),
     the data it reads declared from the plan, and out_dir claimed (its lock taken), before anything is built."""
-    starts_from = None if common.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
-    declared = common.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": common.run_files(
+    starts_from = None if run_folder.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
+    declared = io_checks.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": run_folder.run_files(
         cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
-    if common.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
-        common.check_out_dir(Path(cfg.out_dir))
-    plan = settle(cfg, common.given_settings(cfg, given), idle)
+    if ddp.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
+        run_folder.check_out_dir(Path(cfg.out_dir))
+    plan = settle(cfg, cli.given_settings(cfg, given), idle)
     cfg = plan.cfg
     declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
-    with common.claim_out_dir(Path(cfg.out_dir), cfg.resume, cfg.overwrite), common.compiler_cache(Path(cfg.out_dir)):
+    out_dir = Path(cfg.out_dir)
+    with run_folder.claim_out_dir(out_dir, cfg.resume, cfg.overwrite), run_folder.compiler_cache(out_dir):
         prepared_datasets(cfg)  # the one write outside out_dir: the built-in corpus, if missing
         return train_claimed(plan)
 
@@ -834,7 +843,7 @@ def train_claimed(plan: Plan) -> dict[str, Any]:
     since = (started, state.step)  # tokens/s counts training time only: validation restarts the clock
     stopping = False
     run.model.train()
-    common.start_log(run.out_dir, run.resumed_step, run.run_id)
+    run_folder.start_log(run.out_dir, run.resumed_step, run.run_id)
     for change in run.changed:  # a curve's meaning changes here: said, and in the log (Run.log)
         note(f"note: resumed with {change} from step {state.step} on")
     with common.StopFlag() as stop, tracked(run):
@@ -850,11 +859,11 @@ def train_claimed(plan: Plan) -> dict[str, Any]:
             if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
                 stopping = run.log_progress(loss_sum, stop, since)
                 since = (time.time(), state.step)
-            stopping = stopping or (common.world_size() == 1 and stop.requested)  # one process: nothing to agree
+            stopping = stopping or (ddp.world_size() == 1 and stop.requested)  # one process: nothing to agree
             if stopping:
                 run.save(stop)  # a validation due at this step is owed to --resume
                 break
-        common.barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
+        ddp.barrier()  # every rank returns once the checkpoint is on disk (finetune.py reads it next)
     stopping = stopping or stop.requested  # a signal at the run's very end still stops the whole command
     elapsed = time.time() - started
     ckpt = run.out_dir / "ckpt.safetensors"
@@ -870,7 +879,7 @@ def prepared_datasets(cfg: TrainConfig) -> list[Path]:
     """--dataset's prepared folders, the one step of a run that may write data: the built-in corpus (shakespeare,
     shakespeare-bpeN) is prepared on its first use, and a folder a killed prepare.py left mid-swap is put back; by
     rank 0 under torchrun, while the others wait (the process group is joined first; Run finds it joined)."""
-    common.init_distributed(common.pick_device(cfg.device))
+    ddp.init_distributed(devices.pick_device(cfg.device))
     from prepare import ensure_dataset  # the preparing room: only this step of a run enters it
     return [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
 
@@ -884,13 +893,13 @@ def tracked(run: Run) -> contextlib.AbstractContextManager:
 
 
 def idle_settings(cfg: TrainConfig) -> dict[str, str]:
-    """The settings a command line gives that would change nothing (refused: common.refuse_idle)."""
+    """The settings a command line gives that would change nothing (refused: cli.refuse_idle)."""
     idle = {}
     if "," not in cfg.dataset:
         idle["mix_alpha"] = "without a mix (--dataset=A,B,...)"
     if cfg.lr_schedule == "constant":
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
-    if not cfg.init_from or common.resumes(cfg.out_dir, cfg.resume):
+    if not cfg.init_from or run_folder.resumes(cfg.out_dir, cfg.resume):
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
     return {**idle, **idle_anywhere(cfg)}
 
@@ -907,7 +916,7 @@ def idle_anywhere(cfg: TrainConfig) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    cfg, given = common.parse_given(TrainConfig, argv)
+    cfg, given = cli.parse_given(TrainConfig, argv)
     summary = train(cfg, given, idle_settings)
     if summary["interrupted"]:
         raise common.Interrupted(summary["signal"])

@@ -43,19 +43,11 @@ import torch
 from tqdm import tqdm
 
 import glue
-from common import (
-    UserError,
-    check_hub,
-    config_path,
-    declare_io,
-    first_line,
-    parse_flags,
-    pick_device,
-    pick_dtype,
-    run_main,
-    within_ranges,
-)
+from cli import config_path, parse_flags, within_ranges
+from common import UserError, check_hub, first_line, run_main
+from devices import pick_device, pick_dtype
 from doors import MAXIMA
+from io_checks import declare_io
 from load import load_source
 from model import adamw
 from results import check_finite, jsonl_rows, write_json

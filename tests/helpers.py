@@ -41,7 +41,7 @@ def without_timing(records: list[dict]) -> list[dict]:
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (hidden ones too), by relative path: equal snapshots, nothing changed. A released
-    lock file (empty: common.hold_lock unlinks it only with a folder it made) holds nothing."""
+    lock file (empty: safe_files.hold_lock unlinks it only with a folder it made) holds nothing."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file() and not (p.name.endswith(".lock") and p.stat().st_size == 0)}
 
@@ -82,7 +82,7 @@ RELATIONS = ("same", "inside", "holds", "link", "link_parent", "hardlink")
 
 
 def released_lock(path: Path) -> bool:
-    """A lock file common.hold_lock left (empty: the next holder's lock is the same file)."""
+    """A lock file safe_files.hold_lock left (empty: the next holder's lock is the same file)."""
     return path.name.startswith(".") and path.name.endswith(".lock") and not path.is_symlink() and path.is_file() \
         and path.stat().st_size == 0
 

@@ -11,7 +11,7 @@ from helpers import io_pairs, refusal, tree_state
 
 import bench
 import checkpoint
-import common
+import cli
 import doors
 import train
 from common import UserError
@@ -85,9 +85,9 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_bench_quick_fills_only_unset_flags():
-    cfg = common.parse_flags(bench.BenchConfig, ["--quick", "--repeats=5", "--vocab=1024"], quick=bench.QUICK)
+    cfg = cli.parse_flags(bench.BenchConfig, ["--quick", "--repeats=5", "--vocab=1024"], quick=bench.QUICK)
     assert (cfg.repeats, cfg.vocab, cfg.preset, cfg.tokens) == (5, [1024], "tiny", [512])
-    assert common.parse_flags(bench.BenchConfig, ["--repeats=5"], quick=bench.QUICK).preset == "pythia-70m"
+    assert cli.parse_flags(bench.BenchConfig, ["--repeats=5"], quick=bench.QUICK).preset == "pythia-70m"
 
 
 def test_too_many_negatives_are_reported_once(capsys):

@@ -8,7 +8,7 @@ import pytest
 from conftest import refused_before_any_work
 
 import bench
-from common import parse_flags
+from cli import parse_flags
 
 KEYS = {"kind", "label", "variant", "loss", "negatives", "num_negatives", "vocab_size", "tokens", "preset", "step_ms",
         "best_ms", "peak_mib", "flops", "time_vs_all", "memory_vs_all", "time_vs_ce", "memory_vs_ce"}

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import bench
-from common import UserError, parse_flags
+from cli import parse_flags
+from common import UserError
 
 KEYS = {"kind", "loss", "vocab_size", "tokens", "preset", "step_ms", "best_ms", "peak_mib", "time_vs_smallest",
         "memory_vs_smallest", "time_vs_ce", "memory_vs_ce"}

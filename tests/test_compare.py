@@ -23,6 +23,7 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import cli
 import common
 import compare
 import prepare
@@ -88,7 +89,7 @@ def logs(out: Path) -> dict[str, list[dict]]:
 def test_a_second_compare_is_refused_unless_resumed_or_overwritten(tiny_data_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "cmp"
     flags = [f"--dataset={tiny_data_dir}", "--quick", f"--out_dir={out}", "--device=cpu"]
-    cfg = common.parse_flags(compare.CompareConfig, flags)
+    cfg = cli.parse_flags(compare.CompareConfig, flags)
     first = compare.run_compare(cfg)
     before = snapshot(out)
     calls = spy_on_runs(monkeypatch)
@@ -212,7 +213,7 @@ def test_compare_refuses_each_case_before_any_work(case, tmp_path, monkeypatch, 
 
 def test_quick_fills_only_the_settings_not_given():
     """--quick replaced a given --block_size=16 with its own 32: the flag changed nothing."""
-    cfg = common.parse_flags(compare.CompareConfig, ["--quick", "--block_size=16"])
+    cfg = cli.parse_flags(compare.CompareConfig, ["--quick", "--block_size=16"])
     assert (compare.with_quick(cfg).block_size, compare.with_quick(cfg).ce_iters) == (16, compare.QUICK["ce_iters"])
 
 

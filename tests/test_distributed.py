@@ -17,7 +17,9 @@ import torch
 import torch.multiprocessing as mp
 from helpers import read_ckpt
 
+import cli
 import common
+import ddp
 import model
 import train
 from loss import cwt_loss
@@ -77,7 +79,7 @@ def negatives_inputs(n_per_rank: int = 12, d: int = 8, vocab: int = 9):
 def _global_negatives_on_rank(out: Path) -> None:
     from negatives import contrastive_loss
 
-    rank, n = common.rank(), 12
+    rank, n = ddp.rank(), 12
     h_all, e_all, t_all = negatives_inputs(n)
     rows = slice(rank * n, (rank + 1) * n)
     result = {}
@@ -103,7 +105,7 @@ class RankStateObjective(train.Objective):
 
     def forward(self, x, y, generator=None):
         self.seen.append(self.own.item())
-        self.own += common.rank() + 1
+        self.own += ddp.rank() + 1
         return super().forward(x, y, generator)
 
 
@@ -112,7 +114,7 @@ def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
     model.PRESETS["tiny"] = SMALL_TINY
-    common.init_distributed(torch.device("cpu"))
+    ddp.init_distributed(torch.device("cpu"))
     if HAVE_NEGATIVES:
         _global_negatives_on_rank(Path(out))
     real_all_reduce, calls = torch.distributed.all_reduce, []
@@ -128,12 +130,12 @@ def _rank_main(rank: int, port: int, out: str, jobs: list[dict]) -> None:
             except common.UserError as e:
                 (Path(out) / f"disagree{rank}.txt").write_text(str(e))  # beside: the run's folder is removed
             continue
-        train.train(cfg, common.given_settings(cfg) | {"grad_accum"})  # grad_accum=1 too, its default
+        train.train(cfg, cli.given_settings(cfg) | {"grad_accum"})  # grad_accum=1 too, its default
         if job["out_dir"].endswith("two-own-buffer"):
             train.Objective = real_objective
             seen = [v for o in RankStateObjective.made for v in o.seen]
-            (Path(job["out_dir"]) / f"seen{common.rank()}.json").write_text(json.dumps(seen))
-        (Path(job["out_dir"]) / f"all_reduces{common.rank()}.txt").write_text(str(len(calls)))
+            (Path(job["out_dir"]) / f"seen{ddp.rank()}.json").write_text(json.dumps(seen))
+        (Path(job["out_dir"]) / f"all_reduces{ddp.rank()}.txt").write_text(str(len(calls)))
     torch.distributed.destroy_process_group()
 
 
@@ -290,30 +292,30 @@ def test_sigterm_to_torchrun_stops_both_ranks_then_one_process_resumes(tiny_data
 @pytest.mark.parametrize("flag, value", [("--resume", True), ("--resume=true", True),
                                          ("--resume=false", False), ("--resume=auto", "auto")])
 def test_resume_flag_values(flag, value):
-    assert common.parse_flags(TrainConfig, [flag]).resume == value
+    assert cli.parse_flags(TrainConfig, [flag]).resume == value
 
 
 def test_resume_flag_rejects_other_values():
     with pytest.raises(common.UserError, match="choose one of: true, false, auto"):
-        common.parse_flags(TrainConfig, ["--resume=maybe"])
+        cli.parse_flags(TrainConfig, ["--resume=maybe"])
 
 
 def test_without_torchrun_there_is_no_process_group(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    assert common.init_distributed(torch.device("cpu")) == torch.device("cpu")
-    assert not torch.distributed.is_initialized() and common.world_size() == 1 and common.is_main_process()
-    assert common.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
+    assert ddp.init_distributed(torch.device("cpu")) == torch.device("cpu")
+    assert not torch.distributed.is_initialized() and ddp.world_size() == 1 and ddp.is_main_process()
+    assert ddp.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
 PEER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])
-import common, torch
+import common, ddp, torch
 def main(argv):
-    common.init_distributed(torch.device("cpu"))
-    if common.rank() == 1:
+    ddp.init_distributed(torch.device("cpu"))
+    if ddp.rank() == 1:
         raise common.UserError("a setting this rank refuses")
-    common.all_reduce_sum(torch.ones(1))  # rank 0 waits for a rank that is gone
+    ddp.all_reduce_sum(torch.ones(1))  # rank 0 waits for a rank that is gone
 common.run_main(main)
 """
 

@@ -26,6 +26,7 @@ import analyze
 import bench
 import bpe
 import checkpoint
+import cli
 import common
 import compare
 import data
@@ -35,8 +36,10 @@ import finetune
 import generate
 import glue
 import hf
+import io_checks
 import model
 import prepare
+import safe_files
 import tokenizer
 import train
 import xnli
@@ -473,7 +476,7 @@ def test_an_output_is_never_an_input_a_link_or_another_kind_of_file(checkpoint_d
     (tmp_path / "old.json").write_text('{\n "task": "val",\n "ce": 3.0\n}\n')  # as write_json lays it out
     (tmp_path / "empty.json").write_text("")
     for name in ("old.json", "empty.json", "new.json"):  # replaced
-        common.declare_io(reads={"--ckpt": str(tmp_path / "ckpt.safetensors")}, writes={"--json": tmp_path / name})
+        io_checks.declare_io(reads={"--ckpt": str(tmp_path / "ckpt.safetensors")}, writes={"--json": tmp_path / name})
 
 
 # ------------------------------------------------------------------------------------------ files we write
@@ -486,7 +489,7 @@ def test_the_locks_info_is_never_written_through_a_planted_link(tmp_path):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / ".lock").symlink_to(victim)
     with pytest.raises(UserError, match=r"o/\.lock is a link or a folder, not a lock file; move it away$"):
-        with common.hold_lock(tmp_path / "o", "training run"):
+        with safe_files.hold_lock(tmp_path / "o", "training run"):
             pass
     assert victim.read_text() == "my notes" and (tmp_path / "o" / ".lock").is_symlink()
 
@@ -500,7 +503,7 @@ def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, t
     out = tmp_path / "o"
     out.mkdir()
     for pid in range(os.getpid() - 50, os.getpid() + 50):
-        (out / f".ckpt.safetensors{common.TEMP_MARK}{pid}.tmp").symlink_to(victim)
+        (out / f".ckpt.safetensors{safe_files.TEMP_MARK}{pid}.tmp").symlink_to(victim)
     (out / ".lock").symlink_to(victim)  # case 1 as a user met it: through train.py (refused, never written through)
     refused(train.main, [f"--dataset={tiny_data_dir}", f"--out_dir={out}", *TRAIN], "is a link or a folder, not a "
             "lock file", monkeypatch, capsys)
@@ -509,11 +512,11 @@ def test_temp_files_are_new_files_whose_names_cannot_be_planted(tiny_data_dir, t
     ckpt = out / "ckpt.safetensors"
     assert victim.read_text() == "precious" and ckpt.is_file() and not ckpt.is_symlink()
     assert (out / ".lock").read_bytes() == b""  # released: names nobody
-    monkeypatch.setattr(common.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
-    planted = common.temp_path(tmp_path / "results.json")
+    monkeypatch.setattr(safe_files.secrets, "token_hex", lambda n: "0" * 2 * n)  # a name known in advance
+    planted = safe_files.temp_path(tmp_path / "results.json")
     planted.symlink_to(victim)
     with pytest.raises(UserError, match="cannot write .File exists. while saving"):
-        with common.atomic_file(tmp_path / "results.json", "w") as f:
+        with safe_files.atomic_file(tmp_path / "results.json", "w") as f:
             f.write("results")
     assert victim.read_text() == "precious" and not (tmp_path / "results.json").exists()
 
@@ -541,8 +544,8 @@ def test_an_interrupted_bpe_preparation_leaves_the_earlier_dataset_whole(stop_in
 
     renames = []
     if stop_in == "rename":  # between taking the earlier dataset away and putting the new one in its place, where
-        monkeypatch.setattr(common, "exchange", lambda a, b: False)  # no file system swaps two names in one step
-        monkeypatch.setattr(common.os, "rename", lambda a, b: renames.append(a) or (
+        monkeypatch.setattr(safe_files, "exchange", lambda a, b: False)  # no file system swaps two names in one step
+        monkeypatch.setattr(safe_files.os, "rename", lambda a, b: renames.append(a) or (
             stop() if len(renames) == 2 else os.replace(a, b)))
     elif stop_in == "write_meta":
         monkeypatch.setattr(prepare.json, "dumps", stop)
@@ -571,7 +574,7 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
     flags = [f"--dataset={tiny_data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN]
     for code, words in ((errno.EROFS, "cannot write (Read-only file system) while saving"),
                         (errno.ENOSPC, "no space left on device while saving")):
-        monkeypatch.setattr(common.os, "open", failing(code, ".lock"))
+        monkeypatch.setattr(safe_files.os, "open", failing(code, ".lock"))
         refused(train.main, flags, f"{words} {tmp_path / 'o' / '.lock'}", monkeypatch, capsys)
         assert not (tmp_path / "o").exists()  # the folder the lock made is removed again
     real_unlink = Path.unlink
@@ -581,7 +584,7 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
         return real_unlink(self, missing_ok)
 
-    monkeypatch.setattr(common.os, "open", failing(errno.EROFS, ".tmp"))
+    monkeypatch.setattr(safe_files.os, "open", failing(errno.EROFS, ".tmp"))
     monkeypatch.setattr(Path, "unlink", unlink)
     refused(train.main, flags, "cannot write (Read-only file system) while saving", monkeypatch, capsys)
     monkeypatch.undo()
@@ -615,7 +618,7 @@ def test_sigterm_while_preparing_data_leaves_nothing(tmp_path, monkeypatch, caps
 def test_a_killed_exports_temp_folder_is_removed_by_the_next(checkpoint_dict, tmp_path, monkeypatch, capsys):
     """Case 15: kill -9 during `hf.py export` left a temp folder no later export removed; temp names now hold
     the pid, which the sweep checks. `hf.py --help` exits 0."""
-    stale = tmp_path / f".hf{common.TEMP_MARK}999999999-0123456789abcdef.tmp"  # pid 999999999: long dead
+    stale = tmp_path / f".hf{safe_files.TEMP_MARK}999999999-0123456789abcdef.tmp"  # pid 999999999: long dead
     (stale / "part").mkdir(parents=True)
     save_ckpt(checkpoint_dict, tmp_path / "ckpt.safetensors")
 
@@ -672,7 +675,7 @@ COSTLY = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, ROOT)
 import torch
-import checkpoint, common, data, doors, model, train
+import checkpoint, cli, common, data, doors, model, train
 from common import UserError
 tmp = TMP
 cases = {}
@@ -687,7 +690,7 @@ def config(size, suffix):
     path = os.path.join(tmp, "big" + suffix)
     with open(path, "wb") as f:
         f.truncate(size)
-    return lambda: common.parse_flags(__import__("train").TrainConfig, ["--config=" + path])
+    return lambda: cli.parse_flags(__import__("train").TrainConfig, ["--config=" + path])
 timed("6: a 10 GB sparse --config", config(10 << 30, ".toml"))
 timed("6: a 2 GB sparse --config", config(2 << 30, ".json"))
 net = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=16))
@@ -739,11 +742,11 @@ def test_none_is_a_value_where_a_literal_has_it_and_null_elsewhere():
     """Issue 39: "unset" is not a string. A fork's `qk_norm: Literal["none", "rms"] | None` takes --qk_norm=none as
     its value "none"; an optional number takes none/null/"" as None."""
     from typing import Literal
-    assert doors.coerce("qk_norm", "none", Literal["none", "rms"] | None) == "none"
-    assert doors.coerce("qk_norm", "rms", Literal["none", "rms"] | None) == "rms"
-    assert doors.coerce("mlp_hidden", "none", int | None) is None
-    assert doors.coerce("mlp_hidden", None, int | None) is None
-    assert doors.coerce("mlp_hidden", "7", int | None) == 7
+    assert cli.coerce("qk_norm", "none", Literal["none", "rms"] | None) == "none"
+    assert cli.coerce("qk_norm", "rms", Literal["none", "rms"] | None) == "rms"
+    assert cli.coerce("mlp_hidden", "none", int | None) is None
+    assert cli.coerce("mlp_hidden", None, int | None) is None
+    assert cli.coerce("mlp_hidden", "7", int | None) == 7
 
 
 def test_the_settings_given_are_the_flags_and_the_config_files_not_the_defaults(tmp_path):
@@ -751,12 +754,12 @@ def test_the_settings_given_are_the_flags_and_the_config_files_not_the_defaults(
     and the defaults are not given."""
     config = tmp_path / "run.toml"
     config.write_text("seed = 3\nbatch_size = 4\n")
-    cfg, given = common.parse_given(train.TrainConfig, [f"--config={config}", "--lr=0.01", "--batch_size=8"])
+    cfg, given = cli.parse_given(train.TrainConfig, [f"--config={config}", "--lr=0.01", "--batch_size=8"])
     assert (cfg.seed, cfg.batch_size, cfg.lr) == (3, 8, 0.01)
     assert given == {"seed", "batch_size", "lr"}
-    cfg, given = common.parse_given(train.TrainConfig, ["--max_iters=600"])
+    cfg, given = cli.parse_given(train.TrainConfig, ["--max_iters=600"])
     assert given == {"max_iters"}  # given, though equal to its default
-    assert common.given_settings(train.TrainConfig(seed=3)) == {"seed"}  # built in code: what differs
+    assert cli.given_settings(train.TrainConfig(seed=3)) == {"seed"}  # built in code: what differs
 
 
 # ------------------------------------------------------------------------------------------ settings: on their fields
@@ -778,7 +781,7 @@ def script_settings() -> dict[str, type]:
 def declared_in(cls: type, name: str) -> str:
     """Where field `name` of `cls` is declared, as a fix names it: "GPTConfig in model.py"."""
     owner = next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
-    owner = owner.__dict__.get("fields_of", owner)  # common.unset_fields: train.py's model settings are GPTConfig's
+    owner = owner.__dict__.get("fields_of", owner)  # cli.unset_fields: train.py's model settings are GPTConfig's
     return f"{owner.__qualname__} in {owner.__module__}.py"
 
 
@@ -814,9 +817,9 @@ HELP_ROWS = [  # (the settings, a flag, its line in --help from the default on, 
 @pytest.mark.parametrize("cls, name, line, meaning", HELP_ROWS, ids=[f"{c.__name__}-{n}" for c, n, _, _ in HELP_ROWS])
 def test_help_shows_a_settings_range_exactly_as_declared_and_its_meaning(cls, name, line, meaning, capsys):
     """Issues 50.4 and 51.2: --help shows each range as declared (an int in all its digits, never 4.29497e+09) and
-    the meaning under the flag; the model's settings (common.unset_fields) keep GPTConfig's meanings."""
+    the meaning under the flag; the model's settings (cli.unset_fields) keep GPTConfig's meanings."""
     with pytest.raises(SystemExit) as e:
-        doors.settings(cls, ["--help"])
+        cli.settings(cls, ["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
     flag = next(row for row in out.splitlines() if row.startswith(f"  --{name} "))
@@ -829,7 +832,7 @@ def test_every_scripts_help_shows_each_settings_meaning_under_it(capsys):
 
     for script, cls in script_settings().items():
         with pytest.raises(SystemExit):
-            doors.settings(cls, ["--help"])
+            cli.settings(cls, ["--help"])
         out = capsys.readouterr().out
         for f in dataclasses.fields(cls):
             meaning = doors.field_meta(cls, f.name)["help"]
@@ -870,7 +873,7 @@ def test_a_setting_is_refused_by_its_fields_range_naming_it_as_given(cls, flags,
         path.write_text(config)
         flags = [f"--config={path}", *flags]
     with pytest.raises(UserError) as e:
-        common.parse_given(cls, flags)
+        cli.parse_given(cls, flags)
     assert str(e.value).startswith(words.format(config=path)) and "\n" not in str(e.value), str(e.value)
 
 
@@ -899,16 +902,16 @@ def test_a_bound_is_shown_exactly(value):
 
 
 def test_docs_training_table_is_the_fields_declarations():
-    """Issue 51.2: docs/training.md's table of train.py's settings is doors.settings_table(TrainConfig): each row
+    """Issue 51.2: docs/training.md's table of train.py's settings is cli.settings_table(TrainConfig): each row
     the flag's default, range and meaning as declared on its field; a row that differs is named with its fix."""
     import itertools
 
     doc = (ROOT / "docs" / "training.md").read_text()
-    start = "<!-- settings table: doors.settings_table(train.TrainConfig) -->\n"
+    start = "<!-- settings table: cli.settings_table(train.TrainConfig) -->\n"
     assert start in doc
     rows = doc.split(start, 1)[1].split("\n<!-- end of settings table -->", 1)[0].splitlines()
-    want = doors.settings_table(train.TrainConfig).splitlines()
+    want = cli.settings_table(train.TrainConfig).splitlines()
     for number, (row, line) in enumerate(itertools.zip_longest(rows, want), 1):
         assert row == line, (f"docs/training.md's settings table, row {number}, reads {row!r}; the fields say {line!r} "
                              "(the whole table: python -c 'import doors, train; "
-                             "print(doors.settings_table(train.TrainConfig))')")
+                             "print(cli.settings_table(train.TrainConfig))')")

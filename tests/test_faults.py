@@ -21,7 +21,7 @@ import torch
 from helpers import read_ckpt, read_log, run_cli, save_ckpt, snapshot, without_timing
 
 import bench
-import common
+import cli
 import compare
 import data
 import eval as evaluation
@@ -30,6 +30,8 @@ import generate
 import glue
 import prepare
 import results
+import run_folder
+import safe_files
 import train
 import xnli
 from common import UserError
@@ -88,7 +90,7 @@ def test_ctrl_c_before_a_run_starts_writes_nothing(during, flags, tiny_data_dir,
     is as it was (the log is trimmed only once the run is built)."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    module = {"claim_out_dir": common, "ensure_dataset": prepare}.get(during, train)  # where train() finds it
+    module = {"claim_out_dir": run_folder, "ensure_dataset": prepare}.get(during, train)  # where train() finds it
     real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
@@ -142,7 +144,7 @@ def test_what_a_fresh_run_finds_in_out_dir(holds, resume, refused, tiny_data_dir
     for name in holds:
         (out / name).write_bytes(b"the other run's " + name.encode())
     before = snapshot(out)
-    cfg = common.parse_flags(train.TrainConfig, train_flags(tiny_data_dir, out, "--max_iters=1"))
+    cfg = cli.parse_flags(train.TrainConfig, train_flags(tiny_data_dir, out, "--max_iters=1"))
     cfg.resume = resume
     if refused:
         with pytest.raises(UserError) as e:
@@ -208,7 +210,7 @@ def fail_log_appends(monkeypatch, after: int, code: int) -> None:
         count["n"] += 1
         return f if count["n"] <= after else FailingFile(f, code)
 
-    monkeypatch.setattr(common, "open", opener, raising=False)
+    monkeypatch.setattr(run_folder, "open", opener, raising=False)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES], ids=errno.errorcode.get)
@@ -223,7 +225,7 @@ def test_a_failed_log_append_is_one_line_and_resume_continues(code, tiny_data_di
     assert read_ckpt(out / "ckpt.safetensors")["state"]["step"] == 2
     assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt.safetensors", "log.jsonl"]  # no temp file
     if code == errno.ENOSPC:  # space freed: the half line is dropped and the run ends as if never stopped
-        monkeypatch.delattr(common, "open")
+        monkeypatch.delattr(run_folder, "open")
         train.main(train_flags(tiny_data_dir, out, "--resume"))
         assert without_timing(read_log(out)) == without_timing(read_log(finished))
 
@@ -413,7 +415,7 @@ def test_a_results_file_that_fails_anyway_goes_to_stdout(code, tmp_path, monkeyp
             raise OSError(code, os.strerror(code), str(path))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(common, "open", failing_open, raising=False)
+    monkeypatch.setattr(safe_files, "open", failing_open, raising=False)
     path, result = tmp_path / "r.json", {"acc": 0.5, "n": 3}
     with pytest.raises(UserError) as e:
         results.write_json(path, result)
@@ -432,7 +434,7 @@ def test_a_plot_that_fails_anyway_is_one_line(tmp_path, monkeypatch):
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
-    monkeypatch.setattr(common, "open", read_only, raising=False)
+    monkeypatch.setattr(safe_files, "open", read_only, raising=False)
     with pytest.raises(UserError) as e:
         results.save_figure(Figure(), tmp_path / "p.png")
     path = tmp_path / "p.png"
@@ -448,7 +450,7 @@ def test_eval_prints_its_results_when_the_json_write_fails(recorded_elsewhere, t
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
-    monkeypatch.setattr(common, "open", read_only, raising=False)
+    monkeypatch.setattr(safe_files, "open", read_only, raising=False)
     out = tmp_path / "val.json"
     code, stdout, err = run_cli(evaluation.main, [f"--ckpt={ckpt}", "--task=val", "--max_batches=1", "--device=cpu",
                                                   f"--data_root={tiny_data_dir.parent}", f"--json={out}"],
@@ -522,7 +524,7 @@ def test_a_checkpoint_save_on_a_read_only_folder(tiny_data_dir, tmp_path, monkey
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
-    monkeypatch.setattr(common, "open", read_only, raising=False)
+    monkeypatch.setattr(safe_files, "open", read_only, raising=False)
     with pytest.raises(UserError, match="Read-only file system"):
         train.main(train_flags(tiny_data_dir, tmp_path / "o", "--max_iters=1"))
 

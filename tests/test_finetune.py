@@ -9,6 +9,7 @@ import torch
 from helpers import read_ckpt, read_log, refusal, tree_state
 
 import common
+import safe_files
 import train
 from checkpoint import load_model
 from common import UserError
@@ -190,7 +191,7 @@ def test_finetune_refuses_each_case_in_one_line_and_changes_nothing(case, tmp_pa
     run.mkdir()
     (run / "ckpt.safetensors").write_bytes(b"a checkpoint: never read, the refusal comes first")
     flags, words = FINETUNE_CASES[case]
-    with common.hold_lock(run, "training run") if "still training" in case else contextlib.nullcontext():
+    with safe_files.hold_lock(run, "training run") if "still training" in case else contextlib.nullcontext():
         before = tree_state(tmp_path)
         err = refusal(finetune_main, flags(tmp_path, run), monkeypatch, capsys)
         assert tree_state(tmp_path) == before

@@ -21,7 +21,7 @@ from helpers import read_ckpt, read_log, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import checkpoint
-import common
+import cli
 import data
 import finetune
 import model as model_module
@@ -48,7 +48,7 @@ def test_every_gptconfig_field_but_the_derived_ones_is_a_flag_of_train_finetune_
     for config in (train.TrainConfig, finetune.FinetuneConfig, compare.CompareConfig):
         assert fields <= {f.name for f in dataclasses.fields(config)}, config
     assert set(train.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
-    cfg = common.parse_flags(train.TrainConfig, ["--n_layer=3", "--norm=rmsnorm", "--mlp_hidden=344", "--bias=false"])
+    cfg = cli.parse_flags(train.TrainConfig, ["--n_layer=3", "--norm=rmsnorm", "--mlp_hidden=344", "--bias=false"])
     assert (cfg.n_layer, cfg.norm, cfg.mlp_hidden, cfg.bias) == (3, "rmsnorm", 344, False)
 
 
@@ -247,7 +247,7 @@ print(json.dumps(said))
 # line of the loop that updates it
 STATE_FIELD = ("    earlier_flops: float = field(default=0.0, metadata=COUNT)\n",
                "    loss_max: float = field(default=0.0, metadata=COUNT)  # the largest training loss logged\n")
-STATE_UPDATE = ("        state.loss = totals[0].item() / common.world_size()\n",
+STATE_UPDATE = ("        state.loss = totals[0].item() / ddp.world_size()\n",
                 "        state.loss_max = max(state.loss_max, state.loss)\n")
 
 

@@ -1,5 +1,5 @@
 """One owner at a time (issue 42, docs/failures.md "One owner at a time", contracts A to D): a run folder and a
-dataset have one owner by one mechanism (common.hold_lock), a run knows its data, a replacement is a unit whatever
+dataset have one owner by one mechanism (safe_files.hold_lock), a run knows its data, a replacement is a unit whatever
 kills it, and files are read within their bounds, offline in seconds.
 
 kill -9 is real: a forked copy of this process runs the command and SIGKILLs itself at its k-th step on the file
@@ -25,17 +25,19 @@ from helpers import read_log, run_cli, snapshot
 from hypothesis import given, settings, strategies as st
 
 import checkpoint
-import common
 import data
 import finetune
 import prepare
+import run_folder
+import safe_files
 import train
 from common import UserError
 
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = [(common.os, "rename"), (common.os, "replace"), (common.os, "unlink"), (common.shutil, "rmtree"),
-         (common, "exchange"), (common, "append_log"), (train, "append_log")]  # where a command changes what is on disk
+STEPS = [(safe_files.os, "rename"), (safe_files.os, "replace"), (safe_files.os, "unlink"),
+         (safe_files.shutil, "rmtree"), (safe_files, "exchange"), (run_folder, "append_log"),
+         (train, "append_log")]  # where a command changes what is on disk
 
 
 def killed_at(k: int, command, *, two_renames: bool = False) -> int | str:
@@ -62,8 +64,8 @@ def killed_at(k: int, command, *, two_renames: bool = False) -> int | str:
                     return _real(*args, **kwargs)
 
                 setattr(owner, name, step)
-            if two_renames and hasattr(common, "exchange"):
-                common.exchange = lambda a, b: False
+            if two_renames and hasattr(safe_files, "exchange"):
+                safe_files.exchange = lambda a, b: False
             with open(os.devnull, "w") as quiet:
                 os.dup2(quiet.fileno(), 2)
                 command()
@@ -151,10 +153,10 @@ def test_releasing_a_dataset_never_removes_the_lock_another_holds(tmp_path):
     with prepare.hold_dataset(root / "books"):
         with pytest.raises(UserError, match="is in use by another prepare.py preparing it"):
             prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))
-        assert common.lock_holder(root, ".books.lock") is not None
+        assert safe_files.lock_holder(root, ".books.lock") is not None
     prepare.prepare(prepared(root, corpus(tmp_path / "old", "old")))  # released: the next one proceeds
     with prepare.hold_dataset(root / "books"):  # the same lock file, after the swap
-        assert f"pid {os.getpid()}" in common.lock_holder(root, ".books.lock")
+        assert f"pid {os.getpid()}" in safe_files.lock_holder(root, ".books.lock")
 
 
 def test_a_lock_file_goes_only_with_the_folder_its_command_made(tmp_path):
@@ -162,19 +164,19 @@ def test_a_lock_file_goes_only_with_the_folder_its_command_made(tmp_path):
     command that opened that file just before (between its open and its flock) finds it is no longer the file at
     the name, and takes the new one. A lock file in a folder that was there stays."""
     out = tmp_path / "new" / "run"
-    with pytest.raises(UserError, match="refused"), common.hold_lock(out, "train.py run"):
+    with pytest.raises(UserError, match="refused"), safe_files.hold_lock(out, "train.py run"):
         early = os.open(out / ".lock", os.O_RDONLY)  # another command, between its open and its flock
         raise UserError("refused")
     assert not (tmp_path / "new").exists()
     try:
         fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it locks a file no name leads to: not the lock
-        assert not common.still_at(early, out / ".lock")
-        with common.hold_lock(out, "train.py run"):
-            assert f"pid {os.getpid()}" in common.lock_holder(out)  # the new file at the name is the lock
+        assert not safe_files.still_at(early, out / ".lock")
+        with safe_files.hold_lock(out, "train.py run"):
+            assert f"pid {os.getpid()}" in safe_files.lock_holder(out)  # the new file at the name is the lock
     finally:
         os.close(early)
     out.mkdir(parents=True)
-    with pytest.raises(UserError, match="refused"), common.hold_lock(out, "train.py run"):
+    with pytest.raises(UserError, match="refused"), safe_files.hold_lock(out, "train.py run"):
         raise UserError("refused")
     assert (out / ".lock").exists()  # a folder that was there: its lock file stays
 
@@ -200,7 +202,7 @@ def test_kill_9_of_data_py_at_every_step_loses_no_dataset(two_renames, tmp_path)
         corpus(source, "new")
         assert killed_at(k, lambda: prepare.prepare(prepared(root, source)), two_renames=two_renames) == -1
         found = checksums(root / "books")
-        aside = common.set_aside(root / "books") if hasattr(common, "set_aside") else []
+        aside = safe_files.set_aside(root / "books") if hasattr(safe_files, "set_aside") else []
         assert found in (old, new) or (found is None and [checksums(p) for p in aside] == [old]), k
         prepare.ensure_dataset(str(root / "books"), str(root))  # a reader: what a killed swap left, put back
         assert checksums(root / "books") in (old, new), k
@@ -278,7 +280,7 @@ def test_kill_9_of_train_py_overwrite_at_every_step_never_pairs_two_runs(run_on_
 def assert_one_runs_pair(out: Path) -> None:
     """A checkpoint and a log in out_dir are one run's: the log holds the validation its checkpoint was saved
     after (a save follows one), and the same run id."""
-    ckpt, log = common.run_files(out)
+    ckpt, log = run_folder.run_files(out)
     if not (ckpt.exists() and log.exists()):
         return
     saved = checkpoint.load_checkpoint(ckpt, train.TrainConfig)

@@ -23,6 +23,7 @@ import common
 import finetune
 import generate
 import prepare
+import safe_files
 import train
 from common import UserError
 from model import GPTConfig
@@ -87,7 +88,7 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
 
 def test_a_second_run_on_the_same_out_dir_is_refused(tiny_data_dir, tmp_path):
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=1)
-    with common.hold_lock(tmp_path, "training run"):  # the first run, holding out_dir
+    with safe_files.hold_lock(tmp_path, "training run"):  # the first run, holding out_dir
         with pytest.raises(UserError) as e:
             train.train(cfg)
     message = str(e.value)
@@ -101,7 +102,7 @@ def test_a_live_runs_folder_is_named_in_use_at_once_whatever_the_flags(tiny_data
     """A second `python train.py` while the first runs and has saved: not "holds another run ... continue it with
     --resume" (which the lock would then refuse), but the live run, its pid, and what to do."""
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=1)
-    with common.hold_lock(tmp_path, "training run"):  # the first run, which has written its log and a checkpoint
+    with safe_files.hold_lock(tmp_path, "training run"):  # the first run, which has written its log and a checkpoint
         (tmp_path / "log.jsonl").write_text('{"step": 0, "tokens": 0}\n')
         (tmp_path / "ckpt.safetensors").write_bytes(b"the live run's")
         before = snapshot(tmp_path)
@@ -109,7 +110,7 @@ def test_a_live_runs_folder_is_named_in_use_at_once_whatever_the_flags(tiny_data
             with pytest.raises(UserError) as e:
                 train.train(dataclasses.replace(cfg, **flags))
             assert str(e.value) == (f"{tmp_path} is in use by another training run, still running ("
-                                    f"{common.lock_info(tmp_path)}): wait for it to end, or stop it (Ctrl-C there "
+                                    f"{safe_files.lock_info(tmp_path)}): wait for it to end, or stop it (Ctrl-C there "
                                     "saves it, and --resume then continues it), or pick another --out_dir"), flags
             assert f"pid {os.getpid()}" in str(e.value)
             assert snapshot(tmp_path) == before
@@ -122,7 +123,7 @@ def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
     f.write("pid 1 on elsewhere, started long ago\n")
     f.close()
     lock = tmp_path / ".lock"
-    with common.hold_lock(tmp_path, "training run"):
+    with safe_files.hold_lock(tmp_path, "training run"):
         assert f"pid {os.getpid()}" in lock.read_text()
     assert lock.read_bytes() == b""  # released, never unlinked (contract "ownership" in docs/failures.md)
 
@@ -161,7 +162,7 @@ class FullDisk:
 
 
 def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
-    """Every temp file common.atomic_file writes after the first `opens` gets `room` bytes of disk."""
+    """Every temp file safe_files.atomic_file writes after the first `opens` gets `room` bytes of disk."""
     count = {"n": 0}
 
     def opener(path, mode="r", *args, **kwargs):
@@ -171,7 +172,7 @@ def fill_disk_after(monkeypatch, opens: int, room: int = 1000) -> None:
         count["n"] += 1
         return f if count["n"] <= opens else FullDisk(f, room)
 
-    monkeypatch.setattr(common, "open", opener, raising=False)
+    monkeypatch.setattr(safe_files, "open", opener, raising=False)
 
 
 def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch, capsys):
@@ -194,7 +195,7 @@ def test_disk_full_during_a_checkpoint_save(tiny_data_dir, tmp_path, monkeypatch
 def test_disk_full_while_preparing_data(tmp_path, monkeypatch):
     def opener(path, mode="r", *args, **kwargs):  # the dataset's files, in the folder built beside its place
         f = open(path, mode, *args, **kwargs)
-        return FullDisk(f, 5000) if common.TEMP_MARK in str(path) else f
+        return FullDisk(f, 5000) if safe_files.TEMP_MARK in str(path) else f
 
     monkeypatch.setattr(prepare, "open", opener, raising=False)
     with pytest.raises(UserError, match=r"^no space left on device while saving \S+shakespeare; the partial folder "

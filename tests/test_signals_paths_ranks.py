@@ -24,6 +24,8 @@ import common
 import eval as eval_script
 import generate
 import prepare
+import run_folder
+import safe_files
 import tokenizer
 import train
 
@@ -53,7 +55,7 @@ def start(argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Pope
 
 
 def ckpt_of(run_dir: Path) -> str:
-    return str(common.run_files(run_dir)[0])
+    return str(run_folder.run_files(run_dir)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ def test_a_second_signal_during_a_save_waits_for_it_and_exits_with_its_own_code(
     cfg = tiny_config(tiny_data_dir, tmp_path / "o", max_iters=4, eval_interval=10, batch_size=2)
     code, _, last = run_cli(lambda argv: train.train(cfg), [], monkeypatch, capsys)
     assert (code, last) == (128 + second, STOP_LINE[second])
-    assert checkpoint.last_good_checkpoint(common.run_files(tmp_path / "o")[0]).endswith("(step 2)")
+    assert checkpoint.last_good_checkpoint(run_folder.run_files(tmp_path / "o")[0]).endswith("(step 2)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def test_the_error_writer_follows_an_explicit_chain_only(links):
     caused = e
     while caused is not None and not isinstance(caused, OSError):
         caused = caused.__cause__
-    found = common.write_error(e, Path("/nonexistent/f"), "file")
+    found = safe_files.write_error(e, Path("/nonexistent/f"), "file")
     if caused is None or not isinstance(e, Exception):
         assert found is e  # a signal (or any error) raised while an OSError was handled is itself; a signal, always
     else:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "load", "prepare", "sources",
-        "tokenizer", "common", "doors")
-PLUMBING = ("common", "doors")
+        "tokenizer", "common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks",
+        "run_folder")
+PLUMBING = ("common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks", "run_folder")
 
 
 def modules() -> dict[str, Path]:

@@ -21,6 +21,7 @@ from helpers import read_log, tiny_config
 import common
 import compare
 import data
+import devices
 import finetune
 import train
 from common import UserError
@@ -58,7 +59,7 @@ def assert_same_curves(got: dict, want: dict) -> None:
 def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(tiny_data_dir, tmp_path,
                                                                                 monkeypatch):
     pytest.importorskip("tensorboard")
-    monkeypatch.setattr(common, "peak_flops", lambda device: 1e12)  # as on a GPU of known peak: MFU is logged
+    monkeypatch.setattr(devices, "peak_flops", lambda device: 1e12)  # as on a GPU of known peak: MFU is logged
     out = tmp_path / "out"
     cfg = tiny_config(tiny_data_dir, out, tensorboard=True, **SMALL)
     train.train(cfg)

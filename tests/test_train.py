@@ -11,9 +11,12 @@ import pytest
 import torch
 from helpers import io_pairs, read_ckpt, read_log, refusal, tiny_config, tree_state
 
+import cli
 import common
+import devices
 import finetune
 import prepare
+import safe_files
 import train
 from checkpoint import load_model
 from common import UserError
@@ -177,12 +180,12 @@ def test_nan_stops_without_overwriting_checkpoint(tiny_data_dir, tmp_path, monke
 def test_peak_flops_match_whole_gpu_names(monkeypatch):
     def peak_of(name):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
-        return common.peak_flops(torch.device("cuda"))
+        return devices.peak_flops(torch.device("cuda"))
 
     assert peak_of("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_of("NVIDIA L4") == 121e12
     assert peak_of("NVIDIA L40S") is None  # unknown, rather than wrong
-    assert common.peak_flops(torch.device("cpu")) is None
+    assert devices.peak_flops(torch.device("cpu")) is None
 
 
 def test_lr_schedule():
@@ -299,7 +302,7 @@ def test_train_refuses_each_case_in_one_line_and_changes_nothing(case, tiny_data
     argv = [*FLAGS, *flags(tmp_path, tiny_data_dir)]
     held = contextlib.ExitStack()
     if "still training" in case:  # another process's lock, as a training run holds it
-        held.enter_context(common.hold_lock(tmp_path / "run", "training run"))
+        held.enter_context(safe_files.hold_lock(tmp_path / "run", "training run"))
     with held:
         before = tree_state(tmp_path)
         err = refusal(train.main, argv, monkeypatch, capsys)
@@ -462,7 +465,7 @@ def test_a_resume_is_checked_on_the_runs_own_settings(case, finished_run, tmp_pa
     save_ckpt(payload, tmp_path / "run" / "ckpt.safetensors")
     monkeypatch.chdir(tmp_path)
     before = tree_state(tmp_path)
-    cfg, given = common.parse_given(TrainConfig, ["--resume", "--out_dir=run", *flags])
+    cfg, given = cli.parse_given(TrainConfig, ["--resume", "--out_dir=run", *flags])
     if refusal_words:
         with pytest.raises(UserError) as refused:
             train.settle(cfg, given, train.idle_settings)
