@@ -74,3 +74,14 @@ def refused_before_any_work(main, argv: list[str], message: str, root: Path) -> 
         main(argv)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert sorted(root.iterdir()) == before  # no output folder, no temp file
+
+
+@pytest.fixture(scope="module")
+def command_worker():
+    """One process that runs `python SCRIPT.py ARGV` as the command line would (common.run_main: its stderr, its exit
+    code), command after command: a table of refusals pays for torch's import once (helpers.Worker)."""
+    from helpers import Worker
+
+    worker = Worker(("train", "finetune"))
+    yield worker
+    worker.close()

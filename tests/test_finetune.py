@@ -1,6 +1,5 @@
 import contextlib
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -151,14 +150,13 @@ def test_a_resumed_finetune_keeps_its_budget_steps_and_warmup(cwt_checkpoint, da
     (["--ckpt=CKPT", "--loss=cwt"], "trains the LM head with cross-entropy"),
     (["--ckpt=CKPT", "--budget_fraction=2"], "--budget_fraction must be in (0, 1]"),
 ])
-def test_bad_input(flags, message, cwt_checkpoint, tmp_path):
+def test_bad_input(flags, message, cwt_checkpoint, tmp_path, command_worker):
     flags = [f.replace("CKPT", str(cwt_checkpoint)) for f in flags]
-    result = subprocess.run([sys.executable, str(ROOT / "finetune.py"), *flags,
-                             f"--out_dir={tmp_path / 'o'}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    # as `python finetune.py ...` ends (common.run_main: its stderr and exit code), in one process for the table
+    result = command_worker.run("finetune", [*flags, f"--out_dir={tmp_path / 'o'}"], ROOT, timeout=120)
+    assert result["code"] == 2, result
+    lines = result["err"].strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result["err"]
     assert not (tmp_path / "o").exists()
 
 

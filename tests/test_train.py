@@ -211,11 +211,13 @@ def run_train(*flags, cwd=ROOT):
     (["--config=missing.toml"], "config file missing.toml not found"),
     (["--dataset=no_such_dataset_here"], "python prepare.py --dataset="),
 ])
-def test_bad_flags_give_one_line_errors(flags, message, tmp_path):
-    result = run_train(*flags, f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}")
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+def test_bad_flags_give_one_line_errors(flags, message, tmp_path, command_worker):
+    # as `python train.py ...` ends (common.run_main: its stderr and exit code), in one process for the table
+    result = command_worker.run("train", [*flags, f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}"],
+                                tmp_path, timeout=120)
+    assert result["code"] == 2, result
+    lines = result["err"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result["err"]
     assert not (tmp_path / "out").exists()
 
 
