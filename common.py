@@ -129,8 +129,11 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
             print(STOP_LINES.get(signum, "interrupted"), file=sys.stderr)
         sys.exit(128 + signum)
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        if ddp.peer_failed(e):
-            fail(f"another rank of this job stopped ({first_line(e)[:160]}); its own line says why")
+        if ddp.peer_failed(e):  # its process group is broken: torn down at the interpreter's exit, gloo may abort
+            with contextlib.suppress(SystemExit):
+                fail(f"another rank of this job stopped ({first_line(e)[:160]}); its own line says why")
+            sys.stderr.flush()
+            os._exit(2)
         if not out_of_memory(e):
             raise
         script = Path(getattr(main, "__globals__", {}).get("__file__") or "").stem
