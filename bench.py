@@ -38,8 +38,8 @@ position (all), CE beside; loss and step rows at each --vocab and --step_tokens,
 for each of --step_variants scored whole and in chunks of --val_chunk rows (as --loss_chunk_size runs do).
 --mode=checkpoint: the time to load a checkpoint of --preset (50304 tokens) with its AdamW state, through its
 door (checkpoint.load_checkpoint: safetensors, the checksum, every field) and with the resume check of its optimizer
-state (checkpoint.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only, mmap: what
-the door of a torch.save checkpoint called after its checks), interleaved, --repeats times, from the page cache.
+state (checkpoint_format.resumable), beside plain torch.load of the same payload saved by torch.save (weights_only,
+mmap: what the door of a torch.save checkpoint called after its checks), interleaved, --repeats times, page cached.
 --mode=resume: a tiny run of 8 steps on the built-in data beside the same run stopped after 4 and resumed, at
 1 and 2 CPU threads: the largest difference of the logged losses, the weights and the optimizer state.
 --chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
@@ -476,6 +476,7 @@ def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
 def bench_checkpoint(cfg: BenchConfig) -> str:
     """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
     import checkpoint
+    import checkpoint_format
     import doors
     payload = checkpoint_payload(cfg.preset)
     with tempfile.TemporaryDirectory() as tmp:
@@ -485,20 +486,19 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
         del payload
 
         def resume() -> None:
-            checkpoint.resumable(ours, checkpoint.load_checkpoint(ours, TrainConfig))
+            checkpoint_format.resumable(ours, checkpoint.load_checkpoint(ours, TrainConfig))
 
         def checksum() -> None:
-            from safetensors import safe_open
-            with safe_open(str(ours), framework="pt") as f:
-                checkpoint.checksum(f.metadata()[doors.CHECKPOINT_KEY],
-                                    {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+            with checkpoint_format.open_checkpoint(ours) as f:
+                checkpoint_format.checksum(f.metadata()[doors.CHECKPOINT_KEY],
+                                           {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
         steps = {"torch.load(weights_only, mmap) of ckpt.pt, no checks": lambda: torch.load(
                      pt, map_location="cpu", weights_only=True, mmap=True),
                  "torch.load(weights_only) of ckpt.pt, no checks": lambda: torch.load(
                      pt, map_location="cpu", weights_only=True),
                  "load_checkpoint(ckpt.safetensors): door, checksum, fields": lambda: checkpoint.load_checkpoint(
                      ours, TrainConfig),
-                 "  the same + checkpoint.resumable (finite optimizer state)": resume,
+                 "  the same + checkpoint_format.resumable (finite optimizer state)": resume,
                  "  of which the checksum (read + CRC-32 of every tensor)": checksum}
         times = time_interleaved(steps, cfg.warmup, cfg.repeats, torch.device("cpu"))
         sizes = (ours.stat().st_size, pt.stat().st_size)

@@ -525,30 +525,31 @@ MAX_HEADER_BYTES = MAX_TEXT_BYTES  # a safetensors header: each tensor's name, d
 
 def safetensors_open(path: str | Path, what: str, fix: str, old: str = "") -> Any:
     """A safetensors file opened by its library (safetensors.safe_open: memory-mapped, a tensor read when it is
-    asked for, copy-on-write), once its first bytes can begin one: a regular file, not sparse, whose header length
-    (its first 8 bytes) is at most MAX_HEADER_BYTES and within the file. The library checks the rest before a
-    tensor is read: a JSON header, each tensor's dtype, shape and byte count agreeing, and their byte ranges tiling
-    the data exactly (no overlap, no gap, nothing past the end). `old`: the fix for a torch.save file (a zip)."""
+    asked for, copy-on-write) through the descriptor its checks read, once its first bytes can begin one: a regular
+    file, not sparse, whose header length (its first 8 bytes) is at most MAX_HEADER_BYTES and within the file. The
+    library checks the rest before a tensor is read: a JSON header, each tensor's dtype, shape and byte count
+    agreeing, their byte ranges tiling the data exactly (no overlap, no gap, nothing past the end). `old`: the fix
+    for a torch.save file (a zip)."""
     from safetensors import safe_open
     f, info = opened(path, what, fix)
-    with f:
+    with f:  # one open file, start to end: a file a save renames over `path` meanwhile is never read with this one
         head = f.read(8)
         why = holes_problem(f.fileno(), info.st_size)
-    length = int.from_bytes(head.ljust(8, b"\0"), "little")
-    if head.startswith(b"PK\x03\x04"):
-        raise Refused(f"{what} {path} is a torch.save file (a zip), not safetensors; {old or fix}")
-    if len(head) < 8 or length > min(MAX_HEADER_BYTES, info.st_size - 8):
-        why = (f"is {info.st_size} bytes, too few for a safetensors file" if len(head) < 8 else
-               f"is not a safetensors file: its first 8 bytes claim a header of {length:,} bytes, more than "
-               + (f"a header can be ({MAX_HEADER_BYTES:,})" if length > MAX_HEADER_BYTES else "the file holds"))
-    if why:
-        raise Refused(f"{what} {path} {why}; {fix}")
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # SafetensorError: what the header breaks, in one line
-        why = first_line(e).removeprefix("Error while deserializing header: ")
-        raise Refused(f"{what} {path} is not a valid safetensors file ({clip(why, 120)}): damaged, cut short or "
-                      f"not one; {fix}") from None
+        length = int.from_bytes(head.ljust(8, b"\0"), "little")
+        if head.startswith(b"PK\x03\x04"):
+            raise Refused(f"{what} {path} is a torch.save file (a zip), not safetensors; {old or fix}")
+        if len(head) < 8 or length > min(MAX_HEADER_BYTES, info.st_size - 8):
+            why = (f"is {info.st_size} bytes, too few for a safetensors file" if len(head) < 8 else
+                   f"is not a safetensors file: its first 8 bytes claim a header of {length:,} bytes, more than "
+                   + (f"a header can be ({MAX_HEADER_BYTES:,})" if length > MAX_HEADER_BYTES else "the file holds"))
+        if why:
+            raise Refused(f"{what} {path} {why}; {fix}")
+        try:  # by its descriptor: the library opens a name twice (its header, then torch's mapping of the bytes)
+            return safe_open(f"/dev/fd/{f.fileno()}", framework="pt")
+        except Exception as e:  # SafetensorError: what the header breaks, in one line
+            why = first_line(e).removeprefix("Error while deserializing header: ")
+            raise Refused(f"{what} {path} is not a valid safetensors file ({clip(why, 120)}): damaged, cut short "
+                          f"or not one; {fix}") from None
 
 
 def holes_problem(fd: int, size: int) -> str | None:

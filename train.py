@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-import checkpoint
+import checkpoint_format
 import cli
 import ddp
 import devices
@@ -491,7 +491,7 @@ class Objective(torch.nn.Module):
         if not exactly:  # another run's: the pieces of the same name and shape; the others start fresh
             saved = {k: v for k, v in saved.items() if k in mine and v.shape == mine[k].shape}
             mine = {k: mine[k] for k in saved}
-        if why := checkpoint.declared_tensors_problem(saved, mine, "its objective"):
+        if why := checkpoint_format.declared_tensors_problem(saved, mine, "its objective"):
             raise UserError(f"{source}: {why} this run's objective declares; resume with the code that wrote it, or "
                             f"start a new run from its weights with --init_from={source}")
         with torch.no_grad():
@@ -661,7 +661,7 @@ class Run:
 
     def restore(self, resumed: Checkpoint) -> None:
         """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
-        common.through_door(checkpoint.resumable, self.out_dir / "ckpt.safetensors", resumed,
+        common.through_door(checkpoint_format.resumable, self.out_dir / "ckpt.safetensors", resumed,
                             self.optimizer.param_groups, self.objective.named_parameters())  # its state fits
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         try:

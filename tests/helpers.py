@@ -316,15 +316,15 @@ def save_ckpt(payload: dict, path) -> None:
     where checkpoint.save_checkpoint refuses it."""
     import types
 
-    import checkpoint
-    real = checkpoint.json
-    checkpoint.json = types.SimpleNamespace(**vars(real))
-    checkpoint.json.dumps = lambda *args, **kwargs: real.dumps(*args, **{**kwargs, "allow_nan": True})
+    import checkpoint_format
+    real = checkpoint_format.json
+    checkpoint_format.json = types.SimpleNamespace(**vars(real))
+    checkpoint_format.json.dumps = lambda *args, **kwargs: real.dumps(*args, **{**kwargs, "allow_nan": True})
     tmp = Path(f"{path}.tmp")
     try:
         with open(tmp, "wb") as f:
-            for piece in checkpoint.checkpoint_bytes(payload):
+            for piece in checkpoint_format.checkpoint_bytes(payload):
                 f.write(piece)
     finally:
-        checkpoint.json = real
+        checkpoint_format.json = real
     os.replace(tmp, path)

@@ -11,6 +11,7 @@ from helpers import io_pairs, refusal, tree_state
 
 import bench
 import checkpoint
+import checkpoint_format
 import cli
 import doors
 import train
@@ -172,7 +173,7 @@ def test_the_checkpoint_mode_loads_one_payload_both_ways(tmp_path, monkeypatch):
     checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", payload)
     torch.save(doors.plain(payload), tmp_path / "ckpt.pt")
     ours = checkpoint.load_checkpoint(tmp_path / "ckpt.safetensors", train.TrainConfig)
-    checkpoint.resumable(tmp_path / "ckpt.safetensors", ours)
+    checkpoint_format.resumable(tmp_path / "ckpt.safetensors", ours)
     plain = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ours.model.keys() == plain["model"].keys() and len(plain["optimizer"]["state"]) > 0
     assert all(torch.equal(ours.model[k], t) for k, t in plain["model"].items())

@@ -23,6 +23,7 @@ from helpers import Worker, one_line_refusal, read_ckpt, released_lock, save_ckp
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import checkpoint
+import checkpoint_format
 import common
 import doors
 import model
@@ -137,7 +138,7 @@ def safetensors_bytes(header: dict) -> bytes:
 
 def sparse_weights(path: Path) -> None:
     """A checkpoint claiming a 1 GiB embedding that is a hole: a sparse file of a few kB on disk."""
-    tensors, metadata = checkpoint.encode_checkpoint(read_ckpt(path))
+    tensors, metadata = checkpoint_format.encode_checkpoint(read_ckpt(path))
     header = {"__metadata__": metadata, "w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}}
     path.write_bytes(safetensors_bytes(header))
     os.truncate(path, path.stat().st_size + (1 << 30))

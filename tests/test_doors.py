@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import analyze
 import bench
 import bpe
 import checkpoint
+import checkpoint_format
 import cli
 import common
 import compare
@@ -100,7 +102,7 @@ def edited(ckpt: dict, path: str, value) -> dict:
 CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("4", "model_config/block_size", 10**10, "model_config.block_size is 10000000000, outside [2, 1048576]"),
     ("4", "model_config/block_size", 10**8, "model_config.block_size is 100000000, outside"),
-    ("10", "step", -5, "step is -5, outside"),  # a count of older checkpoints (checkpoint.Legacy)
+    ("10", "step", -5, "in an earlier layout of this project's (counts beside its state: step)"),
     ("10", "state/step", -5, "state.step is -5, outside"),
     ("10", "model_config/gelu", "fast", "model_config.gelu is 'fast', not one of: exact, tanh"),
     ("10", "model_config/norm", "batchnorm", "model_config.norm is 'batchnorm', not one of: layernorm, rmsnorm"),
@@ -125,7 +127,7 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("11", "state/micro_batches", -1, "state.micro_batches is -1, outside"),
     ("11", "rng", DELETE, "lacks rng"),
     ("11", "rng/torch", torch.zeros(7, dtype=torch.uint8), "rng.torch is not the state of torch's generator"),
-    ("11", "step", "5", "step is '5', not int"),
+    ("11", "step", "5", "in an earlier layout of this project's (counts beside its state: step)"),
     ("11", "tokenizer_json", 5, "tokenizer_json is 5, not str"),
     ("11", "init", "seed 3", "init is 'seed 3', not a table"),
     ("11", "init/seed", -1, "init.seed is -1, outside"),
@@ -144,7 +146,7 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("48", "train_config/lr", float("nan"), "train_config.lr is nan, not a finite number"),
     ("48", "train_config/beta1", float("inf"), "train_config.beta1 is inf, not a finite number"),
     ("48", "data_meta/val_tokens", float("nan"), "data_meta.val_tokens is nan, not int"),
-    ("48", "loss", float("nan"), "loss is nan, not a finite number"),  # an older checkpoint's count
+    ("48", "loss", float("nan"), "in an earlier layout of this project's (counts beside its state: loss)"),
     ("48", "state/val", "3.0", "state.val is '3.0', not a table"),
     ("48", "state/first_val", [4.0], "state.first_val is [4.0], not a table"),
     ("48", "state/val/val_ce", "3.0", "state.val.val_ce is '3.0', not float"),
@@ -220,11 +222,8 @@ def test_any_value_in_any_field_is_let_in_or_refused_in_one_line(checkpoint_dict
     """The invariant behind cases 4, 10 and 11: whatever a checkpoint's field holds, its door lets it in (and the
     model is then built, or refused in one line by the weights check) or refuses it in one line."""
     ckpt = edited(checkpoint_dict, field, value)
-    try:
-        ckpt = checkpoint.upgraded(ckpt)
-        why = checkpoint.checkpoint_problem(ckpt, train.TrainConfig)
-    except doors.Refused as e:
-        why = str(e)
+    why = checkpoint_format.earlier_layout(ckpt)
+    why = why or checkpoint_format.checkpoint_problem(ckpt, checkpoint.Checkpoint, train.TrainConfig)
     if why is not None:
         assert isinstance(why, str) and "\n" not in why
         return
@@ -248,20 +247,32 @@ def test_a_checkpoint_written_by_todays_main_loads(checkpoint_dict, tmp_path):
     assert checkpoint.load_checkpoint(path, train.TrainConfig).train_config == {}
 
 
-def test_an_older_checkpoints_counts_load_into_its_state(checkpoint_dict, tmp_path):
-    """The counts older checkpoints kept beside state (checkpoint.Legacy) are checked and dropped; a file from before
-    state takes its counts from them, and cannot resume exactly (no data position)."""
-    old = {"step": 4, "loss": 3.5, "val": {"val_ce": 3.0}, "first_val": {"val_ce": 4.0}, "tokens_seen": 128,
-           "flops": 1.0e6, "base_tokens": 64, "base_flops": 2.0, "scaler": {}}
+EARLIER_LAYOUTS = [  # (what, the payload of an earlier layout made from today's, what the refusal says of it)
+    ("counts beside state", lambda c: {**c, "step": 4, "tokens_seen": 128},
+     "counts beside its state: step, tokens_seen"),
+    ("counts, no state", lambda c: {**{k: v for k, v in c.items() if k != "state"}, "base_flops": 2.0},
+     "counts beside its state: base_flops"),
+    ("an import's source", lambda c: {**c, "source": "hf:EleutherAI/pythia-70m"}, "an import's source"),
+    ("a disabled scaler's {}", lambda c: {**c, "scaler": {}}, "a disabled scaler as {}"),
+    ("a state before val_step", lambda c: {**c, "state": {k: v for k, v in c["state"].items() if k != "val_step"}},
+     "a state without val_step"),
+]
+
+
+@pytest.mark.parametrize("what, older, how", EARLIER_LAYOUTS, ids=[w for w, _, _ in EARLIER_LAYOUTS])
+def test_a_checkpoint_of_an_earlier_layout_is_refused_naming_what_converts_it(what, older, how, checkpoint_dict,
+                                                                               tmp_path, monkeypatch, capsys):
+    """One layout is read (no reader of earlier ones): an older file is refused by the door and by a plan's read of
+    its document alike, in one line that names convert.py (which upgrades it: tests/test_convert.py)."""
     path = tmp_path / "ckpt.safetensors"
-    save_ckpt({**checkpoint_dict, **old}, path)
-    assert checkpoint.load_checkpoint(path, train.TrainConfig).state == checkpoint.State(**checkpoint_dict["state"])
-    save_ckpt({k: v for k, v in {**checkpoint_dict, **old}.items() if k != "state"}, path)
-    ckpt = checkpoint.load_checkpoint(path, train.TrainConfig)
-    assert ckpt.state == checkpoint.State(step=4, micro_batches=None, tokens=128, flops=1.0e6, earlier_tokens=64,
-                                          earlier_flops=2.0, loss=3.5, first_val={"val_ce": 4.0},
-                                          val={"val_ce": 3.0}, val_step=4)
-    assert ckpt.pretrain_tokens() == 192 and ckpt.scaler is None
+    save_ckpt(older(copy.deepcopy(checkpoint_dict)), path)
+    words = f"is in an earlier layout of this project's ({how}), which no script reads; convert it once: "
+    err = refused(generate.main, [f"--ckpt={path}", "--prompt=a", "--device=cpu"], words, monkeypatch, capsys, tmp_path)
+    assert err.strip().endswith(f"--ckpt={path} --out={tmp_path / 'ckpt-converted.safetensors'}")
+    assert "convert.py" in err
+    for read in (checkpoint.read_checkpoint, checkpoint.read_document):
+        with pytest.raises(doors.Refused, match=re.escape(words)):
+            read(path, train.TrainConfig)
 
 
 def test_a_tokenizer_that_would_be_downloaded_is_one_line(checkpoint_dict, tmp_path, monkeypatch, capsys):
@@ -675,7 +686,7 @@ COSTLY = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, ROOT)
 import torch
-import checkpoint, cli, common, data, doors, model, train
+import checkpoint, checkpoint_format, cli, common, data, doors, model, train
 from common import UserError
 tmp = TMP
 cases = {}
@@ -697,7 +708,7 @@ net = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=
 ckpt = {"model": net.state_dict(), "model_config": {"vocab_size": 64, "block_size": 10**10, "n_layer": 1,
         "n_head": 2, "d_model": 16}}
 with open(os.path.join(tmp, "long.safetensors"), "wb") as f:
-    f.writelines(checkpoint.checkpoint_bytes(ckpt))
+    f.writelines(checkpoint_format.checkpoint_bytes(ckpt))
 timed("4: block_size 1e10", lambda: checkpoint.load_checkpoint(f.name, train.TrainConfig))
 header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]}}).encode()
 with open(os.path.join(tmp, "claim.safetensors"), "wb") as f:  # 10 kB claiming a 4 GiB tensor

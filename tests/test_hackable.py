@@ -21,6 +21,7 @@ from helpers import read_ckpt, read_log, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import checkpoint
+import checkpoint_format
 import cli
 import data
 import finetune
@@ -165,7 +166,7 @@ def test_a_field_a_fork_adds_to_gptconfig_is_a_flag_recorded_and_checked_with_no
              "--eval_batches=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
     trained, bad, other = run_fork(fork, flags, [["--mlp=swiglu", "--out_dir=a"], ["--mlp=relu", "--out_dir=b"],
                                                  ["--mlp=gelu", "--init_from=a/ckpt.safetensors", "--out_dir=c"]])
-    saved = checkpoint.checkpoint_file(fork / "a" / "ckpt.safetensors")
+    saved = checkpoint_format.checkpoint_file(fork / "a" / "ckpt.safetensors")
     assert trained[0] == 0 and saved["model_config"]["mlp"] == "swiglu"
     assert bad[0] == 2 and "--mlp='relu' is not valid; choose one of: gelu, swiglu" in bad[2]
     assert other[0] == 2 and "--mlp=gelu but a/ckpt.safetensors holds a model with mlp=swiglu" in other[2]
@@ -216,16 +217,16 @@ def run_fork(fork: Path, flags: list[str], steps: list, read: tuple[str, str] = 
 FORK_DRIVER = """
 import contextlib, io, json, sys
 sys.path.insert(0, "tests")
-import checkpoint, common, doors, train
+import checkpoint_format, common, doors, train
 from helpers import save_ckpt
 flags, steps, (table, key) = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 def saved(out):
     with contextlib.suppress(Exception):
-        return checkpoint.checkpoint_file(out + "/ckpt.safetensors")[table].get(key)
+        return checkpoint_format.checkpoint_file(out + "/ckpt.safetensors")[table].get(key)
 said = []
 for argv in steps:
     if argv[0] == "set":
-        ckpt = checkpoint.checkpoint_file(argv[1] + "/ckpt.safetensors")
+        ckpt = checkpoint_format.checkpoint_file(argv[1] + "/ckpt.safetensors")
         ckpt[table][key] = argv[2]
         save_ckpt(ckpt, argv[1] + "/ckpt.safetensors")
         said.append(argv)

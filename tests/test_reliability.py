@@ -19,6 +19,7 @@ from conftest import refused_before_any_work
 from helpers import read_ckpt, read_log, snapshot, tiny_config as train_tiny_config
 
 import checkpoint
+import checkpoint_format
 import common
 import finetune
 import generate
@@ -79,7 +80,7 @@ def test_every_save_refuses_a_non_finite_loss_or_metric(tmp_path):
             checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, **bad})
         assert not list(tmp_path.iterdir())
     checkpoint.save_checkpoint(tmp_path / "ckpt.safetensors", {"model": weights, "state": {"step": 3, "loss": 1.5}})
-    saved = checkpoint.checkpoint_file(tmp_path / "ckpt.safetensors")  # its bytes (no config: no run)
+    saved = checkpoint_format.checkpoint_file(tmp_path / "ckpt.safetensors")  # its bytes (no config: no run)
     assert saved["state"]["loss"] == 1.5
 
 
@@ -268,7 +269,7 @@ def test_bad_numbers_are_refused_before_any_work(script, flags, message, tmp_pat
 
 
 def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_path, monkeypatch, capsys):
-    real_bytes, real_log = checkpoint.checkpoint_bytes, train.append_log
+    real_bytes, real_log = checkpoint_format.checkpoint_bytes, train.append_log
 
     def first_ctrl_c_at_step_2(out_dir, record):
         real_log(out_dir, record)
@@ -282,7 +283,7 @@ def test_a_second_ctrl_c_waits_for_the_save_and_exits_130(tiny_data_dir, tmp_pat
             yield piece
 
     monkeypatch.setattr(train, "append_log", first_ctrl_c_at_step_2)
-    monkeypatch.setattr(checkpoint, "checkpoint_bytes", bytes_with_second_ctrl_c)
+    monkeypatch.setattr(checkpoint_format, "checkpoint_bytes", bytes_with_second_ctrl_c)
     cfg = tiny_config(tiny_data_dir, tmp_path, max_iters=4, eval_interval=10)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     with pytest.raises(SystemExit) as e:
