@@ -49,9 +49,12 @@ def load_old(path: Path) -> dict:
     safetensors checkpoint of an earlier layout; model weights and the model_config to build them by."""
     f, _ = through_door(doors.opened, path, "checkpoint", FIX)
     with f:
-        if f.read(4) == b"PK\x03\x04":
+        head = f.read(9)
+        if head.startswith(b"PK\x03\x04"):
             f.seek(0)
             payload = unpickled(f, path)
+        elif head[8:] != b"{":  # a safetensors file: its header's length, then the header, JSON
+            raise UserError(f"--ckpt={path} is neither a torch.save file (a zip) nor a safetensors checkpoint; {FIX}")
         else:  # the checkpoint door's bytes, its checksum, its document; its layout is judged here
             payload = through_door(checkpoint_format.checkpoint_file, path)
             if checkpoint_format.earlier_layout(payload) is None:
@@ -77,7 +80,7 @@ def unpickled(f: IO[bytes], path: Path) -> Any:
         raise UserError(f"--ckpt={path} is a damaged zip ({first_line(e)[:120]}), not a torch.save file; {FIX}"
                         ) from None
     if packed:
-        raise UserError(f"--ckpt={path} holds compressed parts ({doors.brief(packed[0])}), which torch.save never "
+        raise UserError(f"--ckpt={path} holds compressed parts ({doors.clip(packed[0])}), which torch.save never "
                         f"writes (a zip bomb's are): not a checkpoint of this project's; {FIX}")
     f.seek(0)
     try:
