@@ -136,14 +136,8 @@ def read_document(path: str | Path, train_class: type | None = None) -> Checkpoi
     checksum pass): what a command settles its plan from (train.settle) before it touches anything. The fields a
     plan reads are checked against their declarations and together (settings_problems); the rest are left empty
     here, and the whole file passes read_checkpoint's door when the run is built."""
-    with fmt.open_checkpoint(path) as f:
-        text = (f.metadata() or {}).get(doors.CHECKPOINT_KEY)
-    if text is None:
-        raise doors.Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its "
-                            f"{doors.CHECKPOINT_KEY} metadata); {fmt.FIX}")
-    document = doors.parse(text.encode(), f"checkpoint {path}'s document", fmt.FIX)
-    payload = document.get("payload") if isinstance(document, dict) else None
-    if not isinstance(payload, dict) or "model_config" not in payload:
+    payload = fmt.checkpoint_file(path, whole=False)
+    if "model_config" not in payload:
         raise doors.Refused(f"{path} is not a headless-lm checkpoint (no model_config); {fmt.FIX}")
     fmt.refuse_earlier_layout(path, payload)
     planned = {k: v for k, v in payload.items() if k in PLANNED}

@@ -1,8 +1,7 @@
 """A checkpoint's format and the door's checks beyond each field's declaration, generic over the declared class
 (checkpoint.Checkpoint, passed in as doors.declared_problem takes it), so that this file imports nothing above it.
-In safetensors: each tensor of the payload by its path in it, the rest a JSON document in the metadata, with a
-CRC-32 of both. A read is one open file, start to end (doors.safetensors_open): a save that renames a new file over
-the path meanwhile is never paired with this one. Plumbing a fork that adds a field never opens (docs/hacking.md)."""
+A read is one open file, start to end (doors.safetensors_open): a save renaming a new file over the path meanwhile
+is never paired with it. Plumbing: a fork that adds a field to checkpoint.py never opens it (docs/hacking.md)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +33,6 @@ LONG_TEXT = 1 << 12
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL", torch.complex64: "C64"}
-
 
 
 def encode_checkpoint(payload: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -112,16 +110,17 @@ def open_checkpoint(path: str | Path) -> Any:
     return doors.safetensors_open(path, "checkpoint", FIX if os.path.exists(path) else missing, old)
 
 
-def checkpoint_file(path: str | Path) -> dict:
+def checkpoint_file(path: str | Path, whole: bool = True) -> dict:
     """A checkpoint file's payload, as saved: its bytes through the safetensors door, its checksum, its document;
-    then each tensor in its place, a null the document holds for it (its fields: checkpoint.read_checkpoint)."""
+    then each tensor in its place, a null the document holds for it (its fields: checkpoint.read_checkpoint).
+    `whole=False`: the document alone, its nulls left (no tensor read, so no checksum pass)."""
     with open_checkpoint(path) as f:
         metadata = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        tensors = {name: f.get_tensor(name) for name in f.keys()} if whole else {}  # noqa: SIM118
     if doors.CHECKPOINT_KEY not in metadata:
         raise doors.Refused(f"{path} is not a headless-lm checkpoint (a safetensors file without its "
                             f"{doors.CHECKPOINT_KEY} metadata); {FIX}")
-    if metadata.get(CHECKSUM_KEY) != checksum(metadata[doors.CHECKPOINT_KEY], tensors):
+    if whole and metadata.get(CHECKSUM_KEY) != checksum(metadata[doors.CHECKPOINT_KEY], tensors):
         raise doors.Refused(f"checkpoint {path} does not match its checksum: a byte changed (a damaged copy); copy "
                             "it again, or resume from a good copy")
     document = doors.parse(metadata[doors.CHECKPOINT_KEY].encode(), f"checkpoint {path}'s document", FIX)

@@ -1,15 +1,13 @@
 """A checkpoint of this project in an older form converted, once, into the checkpoint every script reads: a ckpt.pt
-that torch.save wrote (before safetensors), or a .safetensors of an earlier layout (its counts beside `state`, an
-import's `source`, a disabled scaler's {}, a state from before val_step). A script that is given one refuses it in
-one line that names this command, with full paths, quoted for the shell, to paste from any folder:
+that torch.save wrote, or a .safetensors of an earlier layout (checkpoint_format.earlier_layout). A script given one
+refuses it in one line naming this command, with full paths, quoted for the shell, to paste from any folder:
 
     python convert.py --ckpt=out/ckpt.pt --out=out/ckpt.safetensors
 
 A ckpt.pt is a pickle: it is read with torch.load(weights_only=True), which builds tensors and plain values only, yet
 convert only a file you trust as your own (no other script reads a pickle). The new checkpoint passes the door every
 script reads it through (checkpoint.read_checkpoint) and builds its model before it takes its name; an existing
---out is never replaced.
-"""
+--out is never replaced."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -86,14 +84,11 @@ def unpickled(f: IO[bytes], path: Path) -> Any:
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's text advises an unsafe load: said here in the project's words
-        parts = [p.strip() for p in str(e).split("\n\n") if p.strip()]
-        reason = doors.clip(parts[1] if len(parts) > 2 else first_line(e), 120)
-        if found := re.search(r"GLOBAL ([\w.]+)", reason):
-            raise UserError(f"--ckpt={path} holds Python objects that torch's safe loader refuses to build (it "
-                            f"would call {found[1]}); this project converts only its own checkpoints, which hold "
-                            f"tensors and plain values; {FIX}") from None
-        raise UserError(f"--ckpt={path} is a pickle that torch's safe loader cannot read ({reason}): damaged, or "
-                        f"not tensors and plain values; {FIX}") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"it would call {found[1]}" if found else "or bytes it cannot read: damaged"
+        raise UserError(f"--ckpt={path} holds Python objects that torch's safe loader refuses to build ({what}); "
+                        f"this project converts only its own checkpoints, which hold tensors and plain values; {FIX}"
+                        ) from None
     except Exception as e:  # damaged or cut short: parts that disagree with what they claim
         raise UserError(f"--ckpt={path} cannot be read as a checkpoint ({first_line(e)[:120]}); {FIX}") from None
 
@@ -106,11 +101,8 @@ def upgraded(payload: dict) -> dict:
     payload.pop("source", None)
     state = payload.get("state")
     if state is None and legacy:
-        state = payload["state"] = {"micro_batches": None, "tokens": legacy.get("tokens_seen", 0),
-                                    "earlier_tokens": legacy.get("base_tokens", 0),
-                                    "earlier_flops": legacy.get("base_flops", 0.0),
-                                    **{k: legacy[k] for k in ("step", "loss", "val", "first_val", "flops")
-                                       if k in legacy}}
+        renamed = {"tokens_seen": "tokens", "base_tokens": "earlier_tokens", "base_flops": "earlier_flops"}
+        state = payload["state"] = {"micro_batches": None, **{renamed.get(k, k): v for k, v in legacy.items()}}
     if isinstance(state, dict) and "val_step" not in state:
         state["val_step"] = legacy.get("step")
     if isinstance(payload.get("scaler"), dict) and not payload["scaler"]:

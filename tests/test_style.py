@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "load", "prepare", "sources",
         "tokenizer", "common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks",
-        "run_folder")
-PLUMBING = ("common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks", "run_folder")
+        "run_folder", "checkpoint_format")
+PLUMBING = ("common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks", "run_folder", "checkpoint_format")
 
 
 def modules() -> dict[str, Path]:
