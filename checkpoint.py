@@ -5,7 +5,7 @@ writes it; load_checkpoint lets one in through its door and every reader gets it
 checks from the declarations (doors.declared_problem: types, ranges, every float finite, nested tables), then checks
 what the fields say together (weights against the model, ids against the vocabulary). A fork that keeps new run
 state adds a field with a default to State: saved, checked and restored on --resume, with no other edit
-(docs/hacking.md). In safetensors: the tensors by name, the rest a JSON document in its metadata, with a CRC-32."""
+(docs/hacking.md). Its format (safetensors, a CRC-32) and the door's checks across fields: checkpoint_format.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -91,7 +91,7 @@ class Checkpoint:
     data_meta: dict[str, Any] = field(default_factory=dict)  # its dataset's meta.json (doors.DatasetMeta's fields)
     objective: dict[str, torch.Tensor] = field(default_factory=dict)  # the objective's own state (train.Objective)
     state: State | None = None  # None: an import
-    optimizer: dict[str, Any] | None = None  # torch's state_dict of the optimizer (optimizer_problem checks it)
+    optimizer: dict[str, Any] | None = None  # torch's state_dict of the optimizer (fmt.optimizer_problem checks it)
     scaler: Scaler | None = None
     rng: Rng | None = None
     mask_spec: MaskSpec | None = None  # an encoder's
@@ -114,7 +114,7 @@ class Checkpoint:
 def read_checkpoint(path: str | Path, train_class: type | None = None) -> Checkpoint:
     """A train.py or finetune.py checkpoint through its door: its bytes (checkpoint_format.checkpoint_file:
     safetensors, one open file, its checksum), today's layout, then every field against its declaration, then what
-    they say together (checkpoint_problem). `train_class`: the settings class its train_config is checked by
+    they say together (fmt.checkpoint_problem). `train_class`: the settings class its train_config is checked by
     (train.TrainConfig), where the reader has it."""
     payload = fmt.checkpoint_file(path)
     if not isinstance(payload.get("model"), dict) or "model_config" not in payload:
@@ -134,7 +134,7 @@ PLANNED = ("model_config", "train_config", "state")  # what a plan reads of a ch
 def read_document(path: str | Path, train_class: type | None = None) -> Checkpoint:
     """A checkpoint's document alone (its safetensors metadata: the settings and counts; no tensor read, so no
     checksum pass): what a command settles its plan from (train.settle) before it touches anything. The fields a
-    plan reads are checked against their declarations and together (settings_problems); the rest are left empty
+    plan reads are checked against their declarations and together (fmt.settings_problems); the rest are left empty
     here, and the whole file passes read_checkpoint's door when the run is built."""
     payload = fmt.checkpoint_file(path, whole=False)
     if "model_config" not in payload:
@@ -152,7 +152,7 @@ def read_document(path: str | Path, train_class: type | None = None) -> Checkpoi
 
 def save_checkpoint(path: str | Path, ckpt: Checkpoint | dict) -> None:
     """Write atomically as safetensors (checkpoint_format.encode_checkpoint); refused, the previous file untouched,
-    when a weight or a metric is not finite. A dict: a payload as a file holds it (an older ckpt.pt: convert.py)."""
+    when a weight or a metric is not finite. A dict: a payload as a file holds it (an older checkpoint: convert.py)."""
     payload = doors.plain(ckpt)
     state = payload.get("state") or {}
     values = {"the training loss": state.get("loss"), **(state.get("val") or {})}
