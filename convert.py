@@ -74,7 +74,7 @@ def unpickled(f: IO[bytes], path: Path) -> Any:
     parts stored as torch.save stores them (a compressed part, as in a zip bomb, is refused before it inflates)."""
     try:
         packed = [i.filename for i in zipfile.ZipFile(f).infolist() if i.compress_type != zipfile.ZIP_STORED]
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
+    except Exception as e:  # zipfile's errors of a damaged directory: BadZipFile, EOFError, ValueError...
         raise UserError(f"--ckpt={path} is a damaged zip ({first_line(e)[:120]}), not a torch.save file; {FIX}"
                         ) from None
     if packed:
@@ -85,7 +85,7 @@ def unpickled(f: IO[bytes], path: Path) -> Any:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's text advises an unsafe load: said here in the project's words
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"it would call {found[1]}" if found else "or bytes it cannot read: damaged"
+        what = f"it would call {found[1]}" if found else "or damaged bytes"
         raise UserError(f"--ckpt={path} holds Python objects that torch's safe loader refuses to build ({what}); "
                         f"this project converts only its own checkpoints, which hold tensors and plain values; {FIX}"
                         ) from None
@@ -148,8 +148,7 @@ def convert(old: str | Path, out: str | Path) -> Path:
 def main(argv: list[str]) -> None:
     cfg = parse_flags(ConvertConfig, argv)
     if not cfg.ckpt or not cfg.out:
-        raise UserError("pass --ckpt=OLD.pt (a checkpoint from before safetensors or of an earlier layout) and "
-                        "--out=NEW.safetensors")
+        raise UserError("pass --ckpt=OLD (a ckpt.pt or an earlier layout's .safetensors) and --out=NEW.safetensors")
     declare_io(reads={"--ckpt": cfg.ckpt, "--config": config_path(argv)}, writes={"--out": cfg.out})
     out = convert(cfg.ckpt, cfg.out)
     print(f"wrote {out}, a checkpoint every script reads", file=sys.stderr)
