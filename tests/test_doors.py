@@ -576,10 +576,12 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
         return open_
 
     flags = [f"--dataset={tiny_data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN]
-    for code, words in ((errno.EROFS, "cannot write (Read-only file system) while saving"),
-                        (errno.ENOSPC, "no space left on device while saving")):
+    lock = tmp_path / "o" / ".lock"
+    for code, words in ((errno.EROFS, f"cannot take the lock {lock} (Read-only file system); make {lock.parent} "
+                                      "writable"),
+                        (errno.ENOSPC, f"cannot take the lock {lock} (No space left on device); free some space")):
         monkeypatch.setattr(safe_files.os, "open", failing(code, ".lock"))
-        refused(train.main, flags, f"{words} {tmp_path / 'o' / '.lock'}", monkeypatch, capsys)
+        refused(train.main, flags, words, monkeypatch, capsys)
         assert not (tmp_path / "o").exists()  # the folder the lock made is removed again
     real_unlink = Path.unlink
 
