@@ -1,8 +1,9 @@
 """What every command shares to live and die well: a signal at import is one line, a mistake one line and exit 2
-(UserError, run_main), stdout guarded, Ctrl-C saved (StopFlag), a door's refusal as a UserError, optional files
-and packages named before any work. The rest of the plumbing, by purpose: cli.py (settings), devices.py and
-ddp.py (device, dtype, ranks), safe_files.py (safe writes, locks), io_checks.py (a command's inputs and outputs),
-run_folder.py (a training run's folder and log); files are read through their doors (doors.py)."""
+(UserError, run_main), stdout guarded and a failing stderr quiet, Ctrl-C saved (StopFlag), a door's refusal as a
+UserError, optional files and packages named before any work. The rest of the plumbing, by purpose: cli.py
+(settings), devices.py and ddp.py (device, dtype, ranks), safe_files.py (safe writes, locks), io_checks.py (a
+command's inputs and outputs), run_folder.py (a training run's folder and log); files are read through their doors
+(doors.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -109,31 +110,27 @@ class GuardedStdout:
 
 
 class QuietStderr:
-    """sys.stderr while run_main runs a command: a note it cannot take (a full device, a closed pipe) is dropped
-    and the command goes on, as it would unwatched: its log.jsonl, checkpoint and exit code say what it did. The
-    first failure points the stream at /dev/null, so that nothing it still buffers fails again at the exit."""
+    """sys.stderr while run_main runs a command: a note it cannot take (a full device, a closed pipe) is dropped and
+    the command goes on, as it would unwatched: its log.jsonl, checkpoint and exit code say what it did. The stream
+    is then pointed at /dev/null, so that nothing it still buffers fails again at the exit."""
 
     def __init__(self, stream: Any):
         self.stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except (OSError, ValueError):  # ValueError: a closed file object
-            self.drop()
-            return len(text)
+        self.call("write", text)
+        return len(text)
 
     def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except (OSError, ValueError):
-            self.drop()
+        self.call("flush")
 
-    def drop(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self.stream.fileno())
-            os.close(null)
+    def call(self, method: str, *args: Any) -> None:
+        try:
+            getattr(self.stream, method)(*args)
+        except (OSError, ValueError):  # ValueError: a closed file object
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null := os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+                os.close(null)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
