@@ -74,10 +74,10 @@ def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
 
 
 def rotary_tables(dims: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Computed on the CPU, and moved with the model: on the meta device (state_shapes) torch would import its
-    compiler to compute them."""
-    inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32, device="cpu") / dims)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32, device="cpu"), inv_freq)
+    if torch.empty(0).is_meta:  # a model built for its shapes (state_shapes): torch computes on meta by its compiler
+        return torch.empty(length, dims // 2), torch.empty(length, dims // 2)
+    inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -288,11 +288,11 @@ def build_model(preset: str, vocab_size: int, **overrides) -> GPT:
 
 
 class NoInitDraws(torch.overrides.TorchFunctionMode):
-    """A model built on the meta device draws no init: there are no values to draw, and torch's meta normal_ imports
-    its compiler, which makes a cache folder in $TMPDIR (docs/failures.md: nothing outside the folders given)."""
+    """A model built on the meta device draws no init (nn.init's functions): there are no values to draw, and torch
+    computes on meta through its compiler, whose import makes a cache folder in $TMPDIR (docs/failures.md)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is nn.init.normal_:  # nn.init hands its tensor over by name
+        if getattr(func, "__module__", None) == nn.init.__name__:  # nn.init hands its tensor over by name
             return kwargs["tensor"]
         return func(*args, **(kwargs or {}))
 
