@@ -1,11 +1,13 @@
 """What every command shares to live and die well: a signal at import is one line, a mistake one line and exit 2
-(UserError, run_main), stdout guarded, Ctrl-C saved (StopFlag), a door's refusal as a UserError, optional files
-and packages named before any work. The rest of the plumbing, by purpose: cli.py (settings), devices.py and
-ddp.py (device, dtype, ranks), safe_files.py (safe writes, locks), io_checks.py (a command's inputs and outputs),
-run_folder.py (a training run's folder and log); files are read through their doors (doors.py)."""
+(UserError, run_main), stdout guarded and a failing stderr quiet, Ctrl-C saved (StopFlag), a door's refusal as a
+UserError, optional files and packages named before any work. The rest of the plumbing, by purpose: cli.py
+(settings), devices.py and ddp.py (device, dtype, ranks), safe_files.py (safe writes, locks), io_checks.py (a
+command's inputs and outputs), run_folder.py (a training run's folder and log); files are read through their doors
+(doors.py)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import signal
@@ -37,7 +39,23 @@ def stop_at_once_outside_main() -> None:
                 signal.signal(s, stop_at_once)
 
 
+def hold_closed_streams() -> None:
+    """A standard stream the shell closed (`>&-`, `2>&-`) is /dev/null opened at its number, or the next file opened
+    would take that number and a library's note to fd 2 would land in it (a log, a checkpoint). A closed stdout
+    still refuses every write (read-only: run_main names it); a closed stderr takes notes and drops them."""
+    for fd, mode in ((0, os.O_RDONLY), (1, os.O_RDONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(os.open(os.devnull, mode), fd)  # the lowest free number: fd itself, the ones below held
+    if sys.stdout is None:  # Python starts without a stream for a closed one
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
 stop_at_once_outside_main()
+hold_closed_streams()
 
 import torch  # noqa: E402 (after the handlers: importing torch takes seconds)
 
@@ -91,6 +109,33 @@ class GuardedStdout:
         return getattr(self.stream, name)
 
 
+class QuietStderr:
+    """sys.stderr while run_main runs a command: a note it cannot take (a full device, a closed pipe) is dropped and
+    the command goes on, as it would unwatched: its log.jsonl, checkpoint and exit code say what it did. The stream
+    is then pointed at /dev/null, so that nothing it still buffers fails again at the exit."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.call("write", text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.call("flush")
+
+    def call(self, method: str, *args: Any) -> None:
+        try:
+            getattr(self.stream, method)(*args)
+        except (OSError, ValueError):  # ValueError: a closed file object
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null := os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+                os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 MEMORY_FIXES = {  # by script: the settings to lower when memory runs out
     "train": "lower --batch_size (raise --grad_accum to keep a step's tokens) or --block_size",
     "finetune": "lower --batch_size (raise --grad_accum to keep a step's tokens) or --block_size",
@@ -105,13 +150,13 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
     progress bar is closed) and exit code 2; a stop by Ctrl-C or SIGTERM (saved first where there is something
     to save) is one line and exit 130 or 143, as a shell expects (SIGTERM unwinds as Ctrl-C does, so that what
     was half-written is removed); a closed stdout (`| head`) ends quietly with 0, another stdout failure, out of
-    memory, or a rank whose peer failed in one line."""
+    memory, or a rank whose peer failed in one line; a stderr that fails drops its notes (QuietStderr)."""
     SIGNALLED.clear()
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
     if signal.getsignal(signal.SIGINT) is stop_at_once:  # Ctrl-C unwinds as KeyboardInterrupt while main runs
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _terminate)
-    stdout = sys.stdout
-    sys.stdout = GuardedStdout(stdout)
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = GuardedStdout(stdout), QuietStderr(stderr)
     try:
         main(sys.argv[1:])
         stop_if_signalled()  # a signal something swallowed still ends the command with its code
@@ -140,7 +185,7 @@ def run_main(main: Callable[[list[str]], Any]) -> None:
         fail(f"out of memory ({first_line(e)[:200]}); "
              f"{MEMORY_FIXES.get(script, 'use a smaller model or batch')}, then run again")
     finally:
-        sys.stdout = stdout
+        sys.stdout, sys.stderr = stdout, stderr
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -163,6 +208,8 @@ def stdout_failed(error: OSError | UnicodeEncodeError, stdout: Any) -> None:
         fail(f"the terminal's encoding ({error.encoding}) cannot show the character "
              f"{ascii(error.object[error.start:error.end])} of the output; set PYTHONIOENCODING=utf-8 (or a UTF-8 "
              "locale, LANG=C.UTF-8), or redirect the output to a file")
+    if error.errno == errno.EBADF:
+        fail("cannot write the output to stdout: it is closed (`>&-`); give it a file, a pipe or /dev/null")
     fail(f"cannot write the output to stdout ({error.strerror or error}); free some space or write it elsewhere")
 
 

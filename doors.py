@@ -215,8 +215,7 @@ def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, en
         return f"is {value}, not a finite number"
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
             low <= value <= high and (value != low or ends[0] == "[") and (value != high or ends[1] == "]")):
-        top = "inf)" if high >= BIG else shown_number(high) + ends[1]
-        return f"is {brief(value)}, outside {ends[0]}{shown_number(low)}, {top}"
+        return f"is {brief(value)}, outside {ends[0]}{shown_number(low)}, {shown_number(high)}{ends[1]}"
     return None
 
 

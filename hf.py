@@ -44,7 +44,7 @@ from common import UserError, check_hub, first_line, gpt2_vocab_files, run_main,
 from data import load_meta
 from doors import brief
 from io_checks import declare_io
-from model import GPT, PRESETS, GPTConfig, weights_problem
+from model import GPT, PRESETS, GPTConfig, state_shapes, weights_problem
 from safe_files import remove_stale_temps, temp_path
 
 ACTIVATIONS = {"gelu": "exact", "gelu_pytorch_tanh": "tanh"}  # HF hidden_act -> GPTConfig.gelu, both exact
@@ -421,8 +421,7 @@ def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, 
                         f"{c.d_model}) do not match {shape(up)}; fix config.json")
     # Every tensor: the same check as a checkpoint's (common.checkpoint_model), against a model built on
     # the meta device, so no memory is used; the names are translated to GPT-NeoX's in the message.
-    with torch.device("meta"):
-        ours = list(GPT(c).state_dict())
+    ours = list(state_shapes(c))
     state = {n: torch.empty(shapes[hf_name(n)][0], device="meta") for n in ours if hf_name(n) in shapes}
     if problem := weights_problem(c, state):
         name = re.search(r"tensor (\S+)", problem)

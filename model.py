@@ -74,6 +74,8 @@ def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
 
 
 def rotary_tables(dims: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.empty(0).is_meta:  # a model built for its shapes (state_shapes): torch computes on meta by its compiler
+        return torch.empty(length, dims // 2), torch.empty(length, dims // 2)
     inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
@@ -285,6 +287,22 @@ def build_model(preset: str, vocab_size: int, **overrides) -> GPT:
     return GPT(GPTConfig(vocab_size=vocab_size, **{**PRESETS[preset], **overrides}))
 
 
+class NoInitDraws(torch.overrides.TorchFunctionMode):
+    """A model built on the meta device draws no init (nn.init's functions): there are no values to draw, and torch
+    computes on meta through its compiler, whose import makes a cache folder in $TMPDIR (docs/failures.md)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "__module__", None) == nn.init.__name__:  # nn.init hands its tensor over by name
+            return kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def state_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of GPT(config)'s state dict, from a model built on the meta device: no memory."""
+    with torch.device("meta"), NoInitDraws():
+        return {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+
+
 def weights_problem(config: GPTConfig, state: dict[str, torch.Tensor]) -> str | None:
     """The first way a state dict does not fit `config` (a missing, extra or misshaped tensor), or None: the layer
     count and E first, then a model built on the meta device (no memory) for every other shape."""
@@ -293,8 +311,7 @@ def weights_problem(config: GPTConfig, state: dict[str, torch.Tensor]) -> str | 
         return f"the weights hold {layers} layers but the config says {config.n_layer}"
     expected = {"wte.weight": (config.vocab_size, config.d_model)}
     if "wte.weight" in state and tuple(state["wte.weight"].shape) == expected["wte.weight"]:
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
+        expected = state_shapes(config)
     for name, shape in expected.items():
         if name not in state:
             more = sum(k not in state for k in expected) - 1

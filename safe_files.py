@@ -198,7 +198,7 @@ def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[No
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
         except OSError as e:
-            raise write_error(e, lock, "file") from None
+            raise lock_error(e, lock) from None
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -222,7 +222,7 @@ def locked_file(folder: Path, lock: Path, name: str, what: str) -> int:
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise UserError(f"{lock} is a link or a folder, not a lock file; move it away") from None
-            raise write_error(e, lock, "file") from None
+            raise lock_error(e, lock) from None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise UserError(f"{lock} is not a regular file (a pipe, socket or device), not a lock file; move it "
@@ -240,6 +240,16 @@ def locked_file(folder: Path, lock: Path, name: str, what: str) -> int:
             raise
         os.close(fd)
     raise UserError(f"cannot take the lock {lock}: it is removed again and again; check what else writes there")
+
+
+def lock_error(e: OSError, lock: Path) -> UserError:
+    """Why the lock file `lock` cannot be made or written, and the fix: nothing else was written (write_error's
+    "the partial file was removed" would be false). A file where a folder should be (`--data_root=FILE`) is named."""
+    if blocker := next((p for p in reversed(lock.parents) if p.exists() and not p.is_dir()), None):
+        return UserError(f"{blocker} is a file, not a folder, so it cannot hold {lock}; pass a folder")
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free some space" if full else f"make {lock.parent} writable or pass another folder"
+    return UserError(f"cannot take the lock {lock} ({e.strerror}); {fix}")
 
 
 def still_at(fd: int, path: Path) -> bool:

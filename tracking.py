@@ -226,10 +226,22 @@ def wandb_settings(wandb: Any):
 
 
 def earlier_wandb_id(out_dir: Path) -> str | None:
-    """The id of the last W&B run in out_dir/wandb (its folders are named {offline-,}run-DATE_TIME-ID)."""
-    folders = sorted((p for p in (out_dir / "wandb").glob("*run-*-*") if p.is_dir() and not p.is_symlink()),
-                     key=lambda p: p.name.removeprefix("offline-"))
-    return folders[-1].name.rsplit("-", 1)[1] if folders else None
+    """The id of the last W&B run in out_dir/wandb, as W&B names the record log in its folder: run-ID.wandb. The
+    folders, {offline-,}run-DATE_TIME-ID, end in -N for the N-th other run of that id started within that second
+    (the folder's last field is not the id)."""
+    logs = [p for p in (out_dir / "wandb").glob("*run-*-*/run-*.wandb") if not p.parent.is_symlink()]
+    return wandb_run_id(max(logs, key=wandb_started)) if logs else None
+
+
+def wandb_run_id(record_log: Path) -> str:
+    return record_log.name.removeprefix("run-").removesuffix(".wandb")
+
+
+def wandb_started(record_log: Path) -> tuple[str, int]:
+    """When a W&B run started, by its folder's name: DATE_TIME, then N."""
+    time, _, rest = record_log.parent.name.removeprefix("offline-").removeprefix("run-").partition("-")
+    n = rest.removeprefix(wandb_run_id(record_log)).removeprefix("-")
+    return time, int(n) if n.isdigit() else 0
 
 
 def remove_tracking_files(out_dir: Path) -> None:

@@ -314,6 +314,11 @@ def books(t: Path) -> list[str]:
     return [f"--dataset={t / 'd' / 'books'}", f"--data_root={t / 'd'}"]
 
 
+def a_file(t: Path) -> Path:
+    (t / "f").write_text("a user's file")
+    return t / "f"
+
+
 DATA_CASES = {  # case: (flags given tmp_path; what the one line says)
     "data_root/NAME holding a user's files": (
         user_folder, "{t}/d/shakespeare holds files that are not a dataset's (notes.txt); prepare.py replaces only a "
@@ -327,6 +332,11 @@ DATA_CASES = {  # case: (flags given tmp_path; what the one line says)
                                        "--tokenizer_docs=5 changes nothing without --tokenizer=bpe:N"),
     "--max_docs=1e20": (lambda t: [f"--data_root={t / 'd'}", "--max_docs=1e20"],
                         "--max_docs must be in [1, 1125899906842624], got 100000000000000000000"),
+    # issue 55: it said "the partial file was removed", though there was none
+    "--data_root=a file": (lambda t: [f"--data_root={a_file(t)}"],
+                           "{t}/f is a file, not a folder, so it cannot hold {t}/f/.shakespeare.lock; pass a folder"),
+    "--data_root below a file": (lambda t: [f"--data_root={a_file(t) / 'd'}"],
+                                 "{t}/f is a file, not a folder, so it cannot hold {t}/f/d/.shakespeare.lock"),
 }
 
 

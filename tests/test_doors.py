@@ -140,6 +140,9 @@ CHECKPOINT_FIELDS = [  # (case, field, value, what the one line says)
     ("48", "state/loss", float("-inf"), "state.loss is -inf, not a finite number"),
     ("48", "state/flops", float("nan"), "state.flops is nan, not a finite number"),
     ("48", "state/earlier_flops", float("inf"), "state.earlier_flops is inf, not a finite number"),
+    # issue 55: a count beyond its declared top names that top (it said "outside [0, inf)")
+    ("55", "state/flops", 1e300, "state.flops is 1e+300, outside [0, 4611686018427387904]"),
+    ("55", "state/step", 2**70, "state.step is 1180591620717411303424, outside [0, 4611686018427387904]"),
     ("48", "model_config/dropout", float("nan"), "model_config.dropout is nan, not a finite number"),
     ("48", "init/model_config/norm_eps", float("inf"), "init.model_config.norm_eps is inf, not a finite number"),
     ("48", "mix", {"a": float("nan")}, "mix.a is nan, not a finite number"),
@@ -329,6 +332,7 @@ DATASET_CASES = [  # (case, edit, what the one line says)
     ("12", meta_edit(format=4), "format is 4, not one of: 3"),
     ("12", replace_meta(lambda p: p.mkdir()), "meta.json is a folder"),
     ("12", lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json is not the tokenizer gpt2"),
+    ("55", meta_edit(documents=2**70), "documents is 1180591620717411303424, outside [0, 4611686018427387904]"),
 ]
 
 
@@ -583,10 +587,12 @@ def test_file_system_faults_are_one_line_and_never_masked(tiny_data_dir, tmp_pat
         return open_
 
     flags = [f"--dataset={tiny_data_dir}", f"--out_dir={tmp_path / 'o'}", *TRAIN]
-    for code, words in ((errno.EROFS, "cannot write (Read-only file system) while saving"),
-                        (errno.ENOSPC, "no space left on device while saving")):
+    lock = tmp_path / "o" / ".lock"
+    for code, words in ((errno.EROFS, f"cannot take the lock {lock} (Read-only file system); make {lock.parent} "
+                                      "writable"),
+                        (errno.ENOSPC, f"cannot take the lock {lock} (No space left on device); free some space")):
         monkeypatch.setattr(safe_files.os, "open", failing(code, ".lock"))
-        refused(train.main, flags, f"{words} {tmp_path / 'o' / '.lock'}", monkeypatch, capsys)
+        refused(train.main, flags, words, monkeypatch, capsys)
         assert not (tmp_path / "o").exists()  # the folder the lock made is removed again
     real_unlink = Path.unlink
 

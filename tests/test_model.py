@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,25 @@ def test_the_depth_scaled_init_follows_the_marker_and_gives_the_weights_of_befor
         assert torch.equal(a, b), name
     assert {n for n, m in marked.named_modules() if getattr(m, "residual_output", False)} == \
         {f"blocks.{i}.{part}" for i in range(3) for part in ("attn.proj", "mlp.down")}
+
+
+
+def test_state_shapes_are_a_built_models_with_no_memory_and_no_compiler():
+    """What a checkpoint's weights are checked against (model.weights_problem): the shapes of a real build; a config
+    whose rotary tables alone would take 256 GiB (a context of 2^20 at width 2^16) costs nothing (under a limit of
+    8 GiB), and torch's compiler is not imported (its import made $TMPDIR/torchinductor_USER: issue 55), in a
+    process of its own, as a command's."""
+    import subprocess
+    import sys
+
+    configs = [GPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=32, block_size=16, **overrides) for overrides in
+               ({}, dict(norm="rmsnorm", lm_head=True, bias=False), dict(rotary_pct=0.0, causal=False, mlp_hidden=24))]
+    built = [{k: tuple(v.shape) for k, v in GPT(config).state_dict().items()} for config in configs]
+    huge = GPTConfig(vocab_size=1, n_layer=1, n_head=1, d_model=1 << 16, block_size=1 << 20, rotary_pct=1.0)
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); import model; "
+              "from model import GPTConfig; "
+              f"print([model.state_shapes(c) for c in {configs!r}], len(model.state_shapes({huge!r})), "
+              "'torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.strip() == f"{built} 15 False", done.stderr[-2000:]

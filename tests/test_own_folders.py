@@ -1,7 +1,7 @@
 """Issue 50: a command writes nothing outside the folders it is given, its libraries' caches, logs and temp files
 included (the datasets library's, tiktoken's, tokenizers', matplotlib's, torch's, W&B's and TensorBoard's). Every
-command runs, with tiny settings, in one process whose HOME, XDG_*_HOME, TMPDIR and current folder are empty
-folders; they stay empty."""
+command runs, with tiny settings, in a process of its own whose HOME, XDG_*_HOME, TMPDIR and current folder are
+empty folders; they stay empty."""
 from __future__ import annotations
 
 import os
@@ -20,21 +20,36 @@ import tracking  # noqa: F401
 ROOT = Path(__file__).resolve().parents[1]
 ELSEWHERE = ("home", "config", "cache", "data", "state", "runtime", "tmp", "cwd")  # must stay empty
 COMMANDS = """
-import sys
+import os, sys
 sys.path.insert(0, ROOT)
-import prepare, train, finetune, generate, eval, results, analyze, model
+import common, prepare, train, finetune, generate, eval, results, analyze, model
 model.PRESETS["tiny"] = dict(n_layer=1, n_head=2, d_model=32, block_size=16)
+
+
+def run(script, argv):
+    # `python SCRIPT.py ARGV` in a process of its own, forked from this one, which only imported: what a command
+    # imports or leaves in its process (torch's compiler, once trained) cannot hide what the next one writes. The
+    # child ends as a command does, its exit handlers run (W&B removes its temp folders there)
+    pid = os.fork()
+    if pid == 0:
+        sys.argv = [script.__name__ + ".py", *argv]
+        common.run_main(script.main)
+        sys.exit(0)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        sys.exit(f"{script.__name__}.py {argv} failed")
+
+
 corpus, d, out, ft = (f"{WORK}/{name}" for name in ("corpus", "data", "out", "ft"))
 tiny = ["--block_size=16", "--batch_size=2", "--eval_batches=1", "--warmup_iters=1", "--device=cpu"]
-prepare.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])  # GPT-2's tokens (tiktoken)
-prepare.main([f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5", "--tokenizer=bpe:260"])  # tokenizers'
-train.main([f"--dataset={d}/corpus-bpe260", f"--out_dir={out}", "--preset=tiny", "--max_iters=2", "--eval_interval=2",
+run(prepare, [f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5"])  # GPT-2's tokens (tiktoken)
+run(prepare, [f"--dataset={corpus}", f"--data_root={d}", "--val_fraction=0.5", "--tokenizer=bpe:260"])  # tokenizers'
+run(train, [f"--dataset={d}/corpus-bpe260", f"--out_dir={out}", "--preset=tiny", "--max_iters=2", "--eval_interval=2",
             "--tensorboard", "--wandb", *tiny])
-finetune.main([f"--ckpt={out}/ckpt.safetensors", f"--out_dir={ft}", "--max_iters=1", f"--data_root={d}"])
-generate.main([f"--ckpt={ft}/ckpt.safetensors", "--prompt=To be", "--max_new_tokens=2", "--device=cpu"])
-eval.main([f"--ckpt={out}/ckpt.safetensors", "--task=val", f"--data_root={d}", "--max_batches=1", "--device=cpu"])
-results.main([f"--log={out}/log.jsonl,{ft}/log.jsonl", f"--plot={WORK}/curves.png"])
-analyze.main([f"--ckpts={out}/ckpt.safetensors", f"--data_root={d}", "--tokens=16", "--device=cpu",
+run(finetune, [f"--ckpt={out}/ckpt.safetensors", f"--out_dir={ft}", "--max_iters=1", f"--data_root={d}"])
+run(generate, [f"--ckpt={ft}/ckpt.safetensors", "--prompt=To be", "--max_new_tokens=2", "--device=cpu"])
+run(eval, [f"--ckpt={out}/ckpt.safetensors", "--task=val", f"--data_root={d}", "--max_batches=1", "--device=cpu"])
+run(results, [f"--log={out}/log.jsonl,{ft}/log.jsonl", f"--plot={WORK}/curves.png"])
+run(analyze, [f"--ckpts={out}/ckpt.safetensors", f"--data_root={d}", "--tokens=16", "--device=cpu",
               f"--plot={WORK}/analyze.png"])
 """
 LEFT_OUT = ("WANDB_", "MPLCONFIGDIR", "HF_HOME", "HF_DATASETS_CACHE", "TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR",

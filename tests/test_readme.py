@@ -3,14 +3,18 @@ line and run in order in one empty folder, as a newcomer runs them: each script 
 with tiny-size flags appended (a later flag wins), on the test dataset. A line fails, named, when its command is
 unknown, a flag does not exist, the script refuses, it needs a package that neither the README's install line nor
 the line itself installs, or an output it names (`-> PATH` in its comment, a --plot or --json file) or a metric it
-quotes is missing. Install commands are not run: what they name must exist (a requirements file, a pinned package)."""
+quotes is missing. Install commands are not run: what they name must exist (a requirements file, a pinned package).
+A `python -c "..."` line of the README or docs/ runs as printed, in a process of its own; CHANGELOG.md names the
+homes the names have now."""
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.metadata
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -197,3 +201,47 @@ def test_the_readme_and_hacking_md_give_one_reading_order():
     hacking = (ROOT / "docs" / "hacking.md").read_text()
     sentence = re.search(r"the learner's path: (.*?); then this page", re.sub(r"\s+", " ", hacking))
     assert sentence and re.findall(r"`(\w+\.py)`", sentence.group(1)) == readme
+
+
+def test_every_python_c_line_of_the_docs_runs_as_printed():
+    """docs/training.md's `python -c "import doors, train; print(cli.settings_table(...))"` failed (NameError: cli):
+    each such line of the README and docs/ runs from the repository's folder, exits 0 and prints."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    lines = [(page.name, line) for page in pages for line in re.findall(r'`(python -c "[^"`]+")`', page.read_text())]
+    assert lines  # training.md's settings table
+    for page, line in lines:
+        done = subprocess.run([sys.executable, *shlex.split(line)[1:]], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0 and done.stdout, (page, line, done.stderr[-2000:])
+
+
+def top_level_names(path: Path) -> set[str]:
+    """What a file defines or imports at its top level: the names `module.NAME` finds."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def test_the_changelog_names_the_homes_names_have_now():
+    """Issue 55: its rows sent `common.parse_given` and `peak_flops` to files that no longer hold them. In each row
+    of "Names that moved", every `module.NAME` of its "now" cell is there, and the names of a row whose "now" cell
+    starts with a file are in that file."""
+    modules = {path.stem for path in ROOT.glob("*.py")}
+    table = (ROOT / "CHANGELOG.md").read_text().split("## Names that moved")[1].split("\n## ")[0]
+    wrong = []
+    for row in [line for line in table.splitlines() if line.startswith("| `")]:
+        names, _, now = (cell.strip() for cell in row.strip("|").split(" | "))
+        for module, name in re.findall(r"`[^`]*?\b(\w+)\.(\w+)", now):
+            if module in modules and name != "py" and name not in top_level_names(ROOT / f"{module}.py"):
+                wrong.append(f"{module}.{name}")
+        home, bare = re.match(r"`([\w/]+\.py)`", now), re.findall(r"`([^`]+)`", names)
+        if home and all(name.isidentifier() for name in bare):
+            wrong += [f"{name} in {home[1]}" for name in bare if name not in top_level_names(ROOT / home[1])]
+    assert wrong == []

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import refusal, run_cli, tiny_config
+from helpers import read_log, refusal, run_cli, tiny_config, without_timing
 from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file
 
 import checkpoint
 import common
@@ -161,6 +162,7 @@ def closed_pipe() -> int:
 
 STREAM_ROWS = {  # (stdout, environment, exit code, what the last line of stderr says)
     "closed pipe (| head -1)": ("pipe", {}, 0, None),
+    "closed (>&-)": ("closed", {}, 2, "cannot write the output to stdout: it is closed"),
     "full device (> /dev/full)": ("/dev/full", {}, 2, "cannot write the output to stdout (No space left on device)"),
     "terminal without the character": (os.devnull, {"PYTHONIOENCODING": "ascii"}, 2, "the terminal's encoding"),
 }
@@ -176,11 +178,14 @@ def test_a_closed_or_full_stdout_ends_quietly_or_in_one_line(row, script, run_di
     argv = (["train.py", "--help"] if script == "train --help" else
             ["generate.py", f"--ckpt={ckpt_of(run_dir)}", "--prompt=café ROMEO", "--max_new_tokens=20",
              "--device=cpu"])
-    stdout = closed_pipe() if where == "pipe" else open(where, "w")
-    try:
-        proc = start(argv, env={**ENV, **env}, stdout=stdout)
-    finally:
-        os.close(stdout) if isinstance(stdout, int) else stdout.close()
+    if where == "closed":  # the shell's `>&-`: Python starts with no sys.stdout (an AttributeError before)
+        proc = start_redirected(argv, ">&-")
+    else:
+        stdout = closed_pipe() if where == "pipe" else open(where, "w")
+        try:
+            proc = start(argv, env={**ENV, **env}, stdout=stdout)
+        finally:
+            os.close(stdout) if isinstance(stdout, int) else stdout.close()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code and "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
     if words:
@@ -188,6 +193,58 @@ def test_a_closed_or_full_stdout_ends_quietly_or_in_one_line(row, script, run_di
         assert last.startswith("error: ") and words in last and "checkpoint" not in last, err[-2000:]
     else:
         assert "error" not in err, err
+
+
+def start_redirected(argv: list[str], redirect: str) -> subprocess.Popen:
+    """`python ARGV REDIRECT` in a shell: the standard stream as the shell leaves it (`>&-` closes it)."""
+    return subprocess.Popen(["sh", "-c", f'exec "$0" "$@" {redirect}', sys.executable, *argv], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stream_run(argv: list[str], redirect: str) -> tuple[int, str, str]:
+    proc = start_redirected(argv, redirect)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def run_record(out_dir: Path) -> tuple[list[dict], dict]:
+    """A finished run's log (less its timing) and its checkpoint's tensors: what a run that could not print keeps."""
+    return without_timing(read_log(out_dir)), load_file(run_folder.run_files(out_dir)[0])
+
+
+STDERR_ROWS = {  # the redirection: a stream the run cannot print to, or the stdout it never writes
+    "stderr full (2>/dev/full)": "2>/dev/full", "stderr closed (2>&-)": "2>&-", "stdout closed (>&-)": ">&-"}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_data_dir, tmp_path_factory) -> tuple[list[str], tuple]:
+    """A short train.py whose stderr is read: the argv (less its out_dir) and its record."""
+    argv = ["train.py", f"--dataset={tiny_data_dir}", *SMALL_MODEL, "--batch_size=2", "--max_iters=4",
+            "--warmup_iters=1", "--eval_interval=2", "--eval_batches=1", "--device=cpu"]
+    out = tmp_path_factory.mktemp("straight") / "run"
+    code, _, err = stream_run([*argv, f"--out_dir={out}"], "")
+    assert code == 0 and "done: 4 steps" in err, err[-2000:]
+    return argv, run_record(out)
+
+
+@pytest.mark.parametrize("row", STDERR_ROWS)
+def test_a_run_that_cannot_print_keeps_its_log_and_checkpoint_true(row, straight_run, tmp_path):
+    """Issue 55: `train.py 2>/dev/full` and `>&-` were tracebacks (exit 1; the first before step 0), and with `2>&-` the
+    notes went to stdout. Now the notes are dropped, the run goes on: exit 0, nothing on stdout, and its log and
+    checkpoint's tensors those of the run whose stderr was read."""
+    argv, (log, tensors) = straight_run
+    code, out, err = stream_run([*argv, f"--out_dir={tmp_path / 'run'}"], STDERR_ROWS[row])
+    assert (code, out) == (0, ""), (code, out[-2000:], err[-2000:])
+    assert "Traceback" not in err
+    kept_log, kept_tensors = run_record(tmp_path / "run")
+    assert kept_log == log and kept_tensors.keys() == tensors.keys()
+    assert all(torch.equal(kept_tensors[k], tensors[k]) for k in tensors)
+
+
+def test_generate_with_a_full_stderr_still_writes_its_text(run_dir):
+    code, out, _ = stream_run(["generate.py", f"--ckpt={ckpt_of(run_dir)}", "--prompt=ROMEO", "--max_new_tokens=5",
+                               "--device=cpu"], "2>/dev/full")
+    assert code == 0 and out.startswith("ROMEO") and out.endswith("\n"), (code, out)
 
 
 # ----------------------------------------------------------------------------------------------

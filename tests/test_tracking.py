@@ -91,32 +91,45 @@ def test_tensorboard_holds_log_jsonl_and_a_resume_continues_it_without_repeats(t
     assert_same_curves(tensorboard_curves(tmp_path / "ft" / "tb"), expected_curves(read_log(tmp_path / "ft")))
 
 
-def wandb_history(out_dir: Path) -> list[dict]:
-    """Every history row of the offline W&B runs under out_dir, oldest run first, read from the runs' own
-    .wandb files: W&B's record log (LevelDB's log format: 32 KiB blocks of chunks, each with a 7-byte header
-    (CRC, length, type: 1 whole, 2 first, 3 middle, 4 last), after a 7-byte file header ':W&B', magic, version)
-    of protobuf Records."""
+def wandb_records(path: Path) -> list:
+    """The protobuf Records of a W&B run's record log (its .wandb file): LevelDB's log format, 32 KiB blocks of
+    chunks, each with a 7-byte header (CRC, length, type: 1 whole, 2 first, 3 middle, 4 last), after a 7-byte file
+    header (':W&B', magic, version)."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
-    for path in sorted((out_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        data = path.read_bytes()
-        assert data[:4] == b":W&B"
-        pos, parts = 7, []
-        while pos + 7 <= len(data):
-            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
-                pos += 32768 - pos % 32768
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            parts.append(data[pos + 7:pos + 7 + length])
-            pos += 7 + length
-            if kind in (1, 4):
-                record = wandb_internal_pb2.Record.FromString(b"".join(parts))
-                parts = []
-                if record.WhichOneof("record_type") == "history":
-                    rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                 for item in record.history.item})  # "train/loss" comes as nested keys
-    return rows
+    data, records = path.read_bytes(), []
+    assert data[:4] == b":W&B"
+    pos, parts = 7, []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        parts.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(b"".join(parts)))
+            parts = []
+    return records
+
+
+def wandb_runs(out_dir: Path) -> list[tuple[str, list]]:
+    """Each offline W&B run under out_dir as (the run id its run record holds, its records), the first started
+    first (its run record's start time). Read from what W&B records, not from its folders' names: a run started
+    within the second of another of its id gets the folder offline-run-TIME-ID-1."""
+    runs = []
+    for path in (out_dir / "wandb").glob("offline-run-*/run-*.wandb"):
+        records = wandb_records(path)
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        runs.append((run.start_time.ToNanoseconds(), run.run_id, records))
+    return [(run_id, records) for _, run_id, records in sorted(runs, key=lambda run: run[0])]
+
+
+def wandb_history(out_dir: Path) -> list[dict]:
+    """Every history row of the offline W&B runs under out_dir, the first run's first."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for _, records in wandb_runs(out_dir) for r in records
+            if r.WhichOneof("record_type") == "history"]  # "train/loss" comes as nested keys
 
 
 def wandb_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -126,6 +139,21 @@ def wandb_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
             if not key.startswith("_"):  # W&B's own: _step, _runtime, _timestamp
                 curves.setdefault(key, []).append((row["_step"], value))
     return curves
+
+
+class SameSecond:
+    """W&B's clock (wandb.init reads time.time() once, its run's start), held within one second: each run starts a
+    millisecond after the one before, so their folders' names, of that second, collide."""
+
+    def __init__(self, clock):
+        self.clock, self.runs = clock, 0
+
+    def time(self) -> float:
+        self.runs += 1
+        return 1_767_225_600 + self.runs / 1000
+
+    def __getattr__(self, name: str):
+        return getattr(self.clock, name)
 
 
 def test_wandb_offline_without_network_holds_log_jsonl_under_out_dir(tiny_data_dir, tmp_path, monkeypatch,
@@ -147,19 +175,41 @@ def test_wandb_offline_without_network_holds_log_jsonl_under_out_dir(tiny_data_d
 
     monkeypatch.setattr(socket, "create_connection", loopback_only)  # no network: offline by itself
     out = tmp_path / "out"
+    from wandb.sdk import wandb_init
+    monkeypatch.setattr(wandb_init, "time", SameSecond(wandb_init.time))
     train.train(tiny_config(tiny_data_dir, out, wandb=True, wandb_run_name="tiny-cwt", **{**SMALL, "max_iters": 2}))
     assert "W&B server cannot be reached: --wandb logs offline" in capsys.readouterr().err
     assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
-    (first,) = (out / "wandb").glob("offline-run-*")
-    # resumed: the same run id goes on from the checkpoint
+    ((first, _),) = wandb_runs(out)
+    # resumed within the same second (on a quick machine; W&B's clock held here): the same run id goes on from the
+    # checkpoint, in a folder whose name ends in -1 (the test took that for the id: it failed 2 runs in 5)
     train.train(tiny_config(tiny_data_dir, out, wandb=True, resume=True, **SMALL))
     assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {first.name.rsplit("-", 1)[1]}
+    assert [run_id for run_id, _ in wandb_runs(out)] == [first, first]
+    assert len(list((out / "wandb").glob(f"offline-run-*-{first}-1"))) == 1  # the folders' names collided
+    # resumed again: the run it continues is the last one, whose folder's last field is 1 (it went on as run "1")
+    train.train(tiny_config(tiny_data_dir, out, wandb=True, resume=True, **{**SMALL, "max_iters": 6}))
+    assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
+    assert [run_id for run_id, _ in wandb_runs(out)] == [first, first, first]
     # --overwrite: a new run, its files only
     train.train(tiny_config(tiny_data_dir, out, wandb=True, overwrite=True, **{**SMALL, "max_iters": 2}))
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
     assert_same_curves(wandb_curves(wandb_history(out)), expected_curves(read_log(out)))
+
+
+@pytest.mark.parametrize("folders, last", [
+    (["offline-run-20260101_000000-aaa", "offline-run-20260101_000001-bbb"], "bbb"),
+    (["offline-run-20260101_000000-abc", "offline-run-20260101_000000-abc-1"], "abc"),  # it was "1"
+    (["offline-run-20260101_000001-off", "run-20260101_000002-onl-1", "run-20260101_000002-onl"], "onl")])
+def test_a_resume_continues_the_last_wandb_run_whatever_its_folder_is_called(folders, last, tmp_path):
+    """The id a resumed run goes on with is the one W&B records (run-ID.wandb in the run's folder), of the run
+    started last: the folders' time, then the -N W&B adds to a run of an id started within the same second."""
+    import tracking
+
+    for name in folders:
+        (tmp_path / "wandb" / name).mkdir(parents=True)
+        (tmp_path / "wandb" / name / f"run-{name.removeprefix('offline-').split('-')[2]}.wandb").write_bytes(b":W&B")
+    assert tracking.earlier_wandb_id(tmp_path) == last
 
 
 def test_without_the_flags_neither_package_nor_tracking_is_imported(tiny_data_dir, tmp_path, monkeypatch):
