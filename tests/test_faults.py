@@ -28,6 +28,7 @@ import eval as evaluation
 import finetune
 import generate
 import glue
+import plan
 import prepare
 import results
 import run_folder
@@ -304,10 +305,10 @@ def test_the_log_is_always_valid_json(value, logged, tmp_path):
 def test_train_temperature_range(temperature, message):
     cfg = train.TrainConfig(temperature=temperature)
     if message is None:
-        train.check_config(cfg)
+        plan.check_config(cfg)
         return
     with pytest.raises(UserError) as e:
-        train.check_config(cfg)
+        plan.check_config(cfg)
     assert str(e.value) == message
 
 

@@ -25,6 +25,7 @@ import cli
 import data
 import finetune
 import model as model_module
+import plan
 import train
 from common import UserError
 from loss import LossConfig
@@ -44,10 +45,10 @@ def saved(out_dir: Path) -> dict:
 def test_every_gptconfig_field_but_the_derived_ones_is_a_flag_of_train_finetune_and_compare():
     import compare
 
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(train.DERIVED)
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(plan.DERIVED)
     for config in (train.TrainConfig, finetune.FinetuneConfig, compare.CompareConfig):
         assert fields <= {f.name for f in dataclasses.fields(config)}, config
-    assert set(train.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
+    assert set(plan.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
     cfg = cli.parse_flags(train.TrainConfig, ["--n_layer=3", "--norm=rmsnorm", "--mlp_hidden=344", "--bias=false"])
     assert (cfg.n_layer, cfg.norm, cfg.mlp_hidden, cfg.bias) == (3, "rmsnorm", 344, False)
 
@@ -146,7 +147,7 @@ def test_help_lists_the_models_fields_as_their_own_group():
     objective = next(g for g in groups if g.startswith("objective settings"))
     flags = {group: re.findall(r"^  --(\w+)", text, re.M) for group, text in (("model", model),
                                                                                 ("objective", objective))}
-    assert flags["model"] == list(train.MODEL_FIELDS)
+    assert flags["model"] == list(plan.MODEL_FIELDS)
     assert flags["objective"] == [f.name for f in dataclasses.fields(LossConfig)]
 
 
@@ -329,8 +330,9 @@ def test_loss_settings_travel_as_one_dataclass_and_older_checkpoints_get_its_def
                                                                loss_chunk_size=16)
     assert LossConfig.of({"loss": "ce", "some_old_key": 1}) == LossConfig(loss="ce")  # earlier checkpoints' keys
     assert train.Objective(None, config).settings() is config
-    assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(train.RESUME_SAME)
-    assert "loss_chunk_size" not in train.RESUME_SAME  # the same loss, other memory: may change on resume
+    same = plan.same_settings(train.TrainConfig)
+    assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(same)
+    assert "loss_chunk_size" not in same  # the same loss, other memory: may change on resume
 
 
 @pytest.mark.parametrize("flags", [dict(num_negatives=4), dict(negatives="unique"), dict(temperature=0.5),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "load", "prepare", "sources",
+CORE = ("train", "plan", "finetune", "generate", "model", "loss", "data", "checkpoint", "load", "prepare", "sources",
         "tokenizer", "common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks",
         "run_folder")
 PLUMBING = ("common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks", "run_folder")

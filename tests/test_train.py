@@ -15,12 +15,14 @@ import cli
 import common
 import devices
 import finetune
+import plan
 import prepare
 import safe_files
 import train
 from checkpoint import load_model
 from common import UserError
-from train import TrainConfig, lr_at
+from plan import lr_at
+from train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
@@ -470,11 +472,11 @@ def test_a_resume_is_checked_on_the_runs_own_settings(case, finished_run, tmp_pa
     cfg, given = cli.parse_given(TrainConfig, ["--resume", "--out_dir=run", *flags])
     if refusal_words:
         with pytest.raises(UserError) as refused:
-            train.settle(cfg, given, train.idle_settings)
+            plan.settle(cfg, given, plan.idle_settings)
         assert refusal_words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     else:
-        plan = train.settle(cfg, given, train.idle_settings)
+        settled = plan.settle(cfg, given, plan.idle_settings)
         name, value = flags[0][2:].split("=")
-        assert plan.resuming and list(plan.changed) == [name] and str(plan.changed[name][1]) == value
-        assert {k: getattr(plan.cfg, k) for k in own} == own
+        assert settled.resuming and list(settled.changed) == [name] and str(settled.changed[name][1]) == value
+        assert {k: getattr(settled.cfg, k) for k in own} == own
     assert tree_state(tmp_path) == before
