@@ -71,7 +71,7 @@ class Plan:
     cfg: Any
     source: str = ""
     resuming: bool = False
-    changed: dict[str, list] = field(default_factory=dict)  # settings given on --resume unlike the run's: [was, now]
+    changed: list[str] = field(default_factory=list)  # settings given on --resume unlike the run's, as said and logged
     device: torch.device = torch.device("cpu")
 
 
@@ -92,8 +92,9 @@ def settle(cfg: Any, given: frozenset[str], idle: Callable[[Any], dict] | None =
     before = start.train_config if start else {}
     device = devices.pick_device(cfg.device)
     cfg = dataclasses.replace(cfg, dtype=settled_dtype(cfg, device, given, source if resuming else ""))
-    changed = {k: [before[k], getattr(cfg, k)] for k in sorted(given & set(before)) if resuming
-               and getattr(cfg, k) != before[k] and doors.field_meta(type(cfg), k).get("resume") != "here"}
+    changed = [f"--{k}={cli.brief_value(getattr(cfg, k))} (the run had {cli.brief_value(before[k])})"
+               for k in sorted(given & set(before)) if resuming and getattr(cfg, k) != before[k]
+               and doors.field_meta(type(cfg), k).get("resume") != "here"]
     check_config(cfg)
     if idle:
         cli.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})

@@ -5,10 +5,9 @@
     python train.py --preset=pythia-70m --dataset=tinystories --compile     # the paper's decoder, a GPU
     torchrun --standalone --nproc_per_node=8 train.py ...                   # several GPUs
 
-The whole training story, top to bottom: the settings (TrainConfig: --key=value flags or --config=FILE,
---help lists them); the objective; validation; the run; the loop, train(), which finetune.py and compare.py call too.
-The rules of a run's settings across runs (resume, where the weights come from, the device and dtype) are its plan,
-settled once before it touches anything: plan.py. Plumbing (processes, files, signals) is reached as file.X.
+The training story, top to bottom: the settings (TrainConfig: --key=value flags or --config=FILE; --help), the
+objective, validation, the run, the loop (train(), which finetune.py and compare.py call too). The rules across runs
+(resume, where the weights come from, the device and dtype) are its plan, settled first: plan.py.
 """
 from __future__ import annotations
 
@@ -24,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 import checkpoint
 import cli
+import data
 import ddp
 import devices
 import doors
@@ -168,8 +167,8 @@ class Objective(torch.nn.Module):
                         special: torch.Tensor) -> dict[str, torch.Tensor]:
         """One validation batch's loss.validation_sums."""
         h, y = self.scored(x, y)
-        return loss.validation_sums(h, y, self.model.output_weight, self.settings(), self.contrastive_table(), y_bytes,
-                               special)
+        return loss.validation_sums(h, y, self.model.output_weight, self.settings(), self.contrastive_table(),
+                                    y_bytes, special)
 
     def contrastive_table(self) -> torch.Tensor | None:
         return loss.contrastive_table(self.model, self.config.loss, encoder=self.mask is not None)
@@ -207,13 +206,6 @@ def objective_of(ckpt: Checkpoint, model: GPT, source: str | Path = "the checkpo
     objective.size_for(scored_rows(settings.get("batch_size", 1), block, mask))
     objective.load_own_state(ckpt.objective, source)
     return objective
-
-
-def own_buffers() -> dict[str, bool]:
-    """DDP's argument that keeps each rank's buffers its own after the start (torch 2.13 renamed it)."""
-    import inspect
-    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
 
 
 def scored_rows(batch_size: int, block_size: int, mask: Any = None) -> int:
@@ -256,23 +248,11 @@ def evaluate(objective: Objective, split: ValSplit, how: Validation) -> dict[str
     objective.train(was_training)
     sums = dict(zip(loss.VAL_SUMS, ddp.all_reduce_sum(totals).tolist()))
     if sums["tokens"] == 0:
-        raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller "
-                        "--block_size")
+        raise UserError("validation scored no tokens: the split is shorter than one block; use a smaller --block_size")
     return loss.val_metrics(sums, objective.contrastive_table() is not None, split.byte_counts is not None)
 
 
 # The run: everything the loop needs, built once; one step; logs; checkpoints
-
-NEGATIVES_STREAM = 1  # the random streams of a micro-batch besides its data (data.py) and masks (masking.py)
-DROPOUT_STREAM = 2
-
-
-def stream_seed(seed: int, index: int, stream: int) -> int:
-    """The seed of micro-batch `index`'s draws in a random stream: (seed, index, stream) hashed (numpy's
-    SeedSequence), so that no two runs' micro-batches share draws (seed * 1_000_003 + index would: seed 1337 at
-    index 1,000,003 is seed 1338 at index 0)."""
-    return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0])
-
 
 class Run:
     """One training run. Built (the start: data, weights, objective, optimizer, all restored on --resume),
@@ -289,14 +269,13 @@ class Run:
         torch.manual_seed(cfg.seed)
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
-        data_dirs = [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]  # prepared: prepared_datasets
+        data_dirs = [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")]  # prepared: train()
         first = common.through_door(doors.dataset, data_dirs[0])  # meta.json, and any tokenizer.json (checked)
         self.out_dir = Path(cfg.out_dir)
         model, self.state, start = plan.starting_point(settled, first.meta, self.device)
         resuming = settled.resuming
         self.resumed_step = start.state.step if resuming else None
-        self.changed = [f"--{name}={cli.brief_value(now)} (the run had {cli.brief_value(was)})"
-                        for name, (was, now) in settled.changed.items()]  # in the first record after a resume
+        self.changed = list(settled.changed)  # in the first record after a resume
         self.run_id = start.run_id if resuming else run_folder.new_run_id()  # in its checkpoint and log records
         self.model = model = model.to(self.device)
         for name, p in model.named_parameters():
@@ -314,16 +293,15 @@ class Run:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
         if resuming:
             self.restore(start)
-        self.block = cfg.block_size
         vocab = model.config.vocab_size
         if len(data_dirs) == 1:
-            self.sampler = BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, self.block, cfg.seed,
-                                        self.device)
+            self.sampler = BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, cfg.block_size,
+                                        cfg.seed, self.device)
         else:  # micro-batch i from a source drawn by (seed, i), p ~ tokens^mix_alpha
             from mixing import MixedSampler
-            self.sampler = MixedSampler(data_dirs, cfg, self.block, vocab, self.device)
+            self.sampler = MixedSampler(data_dirs, cfg, cfg.block_size, vocab, self.device)
         self.val_splits = {d.name: open_val_split(d, vocab, bytes=not self.mask) for d in data_dirs}
-        self.tokens_per_step = cfg.grad_accum * ddp.world_size() * cfg.batch_size * self.block
+        self.tokens_per_step = cfg.grad_accum * ddp.world_size() * cfg.batch_size * cfg.block_size
         self.saved_with = dict(  # what each checkpoint carries besides the weights and the counts
             data_meta=first.meta, mask_spec=self.mask.spec if self.mask else None, tokenizer_json=first.tokenizer_json,
             run_id=self.run_id, init=plan.lineage_init(cfg, model, start),
@@ -331,12 +309,7 @@ class Run:
         self.saved_step = None
         if cfg.compile:  # one graph for every objective: a graph break would be an error (tests/test_compile.py)
             self.objective.compile(fullgraph=True)
-        self.wrapped = self.objective  # what runs each micro-batch: under torchrun, DDP-wrapped
-        if ddp.world_size() > 1:  # rank 0's weights to every rank; gradients averaged over ranks in backward.
-            # Buffers are not broadcast at each forward: the model's are the same on every rank, and one of the
-            # objective's may hold each rank's own state (a queue of its past targets)
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.objective, gradient_as_bucket_view=True,
-                                                                     **own_buffers())
+        self.wrapped = ddp.wrapped(self.objective)  # what runs each micro-batch: under torchrun, in DDP
         self.describe()
 
     def restore(self, resumed: Checkpoint) -> None:
@@ -378,6 +351,13 @@ class Run:
             if self.tracker:
                 self.tracker.log(record)
 
+    def tracked(self) -> contextlib.AbstractContextManager:
+        """--tensorboard and --wandb (tracking.py): while the loop runs, every record self.log writes goes there too."""
+        if not (self.cfg.tensorboard or self.cfg.wandb):
+            return contextlib.nullcontext()
+        from tracking import Tracker
+        return Tracker(self)
+
     def validation_due(self) -> bool:
         """At every eval_interval-th step and the last, unless done: a run stopped at one owes it to --resume."""
         step = self.state.step
@@ -387,7 +367,7 @@ class Run:
     def validate(self) -> None:
         """Validation metrics, printed and logged; a non-finite one stops the run before any save."""
         cfg = self.cfg
-        how = Validation(batch_size=cfg.batch_size, block_size=self.block, device=self.device, dtype=self.dtype,
+        how = Validation(batch_size=cfg.batch_size, block_size=cfg.block_size, device=self.device, dtype=self.dtype,
                          max_batches=cfg.eval_batches, compile=cfg.compile)
         try:  # the metrics' rule (loss.val_metrics): each finite, or None where it scored no rows
             per_source = {name: evaluate(self.objective, split, how) for name, split in self.val_splits.items()}
@@ -416,9 +396,9 @@ class Run:
                 x, y = self.mask.training_batch(x, index)
             order = None  # sampled negatives: drawn here from (seed, i), so that no generator runs in a compiled graph
             if cfg.num_negatives:
-                rng = negatives_rng.manual_seed(stream_seed(cfg.seed, index, NEGATIVES_STREAM))
+                rng = negatives_rng.manual_seed(data.stream_seed(cfg.seed, index, data.NEGATIVES_STREAM))
                 order = torch.randperm(y.numel() * ddp.world_size(), generator=rng).to(self.device)
-            torch.manual_seed(stream_seed(cfg.seed, index, DROPOUT_STREAM))  # dropout masks too
+            torch.manual_seed(data.stream_seed(cfg.seed, index, data.DROPOUT_STREAM))  # dropout masks too
             last = micro == cfg.grad_accum - 1  # DDP all-reduces the gradients once, after the last one
             with self.wrapped.no_sync() if ddp.world_size() > 1 and not last else contextlib.nullcontext():
                 with devices.autocast_context(self.device, self.dtype):
@@ -446,26 +426,25 @@ class Run:
             from negatives import distinct_targets
             candidates = distinct_targets(y, cfg.negatives_scope)
         columns = loss.scored_columns(cfg.loss, self.model.config.vocab_size, candidates, cfg.num_negatives)
-        share = self.scored_rows / (cfg.batch_size * self.block)  # of the positions, those the loss scores
-        per_token = self.model.flops_per_token(self.block, share * columns, body_backward=not cfg.freeze_body)
-        return per_token * cfg.batch_size * self.block * ddp.world_size()
+        share = self.scored_rows / (cfg.batch_size * cfg.block_size)  # of the positions, those the loss scores
+        per_token = self.model.flops_per_token(cfg.block_size, share * columns, body_backward=not cfg.freeze_body)
+        return per_token * cfg.batch_size * cfg.block_size * ddp.world_size()
 
     def log_progress(self, loss_sum: torch.Tensor, stop: common.StopFlag, since: tuple[float, int]) -> bool:
         """One all-reduce (the mean loss over ranks, and whether any rank must stop), a progress line (tokens/s and
         MFU since `since`: a (time, step) pair) and a log record; returns whether to stop."""
-        cfg = self.cfg
         state = self.state
         totals = ddp.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(stop.requested), device=self.device)]))
         state.loss = totals[0].item() / ddp.world_size()
         if not math.isfinite(state.loss):
             raise diverged("loss", state.loss, state.step, self.out_dir / "ckpt.safetensors")
-        lr = plan.lr_at(state.step - 1, cfg)
+        lr = plan.lr_at(state.step - 1, self.cfg)
         tok_s = (state.step - since[1]) * self.tokens_per_step / max(time.time() - since[0], 1e-9)
-        eta = int((cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
+        eta = int((self.cfg.max_iters - state.step) * self.tokens_per_step / tok_s)
         peak = devices.peak_flops(self.device)
         mfu = {"mfu": tok_s / ddp.world_size() * state.flops / state.tokens / peak} if peak else {}  # a share
         shown = f" | MFU {100 * mfu['mfu']:.1f}%" if peak else ""
-        note(f"step {state.step}/{cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+        note(f"step {state.step}/{self.cfg.max_iters} | loss {state.loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
              f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s{shown}")
         self.log({"loss": state.loss, "lr": lr, "tokens_per_s": tok_s, **mfu})
         return totals[1].item() > 0
@@ -493,11 +472,10 @@ class Run:
 
 def train(cfg: TrainConfig, given: Iterable[str] | None = None,
           idle: Callable[[TrainConfig], dict] | None = None) -> dict[str, Any]:
-    """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether
-    a signal stopped it: `interrupted`, the signal's number in `signal`). `given`: the names of the settings the
-    user gave (cli.parse_given; None: those cfg sets to other than their defaults): on --resume, the others are
-    the run's own; `idle`: plan.settle's. The paths given are declared (io_checks.declare_io), its plan settled,
-    the data it reads declared from the plan, and out_dir claimed (its lock taken), before anything is built."""
+    """Run training as configured; returns a summary (first and last validation, tokens, FLOPs, and whether a
+    signal stopped it: `interrupted`, its number in `signal`). `given`: the settings the user gave (cli.parse_given;
+    None: those unlike their defaults), the others on --resume the run's own; `idle`: as plan.settle's. Its paths
+    are declared, its plan settled and its out_dir claimed (its lock taken) before anything is written."""
     starts_from = None if run_folder.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
     declared = io_checks.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": run_folder.run_files(
         cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
@@ -508,7 +486,12 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
     declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
     out_dir = Path(cfg.out_dir)
     with run_folder.claim_out_dir(out_dir, cfg.resume, cfg.overwrite), run_folder.compiler_cache(out_dir):
-        prepared_datasets(cfg)  # the one write outside out_dir: the built-in corpus, if missing
+        # The one write outside out_dir: the built-in corpus (shakespeare, shakespeare-bpeN) prepared on first use, a
+        # folder a killed prepare.py left mid-swap put back; by rank 0, while the others wait (the group joined first)
+        ddp.init_distributed(settled.device)
+        from prepare import ensure_dataset  # the preparing room: only this step of a run enters it
+        for name in cfg.dataset.split(","):
+            ensure_dataset(name, cfg.data_root)
         return train_claimed(settled)
 
 
@@ -525,7 +508,7 @@ def train_claimed(settled: plan.Plan) -> dict[str, Any]:
     run_folder.start_log(run.out_dir, run.resumed_step, run.run_id)
     for change in run.changed:  # a curve's meaning changes here: said, and in the log (Run.log)
         note(f"note: resumed with {change} from step {state.step} on")
-    with common.StopFlag() as stop, tracked(run):
+    with common.StopFlag() as stop, run.tracked():
         while True:
             if run.validation_due():
                 run.validate()
@@ -552,23 +535,6 @@ def train_claimed(settled: plan.Plan) -> dict[str, Any]:
             "ckpt": str(ckpt), "tokens": state.earlier_tokens + state.tokens,
             "flops": state.earlier_flops + state.flops, "interrupted": stopping,
             "signal": stop.signal if stopping else None, "seconds": elapsed}
-
-
-def prepared_datasets(cfg: TrainConfig) -> list[Path]:
-    """--dataset's prepared folders, the one step of a run that may write data: the built-in corpus (shakespeare,
-    shakespeare-bpeN) is prepared on its first use, and a folder a killed prepare.py left mid-swap is put back; by
-    rank 0 under torchrun, while the others wait (the process group is joined first; Run finds it joined)."""
-    ddp.init_distributed(devices.pick_device(cfg.device))
-    from prepare import ensure_dataset  # the preparing room: only this step of a run enters it
-    return [ensure_dataset(name, cfg.data_root) for name in cfg.dataset.split(",")]
-
-
-def tracked(run: Run) -> contextlib.AbstractContextManager:
-    """--tensorboard and --wandb (tracking.py): while the loop runs, every record Run.log writes goes there too."""
-    if not (run.cfg.tensorboard or run.cfg.wandb):
-        return contextlib.nullcontext()
-    from tracking import Tracker
-    return Tracker(run)
 
 
 def main(argv: list[str]) -> None:

@@ -476,15 +476,14 @@ def test_an_encoders_scored_rows_are_masking_counts_everywhere(tiny_data_dir, tm
 def test_micro_batch_seeds_of_two_runs_never_meet(seed, index, other_seed, other_index):
     if (seed, index) == (other_seed, other_index):
         return
-    for stream in (train.NEGATIVES_STREAM, train.DROPOUT_STREAM):
-        assert train.stream_seed(seed, index, stream) != train.stream_seed(other_seed, other_index, stream)
-    assert train.stream_seed(seed, index, train.NEGATIVES_STREAM) != train.stream_seed(seed, index,
-                                                                                       train.DROPOUT_STREAM)
+    for stream in (data.NEGATIVES_STREAM, data.DROPOUT_STREAM):
+        assert data.stream_seed(seed, index, stream) != data.stream_seed(other_seed, other_index, stream)
+    assert data.stream_seed(seed, index, data.NEGATIVES_STREAM) != data.stream_seed(seed, index, data.DROPOUT_STREAM)
 
 
 def test_the_old_seed_collision_is_gone():
     assert 1337 * 1_000_003 + 1_000_003 == 1338 * 1_000_003 + 0  # what seed * 1_000_003 + index gave
-    assert train.stream_seed(1337, 1_000_003, 1) != train.stream_seed(1338, 0, 1)
-    assert 0 <= train.stream_seed(2**32 - 1, 2**40, 2) < 2**64 and isinstance(train.stream_seed(0, 0, 1), int)
-    torch.Generator().manual_seed(train.stream_seed(2**32 - 1, 2**40, 2))  # a seed torch takes
-    assert math.isfinite(float(np.float64(train.stream_seed(1, 2, 1))))
+    assert data.stream_seed(1337, 1_000_003, 1) != data.stream_seed(1338, 0, 1)
+    assert 0 <= data.stream_seed(2**32 - 1, 2**40, 2) < 2**64 and isinstance(data.stream_seed(0, 0, 1), int)
+    torch.Generator().manual_seed(data.stream_seed(2**32 - 1, 2**40, 2))  # a seed torch takes
+    assert math.isfinite(float(np.float64(data.stream_seed(1, 2, 1))))
