@@ -91,7 +91,7 @@ def test_ctrl_c_before_a_run_starts_writes_nothing(during, flags, tiny_data_dir,
     is as it was (the log is trimmed only once the run is built)."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    module = {"claim_out_dir": run_folder, "ensure_dataset": prepare}.get(during, train)  # where train() finds it
+    module = {"claim_out_dir": run_folder, "ensure_dataset": prepare, "starting_point": plan}[during]  # train()'s
     real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
