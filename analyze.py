@@ -227,7 +227,7 @@ def nearest_neighbours(table: torch.Tensor, ids: torch.Tensor, query: int, k: in
 
 def initial_model(init: Init) -> GPT:
     """The lineage's first weights, rebuilt as train.py drew them: torch seeded with its seed, then the model built
-    (train.lineage_init records both). The caller's random state is left as it was."""
+    (plan.lineage_init records both). The caller's random state is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init.seed)
         return GPT(init.model_config)

@@ -50,7 +50,7 @@ import numpy as np
 import doors
 from checkpoint import Checkpoint, State, checkpoint_model, load_checkpoint
 from cli import config_path, parse_flags, refuse_idle, within_ranges
-from common import Interrupted, UserError, format_metric, need_extra, run_main, through_door
+from common import Interrupted, UserError, format_metric, need_extra, note, run_main, through_door
 from data import (
     BatchSampler,
     ValSplit,
@@ -68,25 +68,16 @@ from finetune import FinetuneConfig, finetune
 from io_checks import declare_io, local_source
 from loss import scored_columns
 from model import PresetName, build_model, padded_vocab_size
+from plan import MODEL_FIELDS, ModelSettings, check_config as check_train_config
 from prepare import PrepareConfig, ensure_dataset, prepare
 from results import import_pyplot, log_curves, plot_curves, save_figure, save_results, write_json
 from tokenizer import dataset_tokenizer
-from train import (
-    MODEL_FIELDS,
-    ModelSettings,
-    TrainConfig,
-    Validation,
-    check_config as check_train_config,
-    evaluate,
-    note,
-    objective_of,
-    train,
-)
+from train import TrainConfig, Validation, evaluate, objective_of, train
 
 
 @dataclass
 class CompareConfig(ModelSettings):
-    """compare.py's settings; the model's (train.py's ModelSettings) are inherited, and given to every run."""
+    """compare.py's settings; the model's (plan.ModelSettings) are inherited, and given to every run."""
     preset: PresetName = field(default="tiny", metadata={"help": "the model's shape (model.py), for every run"})
     dataset: str = field(default="shakespeare", metadata={
         "help": "a prepared dataset under --data_root, or its folder; with --vocab_sizes: a source (prepare.py)"})

@@ -131,6 +131,18 @@ def _check_block_size(tokens: np.ndarray, block_size: int, batch_size: int = 1) 
                         f"{len(tokens)}: lower --block_size or --batch_size")
 
 
+
+NEGATIVES_STREAM = 1  # the random streams of a micro-batch besides its windows (BatchSampler) and masks (masking.py)
+DROPOUT_STREAM = 2
+
+
+def stream_seed(seed: int, index: int, stream: int) -> int:
+    """The seed of micro-batch `index`'s draws in a random stream (train.py's sampled negatives and dropout): (seed,
+    index, stream) hashed (numpy's SeedSequence), so that no two runs' micro-batches share draws (seed * 1_000_003 +
+    index would: seed 1337 at index 1,000,003 is seed 1338 at index 0)."""
+    return int(np.random.SeedSequence([seed, index, stream]).generate_state(1, np.uint64)[0])
+
+
 class BatchSampler:
     """Random training windows; batch `index` is a pure function of (seed, index): resuming needs nothing else."""
 

@@ -54,3 +54,15 @@ def barrier() -> None:
 def launched_as_rank_0() -> bool:
     """Rank 0, also before the process group is joined (torchrun says which rank this is in RANK)."""
     return is_main_process() if torch.distributed.is_initialized() else os.environ.get("RANK", "0") == "0"
+
+
+def wrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` as each step runs it: under torchrun, in DDP (rank 0's weights to every rank at the start, gradients
+    averaged over ranks in backward). Buffers are not broadcast at each forward: the model's are the same on every
+    rank, and another may hold each rank's own state (a queue of its past targets); torch 2.13 renamed the argument."""
+    if world_size() == 1:
+        return module
+    import inspect
+    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    own = {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
+    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True, **own)

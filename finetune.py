@@ -22,13 +22,14 @@ import ddp
 import devices
 import doors
 import io_checks
+import plan
 import run_folder
-from checkpoint import Checkpoint, load_document
+from checkpoint import Checkpoint
 from common import UserError, note
 from data import recorded_dataset
 from load import source_document
 from loss import LossName
-from train import SAME, TrainConfig, idle_anywhere, resumed_settings, train
+from train import SAME, TrainConfig, train
 
 # By preset: learning rate, schedule, warmup and final lr as shares of the steps and of lr. The Pythia
 # shapes follow the official fine-tune config, which settles what the paper leaves open (1e-4 in its text,
@@ -78,37 +79,23 @@ def resolve_config(argv: list[str]) -> FinetuneConfig:
     return settle(*cli.parse_given(FinetuneConfig, argv))[0]
 
 
-def base_checkpoint(cfg: FinetuneConfig) -> Checkpoint:
-    """The document of the checkpoint a new fine-tune starts from (its settings and counts: train.settle's reader);
-    its weights are read when the run is built."""
-    if not cfg.ckpt:
-        raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
-    return source_document(cfg.ckpt, TrainConfig)
-
-
-def own_settings(cfg: FinetuneConfig, given: frozenset[str]) -> tuple[FinetuneConfig, frozenset[str], dict | None]:
-    """A resumed fine-tune is its own run: the settings not given are its own (train.resumed_settings: its --ckpt,
-    budget, steps, warmup and lr), and count as given from then on (nothing is inherited or recomputed); and its
-    checkpoint's document (None for a new one), which holds all it needs: its --ckpt is a record, never opened."""
-    if not run_folder.resumes(cfg.out_dir, cfg.resume):
-        return cfg, given, None
-    own = load_document(run_folder.run_files(cfg.out_dir)[0], FinetuneConfig)
-    before = own.train_config
-    cfg = resumed_settings(cfg, given, before, run_folder.run_files(cfg.out_dir)[0])
-    return cfg, given | {k for k in before if doors.field_meta(FinetuneConfig, k).get("resume") != "here"}, own
-
-
 def settle(cfg: FinetuneConfig, given: frozenset[str],
            idle: Callable | None = None) -> tuple[FinetuneConfig, frozenset[str], Checkpoint]:
-    """finetune.py's plan (train.settle's, for what a fine-tune decides): its own settings on --resume, `idle` (the
-    script's idle_settings) refused among those given, then the pre-training run's: the settings, the names now
-    given, and the checkpoint document the budget counts from (the pre-training's; a resumed fine-tune's own,
-    whose base counts are the same)."""
-    cfg, settled, own = own_settings(cfg, given)
+    """finetune.py's plan (plan.settle's, for what a fine-tune decides): the settings, the names now given, and the
+    checkpoint document the budget counts from, `idle` (the script's idle_settings) refused among those given. A
+    resumed fine-tune is its own run (plan.resumed): the settings not given are its own (its --ckpt, budget, steps,
+    warmup and lr) and count as given from then on (nothing is inherited or recomputed); its document holds all it
+    needs (its --ckpt is a record, never opened). A new one reads the pre-training run's document."""
+    cfg, own = plan.resumed(cfg, given)
     if idle:
         cli.refuse_idle(cfg, {k: why for k, why in idle(cfg).items() if k in given})
-    base = own if own is not None else base_checkpoint(cfg)
-    return inherit_settings(cfg, base, settled), settled, base
+    if own is not None:
+        settled = given | {k for k in own.train_config if doors.field_meta(type(cfg), k).get("resume") != "here"}
+        return inherit_settings(cfg, own, settled), settled, own
+    if not cfg.ckpt:
+        raise UserError("missing --ckpt=PATH: the pre-trained checkpoint to fine-tune (e.g. out/ckpt.safetensors)")
+    base = source_document(cfg.ckpt, TrainConfig)  # its settings and counts; its weights are read by the run
+    return inherit_settings(cfg, base, given), given, base
 
 
 def inherit_settings(cfg: FinetuneConfig, base: Checkpoint, given: Iterable[str] | None = None) -> FinetuneConfig:
@@ -189,7 +176,7 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
         idle["budget_fraction"] = "with --max_iters or --tokens (they set the budget)"
     if cfg.max_iters is not None:
         idle["tokens"] = "with --max_iters (it sets the number of steps)"
-    return {**idle, **idle_anywhere(cfg)}
+    return {**idle, **plan.idle_anywhere(cfg)}
 
 
 def main(argv: list[str]) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 class GPTConfig:
     """The model's shape and switches. A field's range (metadata "range") is its rule for train.py's flag of the
     same name and for a checkpoint's model_config (doors.field_rules), its "help" what --help says it means;
-    "resume": "kept" marks the one a run from a checkpoint may change (train.with_model: any other given must be the
+    "resume": "kept" marks the one a run from a checkpoint may change (plan.with_model: any other given must be the
     checkpoint's)."""
     vocab_size: int = field(default=50304, metadata={  # GPT-2's 50257 padded to 64s
         "range": (1, 1 << 22), "help": "rows of the embedding table E: the tokenizer's ids, padded to 64s"})

@@ -29,6 +29,7 @@ import checkpoint_format
 import common
 import doors
 import model
+import plan
 import train
 
 TRAIN = ["--preset=tiny", "--block_size=16", "--batch_size=2", "--eval_batches=1", "--device=cpu", "--seed=0"]
@@ -309,7 +310,7 @@ def test_the_flags_and_the_checkpoint_door_share_one_rule_per_field():
         for value, fine in ((high, True), (high + 1, False), (low - 1, False)):
             cfg = train.TrainConfig(**{"max_iters": max(value, 1) if name == "warmup_iters" else 600, name: value})
             try:
-                train.check_config(cfg)
+                plan.check_config(cfg)
                 flag_ok = True
             except common.UserError:
                 flag_ok = False

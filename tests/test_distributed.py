@@ -210,7 +210,7 @@ def test_one_all_reduce_per_log_interval_and_none_between(two_rank_runs):
 
 
 def test_a_buffer_of_the_objective_keeps_each_ranks_own_state(two_rank_runs):
-    """Issue 39: DDP syncs no buffer at a forward (train.own_buffers), so a fork's per-rank state survives every
+    """Issue 39: DDP syncs no buffer at a forward (ddp.wrapped), so a fork's per-rank state survives every
     step; rank 0's is the one saved."""
     out = two_rank_runs / "two-own-buffer"
     seen = [json.loads((out / f"seen{rank}.json").read_text()) for rank in (0, 1)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import plan
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +95,8 @@ def unseen_shrinkage(r: dict) -> float:
 
 def decay_alone(steps: int) -> float:
     """AdamW's decoupled decay over the tiny preset's schedule of `steps` steps, 1 - prod (1 - lr_t wd), in %."""
-    cfg = train.with_schedule(train.TrainConfig(max_iters=steps), {})
-    return 100 * (1 - math.prod(1 - train.lr_at(t, cfg) * cfg.weight_decay for t in range(steps)))
+    cfg = plan.with_schedule(train.TrainConfig(max_iters=steps), {})
+    return 100 * (1 - math.prod(1 - plan.lr_at(t, cfg) * cfg.weight_decay for t in range(steps)))
 
 
 def first_bin(low: int) -> dict:

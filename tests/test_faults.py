@@ -28,6 +28,7 @@ import eval as evaluation
 import finetune
 import generate
 import glue
+import plan
 import prepare
 import results
 import run_folder
@@ -90,7 +91,7 @@ def test_ctrl_c_before_a_run_starts_writes_nothing(during, flags, tiny_data_dir,
     is as it was (the log is trimmed only once the run is built)."""
     out = copy_of(finished, tmp_path / "o")
     before = snapshot(out)
-    module = {"claim_out_dir": run_folder, "ensure_dataset": prepare}.get(during, train)  # where train() finds it
+    module = {"claim_out_dir": run_folder, "ensure_dataset": prepare, "starting_point": plan}[during]  # train()'s
     real = getattr(module, during)
 
     def interrupted(*args, **kwargs):
@@ -304,10 +305,10 @@ def test_the_log_is_always_valid_json(value, logged, tmp_path):
 def test_train_temperature_range(temperature, message):
     cfg = train.TrainConfig(temperature=temperature)
     if message is None:
-        train.check_config(cfg)
+        plan.check_config(cfg)
         return
     with pytest.raises(UserError) as e:
-        train.check_config(cfg)
+        plan.check_config(cfg)
     assert str(e.value) == message
 
 

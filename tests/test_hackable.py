@@ -26,6 +26,7 @@ import cli
 import data
 import finetune
 import model as model_module
+import plan
 import train
 from common import UserError
 from loss import LossConfig
@@ -45,10 +46,10 @@ def saved(out_dir: Path) -> dict:
 def test_every_gptconfig_field_but_the_derived_ones_is_a_flag_of_train_finetune_and_compare():
     import compare
 
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(train.DERIVED)
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(plan.DERIVED)
     for config in (train.TrainConfig, finetune.FinetuneConfig, compare.CompareConfig):
         assert fields <= {f.name for f in dataclasses.fields(config)}, config
-    assert set(train.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
+    assert set(plan.DERIVED) & {f.name for f in dataclasses.fields(train.TrainConfig)} == set()
     cfg = cli.parse_flags(train.TrainConfig, ["--n_layer=3", "--norm=rmsnorm", "--mlp_hidden=344", "--bias=false"])
     assert (cfg.n_layer, cfg.norm, cfg.mlp_hidden, cfg.bias) == (3, "rmsnorm", 344, False)
 
@@ -147,7 +148,7 @@ def test_help_lists_the_models_fields_as_their_own_group():
     objective = next(g for g in groups if g.startswith("objective settings"))
     flags = {group: re.findall(r"^  --(\w+)", text, re.M) for group, text in (("model", model),
                                                                                 ("objective", objective))}
-    assert flags["model"] == list(train.MODEL_FIELDS)
+    assert flags["model"] == list(plan.MODEL_FIELDS)
     assert flags["objective"] == [f.name for f in dataclasses.fields(LossConfig)]
 
 
@@ -330,8 +331,9 @@ def test_loss_settings_travel_as_one_dataclass_and_older_checkpoints_get_its_def
                                                                loss_chunk_size=16)
     assert LossConfig.of({"loss": "ce", "some_old_key": 1}) == LossConfig(loss="ce")  # earlier checkpoints' keys
     assert train.Objective(None, config).settings() is config
-    assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(train.RESUME_SAME)
-    assert "loss_chunk_size" not in train.RESUME_SAME  # the same loss, other memory: may change on resume
+    same = plan.same_settings(train.TrainConfig)
+    assert {"loss", "temperature", "negatives", "num_negatives", "negatives_scope"} <= set(same)
+    assert "loss_chunk_size" not in same  # the same loss, other memory: may change on resume
 
 
 @pytest.mark.parametrize("flags", [dict(num_negatives=4), dict(negatives="unique"), dict(temperature=0.5),
@@ -475,15 +477,14 @@ def test_an_encoders_scored_rows_are_masking_counts_everywhere(tiny_data_dir, tm
 def test_micro_batch_seeds_of_two_runs_never_meet(seed, index, other_seed, other_index):
     if (seed, index) == (other_seed, other_index):
         return
-    for stream in (train.NEGATIVES_STREAM, train.DROPOUT_STREAM):
-        assert train.stream_seed(seed, index, stream) != train.stream_seed(other_seed, other_index, stream)
-    assert train.stream_seed(seed, index, train.NEGATIVES_STREAM) != train.stream_seed(seed, index,
-                                                                                       train.DROPOUT_STREAM)
+    for stream in (data.NEGATIVES_STREAM, data.DROPOUT_STREAM):
+        assert data.stream_seed(seed, index, stream) != data.stream_seed(other_seed, other_index, stream)
+    assert data.stream_seed(seed, index, data.NEGATIVES_STREAM) != data.stream_seed(seed, index, data.DROPOUT_STREAM)
 
 
 def test_the_old_seed_collision_is_gone():
     assert 1337 * 1_000_003 + 1_000_003 == 1338 * 1_000_003 + 0  # what seed * 1_000_003 + index gave
-    assert train.stream_seed(1337, 1_000_003, 1) != train.stream_seed(1338, 0, 1)
-    assert 0 <= train.stream_seed(2**32 - 1, 2**40, 2) < 2**64 and isinstance(train.stream_seed(0, 0, 1), int)
-    torch.Generator().manual_seed(train.stream_seed(2**32 - 1, 2**40, 2))  # a seed torch takes
-    assert math.isfinite(float(np.float64(train.stream_seed(1, 2, 1))))
+    assert data.stream_seed(1337, 1_000_003, 1) != data.stream_seed(1338, 0, 1)
+    assert 0 <= data.stream_seed(2**32 - 1, 2**40, 2) < 2**64 and isinstance(data.stream_seed(0, 0, 1), int)
+    torch.Generator().manual_seed(data.stream_seed(2**32 - 1, 2**40, 2))  # a seed torch takes
+    assert math.isfinite(float(np.float64(data.stream_seed(1, 2, 1))))

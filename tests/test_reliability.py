@@ -23,6 +23,7 @@ import checkpoint_format
 import common
 import finetune
 import generate
+import plan
 import prepare
 import safe_files
 import train
@@ -56,8 +57,8 @@ def test_signal_during_a_diverging_step_keeps_the_good_checkpoint(tiny_data_dir,
     good = (tmp_path / "ckpt.safetensors").read_bytes()
     # The reproduction: `--resume --lr=inf`, Ctrl-C during the first step. That step's loss is
     # finite (computed before the update) but the update makes every weight non-finite.
-    real_lr, real_step = train.lr_at, train.optimizer_step
-    monkeypatch.setattr(train, "lr_at", lambda step, c: math.inf if step >= 4 else real_lr(step, c))
+    real_lr, real_step = plan.lr_at, train.optimizer_step
+    monkeypatch.setattr(plan, "lr_at", lambda step, c: math.inf if step >= 4 else real_lr(step, c))
 
     def step_then_interrupt(*args):
         real_step(*args)

@@ -23,6 +23,7 @@ import compare
 import data
 import devices
 import finetune
+import plan
 import train
 from common import UserError
 
@@ -223,12 +224,12 @@ def test_without_the_flags_neither_package_nor_tracking_is_imported(tiny_data_di
 def test_a_missing_package_or_tracking_py_is_one_line_before_any_work(package, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, package, None)  # as if not installed
     one_line = rf"^--{package} needs {package}, an optional extra: pip install {package}$"
-    for check, config in ((train.check_config, train.TrainConfig), (compare.check_config, compare.CompareConfig)):
+    for check, config in ((plan.check_config, train.TrainConfig), (compare.check_config, compare.CompareConfig)):
         with pytest.raises(UserError, match=one_line):
             check(config(**{package: True}))
     monkeypatch.setitem(sys.modules, "tracking", None)  # a fork deleted tracking.py
     with pytest.raises(UserError, match="needs tracking.py, which is not in this checkout"):
-        train.check_config(train.TrainConfig(**{package: True}))
+        plan.check_config(train.TrainConfig(**{package: True}))
 
 
 def test_compare_passes_the_flags_to_each_of_its_runs(tmp_path):

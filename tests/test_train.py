@@ -15,12 +15,14 @@ import cli
 import common
 import devices
 import finetune
+import plan
 import prepare
 import safe_files
 import train
 from checkpoint import load_model
 from common import UserError
-from train import TrainConfig, lr_at
+from plan import lr_at
+from train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("small_tiny_preset")
@@ -450,6 +452,17 @@ RESUME_PLANS = {  # case: (the run's own settings changed, the flags given with 
     "--wandb_run_name on a --wandb run": ({"wandb": True}, ["--wandb_run_name=x"], None),
     "--mix_alpha on a mix": ({"dataset": "corp,other"}, ["--mix_alpha=0.5"], None),
     "--eval_batches": ({}, ["--eval_batches=4"], None),
+    # issue 55: the device and dtype are the plan's; a run's folder is its command's; each refusal names its fix
+    "--dtype=float16 on the CPU": ({}, ["--dtype=float16", "--device=cpu"], "--dtype=float16 needs a CUDA GPU"),
+    "the run's own float16 on the CPU": ({"dtype": "float16"}, ["--device=cpu"], "run/ckpt.safetensors computes in "
+                                         "float16, which this cpu device lacks"),
+    "a finetune.py run": ({"ckpt": "base/ckpt.safetensors", "budget_fraction": 0.02, "tokens": None}, [],
+                          "run holds a finetune.py run; continue it with python finetune.py --resume --out_dir=run"),
+    "the run's own min_lr above its lr": ({"min_lr": 0.01}, [], "this run resumes with min_lr 0.01, above its lr "
+                                          "0.001; resume with --min_lr at most 0.001, or with --lr at least 0.01"),
+    "its dataset under another --data_root": ({"dataset": "elsewhere"}, [], "looked for as data/elsewhere (a path "
+                                              "inside a checkpoint is never opened), which is not a prepared dataset; "
+                                              "pass --data_root=FOLDER that holds elsewhere"),
 }
 
 
@@ -465,16 +478,60 @@ def test_a_resume_is_checked_on_the_runs_own_settings(case, finished_run, tmp_pa
     payload["train_config"].update(own)
     (tmp_path / "run").mkdir()
     save_ckpt(payload, tmp_path / "run" / "ckpt.safetensors")
+    for name in ("corp", "other"):  # prepared under the default --data_root (the settling reads meta.json's name)
+        (tmp_path / "data" / name).mkdir(parents=True)
+        (tmp_path / "data" / name / "meta.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     before = tree_state(tmp_path)
     cfg, given = cli.parse_given(TrainConfig, ["--resume", "--out_dir=run", *flags])
     if refusal_words:
         with pytest.raises(UserError) as refused:
-            train.settle(cfg, given, train.idle_settings)
+            plan.settle(cfg, given, plan.idle_settings)
         assert refusal_words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     else:
-        plan = train.settle(cfg, given, train.idle_settings)
+        settled = plan.settle(cfg, given, plan.idle_settings)
         name, value = flags[0][2:].split("=")
-        assert plan.resuming and list(plan.changed) == [name] and str(plan.changed[name][1]) == value
-        assert {k: getattr(plan.cfg, k) for k in own} == own
+        assert settled.resuming and len(settled.changed) == 1 and settled.changed[0].startswith(f"--{name}={value} ")
+        assert {k: getattr(settled.cfg, k) for k in own} == own
     assert tree_state(tmp_path) == before
+
+
+def saved_run(finished_run: dict, folder: Path, own: dict | None = None) -> None:
+    """A copy of a finished run in folder/run, its settings changed by `own`."""
+    import copy
+
+    from helpers import save_ckpt
+    payload = copy.deepcopy(finished_run)
+    payload["train_config"].update(own or {})
+    (folder / "run").mkdir()
+    save_ckpt(payload, folder / "run" / "ckpt.safetensors")
+
+
+def test_a_resume_with_dtype_auto_compares_the_dtype_it_resolves_to(finished_run, tmp_path, monkeypatch):
+    """Issue 55 point 2: `--resume --dtype=auto` that resolves to the run's own float32 changes nothing (no
+    "--dtype=auto (the run had float32)" in the log); its settings hold the dtype as it resolved."""
+    monkeypatch.chdir(tmp_path)
+    saved_run(finished_run, tmp_path)
+    settled = plan.settle(*cli.parse_given(TrainConfig, ["--resume", "--out_dir=run", "--dtype=auto", "--device=cpu"]))
+    assert settled.changed == [] and settled.cfg.dtype == "float32"
+
+
+def test_a_pretraining_run_is_continued_by_train_py_not_finetune_py(finished_run, tmp_path, monkeypatch):
+    """Issue 55 point 3: `finetune.py --resume` on train.py's run is refused in one line naming train.py, before
+    anything is written (train.py on finetune.py's run: RESUME_PLANS)."""
+    monkeypatch.chdir(tmp_path)
+    saved_run(finished_run, tmp_path)
+    before = tree_state(tmp_path)
+    with pytest.raises(UserError) as refused:
+        finetune.settle(*cli.parse_given(finetune.FinetuneConfig, ["--resume", "--out_dir=run"]))
+    assert str(refused.value) == "run holds a train.py run; continue it with python train.py --resume --out_dir=run"
+    assert tree_state(tmp_path) == before
+
+
+def test_a_dtype_the_device_lacks_is_refused_before_any_data_or_lock(tmp_path, monkeypatch):
+    """Issue 55 point 2: `--dtype=float16` on the CPU is refused by the plan, before the built-in dataset is prepared
+    and before the run's folder is claimed: nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="--dtype=float16 needs a CUDA GPU"):
+        train.main(["--dtype=float16", "--device=cpu", "--out_dir=run", "--max_iters=1"])
+    assert sorted(tmp_path.iterdir()) == []
