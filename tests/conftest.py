@@ -39,17 +39,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark CORE's tests. An entry that names no test of a file collected is an error: a renamed test would
-    otherwise leave the check without a word (a renamed file: tests/test_style.py)."""
-    collected = {item.path.name for item in items}
+    """Mark CORE's tests. An entry that names no test of its file (when the file is collected) is an error: a renamed
+    test would otherwise leave the check without a word (a renamed file: tests/test_style.py)."""
+    modules = {item.path.name: item.module for item in items if isinstance(item, pytest.Function)}
     for entry in CORE:
-        file = entry.partition("::")[0]
-        matched = [item for item in items if f"{item.path.name}::{item.name}".startswith(entry if "::" in entry
-                                                                                       else f"{file}::")]
-        if file in collected and not matched:
+        file, _, test = entry.partition("::")
+        if file in modules and not any(name.startswith(test or "test_") for name in vars(modules[file])):
             raise pytest.UsageError(f"conftest.CORE names {entry}, which matches no test of {file}; update CORE")
-        for item in matched:
-            item.add_marker(pytest.mark.core)
+        for item in items:
+            if item.path.name == file and item.name.startswith(test):
+                item.add_marker(pytest.mark.core)
 
 
 @pytest.fixture(scope="session")

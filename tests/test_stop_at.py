@@ -1,6 +1,7 @@
 """Issue 56: a planned stop. `--stop_at=N` stops a run at step N as a signal would (a validation due there owed to
 --resume, the checkpoint saved, the schedule still max_iters'), says so in the same line, exits 0; `--resume`
 alone then continues it into the straight run, record for record and tensor for tensor."""
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -37,28 +38,43 @@ def command(script: str, data_dir: Path, base: Path) -> tuple:
     return finetune.main, [*FINETUNE_FLAGS, f"--ckpt={base / 'ckpt.safetensors'}", f"--data_root={data_dir.parent}"]
 
 
-@pytest.fixture(scope="module")
-def straight(tiny_data_dir, tmp_path_factory) -> dict:
-    """Each script's straight run (train.py's checkpoint the fine-tune's base), read once for every row."""
+@contextlib.contextmanager
+def small_tiny_preset():
+    """conftest's small_tiny_preset, for a module's fixture."""
     import model
     presets = dict(model.PRESETS)
-    model.PRESETS["tiny"] = dict(n_layer=2, n_head=2, d_model=64, block_size=64)  # conftest's small_tiny_preset
-    root = tmp_path_factory.mktemp("straight")
+    model.PRESETS["tiny"] = dict(n_layer=2, n_head=2, d_model=64, block_size=64)
     try:
-        for script in ("train", "finetune"):
-            main, flags = command(script, tiny_data_dir, root / "train")
-            main([*flags, f"--out_dir={root / script}"])
+        yield
     finally:
         model.PRESETS.clear()
         model.PRESETS.update(presets)
-    return {"base": root / "train", **{script: run_state(root / script) for script in ("train", "finetune")}}
+
+
+@pytest.fixture(scope="module")
+def straight_train(tiny_data_dir, tmp_path_factory) -> Path:
+    """train.py's straight run (the fine-tune's base too), once a module and worker."""
+    out = tmp_path_factory.mktemp("straight") / "train"
+    with small_tiny_preset():
+        train.main([*command("train", tiny_data_dir, out)[1], f"--out_dir={out}"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight_finetune(straight_train, tiny_data_dir) -> Path:
+    """finetune.py's straight run from it."""
+    out = straight_train.parent / "finetune"
+    with small_tiny_preset():
+        finetune.main([*command("finetune", tiny_data_dir, straight_train)[1], f"--out_dir={out}"])
+    return out
 
 
 @pytest.mark.usefixtures("small_tiny_preset")
 @pytest.mark.parametrize("script, stop_at", ROWS)
-def test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run(script, stop_at, straight, tiny_data_dir,
-                                                                        tmp_path, capsys):
-    main, flags = command(script, tiny_data_dir, straight["base"])
+def test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run(script, stop_at, straight_train, tiny_data_dir,
+                                                                        tmp_path, capsys, request):
+    main, flags = command(script, tiny_data_dir, straight_train)
+    want_records, want = run_state(request.getfixturevalue(f"straight_{script}"))
     out = tmp_path / "stopped"
     capsys.readouterr()
     assert main([*flags, f"--stop_at={stop_at}", f"--out_dir={out}"]) is None  # no Interrupted: exit 0
@@ -68,7 +84,6 @@ def test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run(script,
     assert stopped["step"] == stop_at and stopped["val_step"] < stop_at  # a validation due at the stop is owed
     main(["--resume", f"--out_dir={out}", f"--data_root={tiny_data_dir.parent}", "--device=cpu"])
     records, saved = run_state(out)
-    want_records, want = straight[script]
     assert records == want_records
     assert saved["state"] == want["state"] and saved["settings"] == want["settings"]
     for part in ("model", "objective"):
@@ -89,13 +104,14 @@ def test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run(script,
     (["--resume", "--stop_at=8", "--max_iters=20"], "--stop_at=8 but the run is at step 8 already; pass a later "
                                                     "step (below --max_iters=20), or drop it"),
 ])
-def test_a_stop_at_that_would_change_nothing_is_refused_in_one_line(flags, words, straight, tiny_data_dir, tmp_path):
+def test_a_stop_at_that_would_change_nothing_is_refused_in_one_line(flags, words, straight_train, tiny_data_dir,
+                                                                    tmp_path):
     """A --stop_at at or past the end, or not after the step a resumed run is at, is refused before any work."""
     out = tmp_path / "run"
     if "--resume" in flags:  # a copy of the finished straight run
         out.mkdir()
         for name in ("ckpt.safetensors", "log.jsonl"):
-            (out / name).write_bytes((straight["base"] / name).read_bytes())
+            (out / name).write_bytes((straight_train / name).read_bytes())
     before = sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
     with pytest.raises(UserError) as refused:
         train.main([*TRAIN_FLAGS, f"--dataset={tiny_data_dir}", *flags, f"--out_dir={out}"])
