@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import Worker
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ("train", "finetune", "generate", "model", "loss", "data", "checkpoint", "load", "prepare", "sources",
         "tokenizer", "common", "doors", "cli", "devices", "ddp", "safe_files", "io_checks",
@@ -116,13 +118,15 @@ def test_deleting_the_extras_and_their_tests_leaves_a_core_that_runs_and_a_suite
     assert "test_train.py" in collected.stdout and "error" not in summary, summary
     flags = ["--preset=tiny", "--block_size=16", "--batch_size=2", "--max_iters=2", "--eval_interval=2",
              "--eval_batches=1", "--device=cpu", f"--data_root={copy / 'data'}", f"--out_dir={copy / 'out'}"]
-    run = subprocess.run([sys.executable, "train.py", *flags], cwd=copy, capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0 and "done: 2 steps" in run.stderr, run.stderr[-3000:]
-    missing = subprocess.run([sys.executable, "train.py", *flags, "--loss_chunk_size=8", "--overwrite"], cwd=copy,
-                             capture_output=True, text=True, env=env, timeout=300)
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == ("error: --loss_chunk_size needs chunked.py, which is not in this checkout; "
+    worker = Worker(("train",), root=copy)  # `python train.py` twice in the copy, torch imported once
+    try:
+        run = worker.run("train", flags, copy, timeout=300)
+        missing = worker.run("train", [*flags, "--loss_chunk_size=8", "--overwrite"], copy, timeout=300)
+    finally:
+        worker.close()
+    assert run["code"] == 0 and "done: 2 steps" in run["err"], run["err"][-3000:]
+    assert missing["code"] == 2
+    assert missing["err"].strip() == ("error: --loss_chunk_size needs chunked.py, which is not in this checkout; "
                                       "restore it or drop --loss_chunk_size")
 
 
