@@ -26,13 +26,13 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A fork's check in a minute (README): `python -m pytest -q -n 2 -m core tests` runs the tests that guard the core's
-# contracts: the losses against float64, the model, a run's exact resume (stopped by a signal, or by --stop_at), the
+# contracts: the losses against float64, the model, a run's exact resume (a signal anywhere, or --stop_at), the
 # checkpoint door, the architecture (test_style), the fork recipes. A file, or a file's tests by the start of a name
 # (and of a row's id: "[train").
 CORE = ("test_loss.py", "test_model.py", "test_style.py", "test_hackable.py", "test_stop_at.py::test_a_stop_at_",
         "test_stop_at.py::test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run[train",
-        "test_train.py::test_interrupt_then_resume_is_exact", "test_doors.py::test_the_checkpoint_door_",
-        "test_doors.py::test_any_value_in_any_field_is_let_in_or_refused",
+        "test_numbers.py::test_a_stop_anywhere_then_resume_is_the_uninterrupted_run",
+        "test_doors.py::test_the_checkpoint_door_", "test_doors.py::test_any_value_in_any_field_is_let_in_or_refused",
         "test_doors.py::test_a_checkpoint_written_by_todays_main")
 
 
