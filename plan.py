@@ -180,6 +180,7 @@ def with_schedule(cfg: Any, before: dict, resumed_step: int | None = None, given
         warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
     min_lr = recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr
     new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
+    check_stop_at(new, resumed_step)
     if new.min_lr > new.lr:  # the fix names what was given; nothing given: the run's own settings disagree
         whose = "given" if "lr" in given or resumed_step is None else "this run resumes with"
         fix = f"lower --min_lr (at most {new.lr:g}), or raise --lr"
@@ -196,6 +197,16 @@ def with_schedule(cfg: Any, before: dict, resumed_step: int | None = None, given
              f"decays over {new.max_iters} steps (lr at step {resumed_step}: {lr_at(resumed_step, new):.2e}, was "
              f"{lr_at(resumed_step, old):.2e})")
     return new
+
+
+def check_stop_at(cfg: Any, resumed_step: int | None) -> None:
+    """--stop_at ends this command early on the schedule of --max_iters: a step still ahead, before the end."""
+    if cfg.stop_at is not None and cfg.stop_at >= cfg.max_iters:
+        raise UserError(f"--stop_at={cfg.stop_at} changes nothing: the run ends at --max_iters={cfg.max_iters}; "
+                        f"drop it, or stop earlier (below {cfg.max_iters})")
+    if cfg.stop_at is not None and resumed_step is not None and cfg.stop_at <= resumed_step:
+        raise UserError(f"--stop_at={cfg.stop_at} but the run is at step {resumed_step} already; pass a later step "
+                        f"(below --max_iters={cfg.max_iters}), or drop it to go on to the end")
 
 
 def with_model(cfg: Any, before: dict | None = None, source: str | Path = "") -> Any:

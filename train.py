@@ -71,6 +71,8 @@ class TrainConfig(plan.ModelSettings, LossConfig):
     grad_accum: int = field(default=1, metadata={"range": (1, 1 << 16),
                                                  "help": "micro-batches per optimizer step, per rank"})
     max_iters: int = field(default=600, metadata={"range": (1, 1 << 32), "help": "optimizer steps"})
+    stop_at: int | None = field(default=None, metadata={**HERE, "range": (1, 1 << 32), "help": "stop at this step "
+                                "as a signal would (saved, exit 0); --resume goes on to max_iters"})
     lr: float = field(default=1e-3, metadata={"range": (0, 10, "(]"),  # the paper's Pythia settings
                                               "help": "peak learning rate (AdamW)"})
     min_lr: float | None = field(default=None, metadata={
@@ -107,6 +109,8 @@ class TrainConfig(plan.ModelSettings, LossConfig):
     dtype: DtypeName = field(default="auto", metadata={
         "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model and loss, and validation"})
+    quick: bool = field(default=False, metadata={
+        **HERE, "help": "the settings not given: a 30-step tiny run (QUICK), seconds on a CPU"})
     seed: int = field(default=1337, metadata={  # numpy's generators take no negative seed
         "range": (0, 2**32 - 1), **SAME, "help": "the initial weights, the batches, sampled negatives"})
     # starting from another checkpoint's weights (finetune.py sets these)
@@ -522,6 +526,7 @@ def train_claimed(settled: plan.Plan) -> dict[str, Any]:
                 stopping = run.log_progress(loss_sum, stop, since)
                 since = (time.time(), state.step)
             stopping = stopping or (ddp.world_size() == 1 and stop.requested)  # one process: nothing to agree
+            stopping = stopping or state.step == cfg.stop_at  # planned: every rank at the same step
             if stopping:
                 run.save(stop)  # a validation due at this step is owed to --resume
                 break
@@ -537,10 +542,15 @@ def train_claimed(settled: plan.Plan) -> dict[str, Any]:
             "signal": stop.signal if stopping else None, "seconds": elapsed}
 
 
+# --quick: a run of seconds on a CPU (30 steps of the tiny preset on short sequences), the tests' tiny_config too
+QUICK = dict(preset="tiny", block_size=32, batch_size=8, max_iters=30, warmup_iters=5, eval_interval=10,
+             eval_batches=2, log_interval=1)
+
+
 def main(argv: list[str]) -> None:
-    cfg, given = cli.parse_given(TrainConfig, argv)
+    cfg, given = cli.parse_given(TrainConfig, argv, QUICK)
     summary = train(cfg, given, plan.idle_settings)
-    if summary["interrupted"]:
+    if summary["signal"] is not None:  # a planned stop (--stop_at) exits 0
         raise common.Interrupted(summary["signal"])
 
 

@@ -25,6 +25,34 @@ import prepare
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# A fork's check in a minute (README): `python -m pytest -q -n 2 -m core tests` runs the tests that guard the core's
+# contracts: the losses against float64, the model, a run's exact resume (a signal anywhere, or --stop_at), the
+# checkpoint door, the architecture (test_style), the fork recipes. A file, or a file's tests by the start of a name
+# (and of a row's id: "[train").
+CORE = ("test_loss.py", "test_model.py", "test_style.py", "test_hackable.py", "test_stop_at.py::test_a_stop_at_",
+        "test_stop_at.py::test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run[train",
+        "test_numbers.py::test_a_stop_anywhere_then_resume_is_the_uninterrupted_run",
+        "test_doors.py::test_the_checkpoint_door_", "test_doors.py::test_any_value_in_any_field_is_let_in_or_refused",
+        "test_doors.py::test_a_checkpoint_written_by_todays_main")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "core: a test that guards the core's contracts (conftest.CORE; -m core)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark CORE's tests. An entry that names no test of its file (when the file is collected) is an error: a renamed
+    test would otherwise leave the check without a word (a renamed file: tests/test_style.py)."""
+    modules = {item.path.name: item.module for item in items if isinstance(item, pytest.Function)}
+    for entry in CORE:
+        file, _, test = entry.partition("::")
+        function = test.partition("[")[0] or "test_"
+        if file in modules and not any(name.startswith(function) for name in vars(modules[file])):
+            raise pytest.UsageError(f"conftest.CORE names {entry}, which matches no test of {file}; update CORE")
+        for item in items:
+            if item.path.name == file and item.name.startswith(test):
+                item.add_marker(pytest.mark.core)
+
 
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -117,6 +117,8 @@ def run_script(words: list[str], where: str, data: Path, capsys: pytest.CaptureF
     assert script in TINY, (f"{where}: unknown command {' '.join(words[:2])} (a script of this repository with "
                             "tiny settings in tests/test_readme.py's TINY, or a command in NOT_RUN)")
     argv = words[2:] + [flag.format(data=data) for flag in TINY[script]]
+    if any(word.startswith("--stop_at=") for word in words):  # a planned stop within TINY's 2 steps
+        argv.append("--stop_at=1")
     capsys.readouterr()
     try:
         importlib.import_module(script.removesuffix(".py")).main(argv)

@@ -3,8 +3,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -200,11 +198,6 @@ def test_lr_schedule():
     assert lr_at(100, constant) == 1e-3
 
 
-def run_train(*flags, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--los=ce"], "unknown setting --los; did you mean --loss?"),
     (["--loss=mse"], "choose one of: ce, cwt, ce+cwt, nce"),
@@ -223,16 +216,18 @@ def test_bad_flags_give_one_line_errors(flags, message, tmp_path, command_worker
     assert not (tmp_path / "out").exists()
 
 
-def test_config_file_and_resume_errors(tiny_data_dir, tmp_path):
+def test_config_file_and_resume_errors(tiny_data_dir, tmp_path, command_worker):
+    # as `python train.py ...` ends (common.run_main), in the module's worker process: torch imported once
     config = tmp_path / "run.toml"
     config.write_text(f'dataset = "{tiny_data_dir}"\nmax_iters = 2\nblock_size = 16\nbatch_size = 2\n'
                       f'eval_batches = 1\ndevice = "cpu"\nout_dir = "{tmp_path / "out"}"\n')
-    result = run_train(f"--config={config}", "--loss=ce")
-    assert result.returncode == 0, result.stderr
+    result = command_worker.run("train", [f"--config={config}", "--loss=ce"], tmp_path, timeout=120)
+    assert result["code"] == 0, result
     assert read_ckpt(tmp_path / "out" / "ckpt.safetensors")["train_config"]["loss"] == "ce"
-    assert "tok/s" in result.stderr and "ETA" in result.stderr
-    result = run_train(f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}")
-    assert result.returncode == 2 and "not found" in result.stderr
+    assert "tok/s" in result["err"] and "ETA" in result["err"]
+    result = command_worker.run("train", [f"--config={config}", "--resume", f"--out_dir={tmp_path / 'elsewhere'}"],
+                                tmp_path, timeout=120)
+    assert result["code"] == 2 and "not found" in result["err"], result
 
 
 # ------------------------------------------------------------- issue 33: contracts 1, 2, 5, 6 (docs/failures.md)
