@@ -184,7 +184,8 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
 def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
     """The settings a command line gives that would change nothing (refused: cli.refuse_idle)."""
     idle = {"init_from": "in finetune.py (it starts from --ckpt)",
-            "add_lm_head": "in finetune.py (it always adds the LM head)"}
+            "add_lm_head": "in finetune.py (it always adds the LM head)",
+            "quick": "in finetune.py (its shape comes from --ckpt; --max_iters=N makes it short)"}
     if cfg.max_iters is not None or cfg.tokens is not None:
         idle["budget_fraction"] = "with --max_iters or --tokens (they set the budget)"
     if cfg.max_iters is not None:
@@ -195,7 +196,7 @@ def idle_settings(cfg: FinetuneConfig) -> dict[str, str]:
 def main(argv: list[str]) -> None:
     cfg, given = cli.parse_given(FinetuneConfig, argv)
     summary = finetune(cfg, given, idle_settings)
-    if summary["interrupted"]:
+    if summary["signal"] is not None:  # a planned stop (--stop_at) exits 0
         raise common.Interrupted(summary["signal"])
 
 

@@ -108,6 +108,8 @@ class TrainConfig(ModelSettings, LossConfig):
     grad_accum: int = field(default=1, metadata={"range": (1, 1 << 16),
                                                  "help": "micro-batches per optimizer step, per rank"})
     max_iters: int = field(default=600, metadata={"range": (1, 1 << 32), "help": "optimizer steps"})
+    stop_at: int | None = field(default=None, metadata={**HERE, "range": (1, 1 << 32), "help": "stop at this step "
+                                "as a signal would (saved, exit 0); --resume goes on to max_iters"})
     lr: float = field(default=1e-3, metadata={"range": (0, 10, "(]"),  # the paper's Pythia settings
                                               "help": "peak learning rate (AdamW)"})
     min_lr: float | None = field(default=None, metadata={
@@ -144,6 +146,8 @@ class TrainConfig(ModelSettings, LossConfig):
     dtype: DtypeName = field(default="auto", metadata={
         "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model and loss, and validation"})
+    quick: bool = field(default=False, metadata={
+        **HERE, "help": "the settings not given: a 30-step tiny run (QUICK), seconds on a CPU"})
     seed: int = field(default=1337, metadata={  # numpy's generators take no negative seed
         "range": (0, 2**32 - 1), **SAME, "help": "the initial weights, the batches, sampled negatives"})
     # starting from another checkpoint's weights (finetune.py sets these)
@@ -320,6 +324,7 @@ def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = Non
         warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
     min_lr = recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr
     new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
+    check_stop_at(new, resumed_step)
     if new.min_lr > new.lr and ("min_lr" in given or resumed_step is None):  # the fix: what was given
         whose = "given" if "lr" in given or resumed_step is None else "this run resumes with"
         raise UserError(f"--min_lr={new.min_lr:g} is above the lr {new.lr:g} {whose}; lower --min_lr (at most "
@@ -333,6 +338,16 @@ def with_schedule(cfg: TrainConfig, before: dict, resumed_step: int | None = Non
              f"decays over {new.max_iters} steps (lr at step {resumed_step}: {lr_at(resumed_step, new):.2e}, was "
              f"{lr_at(resumed_step, old):.2e})")
     return new
+
+
+def check_stop_at(cfg: TrainConfig, resumed_step: int | None) -> None:
+    """--stop_at ends this command early on the schedule of --max_iters: a step still ahead, before the end."""
+    if cfg.stop_at is not None and cfg.stop_at >= cfg.max_iters:
+        raise UserError(f"--stop_at={cfg.stop_at} changes nothing: the run ends at --max_iters={cfg.max_iters}; "
+                        f"drop it, or stop earlier (below {cfg.max_iters})")
+    if cfg.stop_at is not None and resumed_step is not None and cfg.stop_at <= resumed_step:
+        raise UserError(f"--stop_at={cfg.stop_at} but the run is at step {resumed_step} already; pass a later step "
+                        f"(below --max_iters={cfg.max_iters}), or drop it to go on to the end")
 
 
 def with_model(cfg: TrainConfig, before: dict | None = None, source: str | Path = "") -> TrainConfig:
@@ -860,6 +875,7 @@ def train_claimed(plan: Plan) -> dict[str, Any]:
                 stopping = run.log_progress(loss_sum, stop, since)
                 since = (time.time(), state.step)
             stopping = stopping or (ddp.world_size() == 1 and stop.requested)  # one process: nothing to agree
+            stopping = stopping or state.step == cfg.stop_at  # planned: every rank at the same step
             if stopping:
                 run.save(stop)  # a validation due at this step is owed to --resume
                 break
@@ -915,10 +931,15 @@ def idle_anywhere(cfg: TrainConfig) -> dict[str, str]:
     return idle
 
 
+# --quick: a run of seconds on a CPU (30 steps of the tiny preset on short sequences), the tests' tiny_config too
+QUICK = dict(preset="tiny", block_size=32, batch_size=8, max_iters=30, warmup_iters=5, eval_interval=10,
+             eval_batches=2, log_interval=1)
+
+
 def main(argv: list[str]) -> None:
-    cfg, given = cli.parse_given(TrainConfig, argv)
+    cfg, given = cli.parse_given(TrainConfig, argv, QUICK)
     summary = train(cfg, given, idle_settings)
-    if summary["interrupted"]:
+    if summary["signal"] is not None:  # a planned stop (--stop_at) exits 0
         raise common.Interrupted(summary["signal"])
 
 

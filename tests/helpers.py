@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 import common
-from train import TrainConfig
+from train import QUICK, TrainConfig
 
 
 def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    """A 30-step run of the (shrunk) tiny preset on the test dataset, validated every 10 steps, on CPU."""
-    settings = dict(dataset=str(data_dir), preset="tiny", block_size=32, batch_size=8, max_iters=30,
-                    warmup_iters=5, eval_interval=10, eval_batches=2, log_interval=1, out_dir=str(out_dir),
-                    device="cpu", seed=0)
+    """`python train.py --quick`'s run (train.QUICK: 30 steps of the tiny preset, shrunk by conftest's
+    small_tiny_preset, validated every 10) on the test dataset, on CPU."""
+    settings = dict(**QUICK, dataset=str(data_dir), out_dir=str(out_dir), device="cpu", seed=0)
     return TrainConfig(**{**settings, **overrides})
 
 
