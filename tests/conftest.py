@@ -25,6 +25,32 @@ import prepare
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# A fork's check in a minute (README): `python -m pytest -q -n 2 -m core tests` runs the tests that guard the core's
+# contracts: the losses against float64, the model, a run's exact resume (stopped by a signal, or by --stop_at), the
+# checkpoint door, the architecture (test_style), the fork recipes. A file, or a file's tests by the start of a name.
+CORE = ("test_loss.py", "test_model.py", "test_style.py", "test_hackable.py", "test_stop_at.py",
+        "test_train.py::test_interrupt_then_resume_is_exact", "test_doors.py::test_the_checkpoint_door_",
+        "test_doors.py::test_any_value_in_any_field_is_let_in_or_refused",
+        "test_doors.py::test_a_checkpoint_written_by_todays_main")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "core: a test that guards the core's contracts (conftest.CORE; -m core)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark CORE's tests. An entry that names no test of a file collected is an error: a renamed test would
+    otherwise leave the check without a word (a renamed file: tests/test_style.py)."""
+    collected = {item.path.name for item in items}
+    for entry in CORE:
+        file = entry.partition("::")[0]
+        matched = [item for item in items if f"{item.path.name}::{item.name}".startswith(entry if "::" in entry
+                                                                                       else f"{file}::")]
+        if file in collected and not matched:
+            raise pytest.UsageError(f"conftest.CORE names {entry}, which matches no test of {file}; update CORE")
+        for item in matched:
+            item.add_marker(pytest.mark.core)
+
 
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

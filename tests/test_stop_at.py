@@ -12,12 +12,12 @@ import finetune
 import train
 from common import UserError
 
-# train.py: --quick's shape, 12 steps, validated every 4, two micro-batches a step and dropout (its random stream)
-TRAIN_FLAGS = ["--quick", "--max_iters=12", "--eval_interval=4", "--grad_accum=2", "--dropout=0.1", "--seed=3",
+# train.py: --quick's shape, 8 steps, validated every 3, two micro-batches a step and dropout (its random stream)
+TRAIN_FLAGS = ["--quick", "--max_iters=8", "--eval_interval=3", "--grad_accum=2", "--dropout=0.1", "--seed=3",
                "--device=cpu"]
-# finetune.py: 6 steps of the head on the train.py run above, validated every 2
-FINETUNE_FLAGS = ["--max_iters=6", "--eval_interval=2", "--eval_batches=1", "--log_interval=1", "--device=cpu"]
-ROWS = [("train", 4), ("train", 7), ("train", 11), ("finetune", 3)]  # a validation owed at 4; the last step, 11
+# finetune.py: 4 steps of the head on the train.py run above, validated every 2
+FINETUNE_FLAGS = ["--max_iters=4", "--eval_interval=2", "--eval_batches=1", "--log_interval=1", "--device=cpu"]
+ROWS = [("train", 3), ("train", 4), ("train", 7), ("finetune", 2)]  # a validation owed at 3 and 2; 7: the last step
 
 
 def run_state(out: Path) -> tuple[list[dict], dict]:
@@ -26,8 +26,8 @@ def run_state(out: Path) -> tuple[list[dict], dict]:
     ckpt = read_ckpt(out / "ckpt.safetensors")
     own = {k: v for k, v in ckpt["train_config"].items()
            if doors.field_meta(finetune.FinetuneConfig, k).get("resume") != "here"}
-    return without_timing(read_log(out)), {**{part: ckpt[part] for part in ("model", "objective", "optimizer", "state")},
-                                           "settings": own}
+    tensors_and_state = {part: ckpt[part] for part in ("model", "objective", "optimizer", "state")}
+    return without_timing(read_log(out)), {**tensors_and_state, "settings": own}
 
 
 def command(script: str, data_dir: Path, base: Path) -> tuple:
@@ -83,11 +83,11 @@ def test_a_run_stopped_by_stop_at_then_resumed_alone_is_the_straight_run(script,
 
 @pytest.mark.usefixtures("small_tiny_preset")
 @pytest.mark.parametrize("flags, words", [
-    (["--stop_at=12"], "--stop_at=12 changes nothing: the run ends at --max_iters=12; drop it, or stop earlier"),
-    (["--stop_at=20"], "--stop_at=20 changes nothing: the run ends at --max_iters=12"),
+    (["--stop_at=8"], "--stop_at=8 changes nothing: the run ends at --max_iters=8; drop it, or stop earlier"),
+    (["--stop_at=20"], "--stop_at=20 changes nothing: the run ends at --max_iters=8"),
     (["--stop_at=0"], "--stop_at must be in [1, 4294967296], got 0"),
-    (["--resume", "--stop_at=12", "--max_iters=20"], "--stop_at=12 but the run is at step 12 already; pass a later "
-                                                     "step (below --max_iters=20), or drop it"),
+    (["--resume", "--stop_at=8", "--max_iters=20"], "--stop_at=8 but the run is at step 8 already; pass a later "
+                                                    "step (below --max_iters=20), or drop it"),
 ])
 def test_a_stop_at_that_would_change_nothing_is_refused_in_one_line(flags, words, straight, tiny_data_dir, tmp_path):
     """A --stop_at at or past the end, or not after the step a resumed run is at, is refused before any work."""

@@ -124,3 +124,11 @@ def test_deleting_the_extras_and_their_tests_leaves_a_core_that_runs_and_a_suite
     assert missing.returncode == 2
     assert missing.stderr.strip() == ("error: --loss_chunk_size needs chunked.py, which is not in this checkout; "
                                       "restore it or drop --loss_chunk_size")
+
+
+def test_the_forks_check_names_test_files_that_exist():
+    """`pytest -m core` (conftest.CORE, the README's check in a minute) names files of tests/: a renamed one would
+    leave the check without a word (a renamed test of a file it names is an error at collection)."""
+    import conftest
+    missing = [entry for entry in conftest.CORE if not (ROOT / "tests" / entry.partition("::")[0]).is_file()]
+    assert not missing, f"conftest.CORE names files that are not in tests/: {missing}; update CORE"
