@@ -1,6 +1,6 @@
 """One process that runs a docs/hacking.md recipe as a user would, in a copy of the repository with its diff applied
 (tests/test_hackable.py starts it there): torch imported once for every command. Its argument, a JSON object:
-`flags` (the tiny run's), `stop_at` (the step whose log record a SIGINT follows), `hostile` (a table path in the
+`flags` (the tiny run's), `stop_at` (where the stopped run stops: --stop_at), `hostile` (a table path in the
 checkpoint and the value, or {"shape": [...]}: a tensor of that shape, written there), `readers` (the commands
 that must refuse it besides --resume). It prints one JSON object: the logs, states and tensors of the straight and
 the stopped-and-resumed runs, and each command's exit code and stderr."""
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -36,22 +35,6 @@ def command(main, argv: list[str]) -> list:
         except SystemExit as e:
             code = e.code
     return [code, err.getvalue()]
-
-
-def stopped_at(step: int, argv: list[str]) -> list:
-    """A run stopped by a SIGINT right after its log record of `step`, as Ctrl-C there would."""
-    write = train.append_log
-
-    def log_then_interrupt(out_dir, record):
-        write(out_dir, record)
-        if record.get("step") == step and "loss" in record:
-            signal.raise_signal(signal.SIGINT)
-
-    train.append_log = log_then_interrupt
-    try:
-        return command(train.main, argv)
-    finally:
-        train.append_log = write
 
 
 def tensors(table, path: str = "") -> dict[str, torch.Tensor]:
@@ -82,7 +65,7 @@ def made_hostile(path: str, where: list[str], value) -> None:
 def main(spec: dict) -> dict:
     flags, ckpt = spec["flags"], "stopped/ckpt.safetensors"
     done = {"straight": command(train.main, [*flags, "--out_dir=straight"]),
-            "stopped": stopped_at(spec["stop_at"], [*flags, "--out_dir=stopped"]),
+            "stopped": command(train.main, [*flags, f"--stop_at={spec['stop_at']}", "--out_dir=stopped"]),
             "resumed": command(train.main, ["--resume", "--out_dir=stopped"])}  # alone: the rest is the run's
     straight, resumed = read_ckpt("straight/ckpt.safetensors"), read_ckpt(ckpt)
     theirs = tensors(resumed)
