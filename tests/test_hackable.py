@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_ckpt, read_log, snapshot, tiny_config
+from helpers import one_error_line, read_ckpt, read_log, snapshot, tiny_config
 from hypothesis import given, settings, strategies as st
 
 import checkpoint
@@ -245,33 +245,98 @@ print(json.dumps(said))
 """
 
 
-# The fork of docs/hacking.md's "New run state": a running maximum of the training loss, one field on State and the
-# line of the loop that updates it
-STATE_FIELD = ("    earlier_flops: float = field(default=0.0, metadata=COUNT)\n",
-               "    loss_max: float = field(default=0.0, metadata=COUNT)  # the largest training loss logged\n")
-STATE_UPDATE = ("        state.loss = totals[0].item() / ddp.world_size()\n",
-                "        state.loss_max = max(state.loss_max, state.loss)\n")
+# ------------------------------------------------------------------------------------------ docs/hacking.md's recipes
+
+# Each recipe of new run state, by its heading in docs/hacking.md: the value a hostile hand writes in its checkpoint
+# (a table path and a value, or {"shape": ...}: a tensor of that shape), what the one line then says, and the readers
+# that must refuse it too besides --resume
+RECIPES = {
+    "A number updated at logging": dict(recipe="loss_max", hostile=(["state", "loss_max"], -1.0),
+                                        refused="state.loss_max is -1.0, outside [0, "),
+    "A value updated every step": dict(recipe="loss_ema", hostile=(["state", "loss_ema"], math.nan),
+                                       refused="state.loss_ema is nan, not a finite number"),
+    "A tensor the size of the weights": dict(
+        recipe="ema", hostile=(["ema", "wte.weight"], {"shape": [3]}),
+        refused="does not match this model code: tensor wte.weight has shape [3] in the weights",
+        readers=[["generate.py", "--ckpt={ckpt}", "--prompt=a", "--device=cpu"]]),
+    "A learned piece of the objective": dict(
+        recipe="temperature", hostile=(["objective", "log_temperature"], {"shape": [3]}),
+        refused="its objective holds 'log_temperature [3] float32', not the 'log_temperature [] float32' this "
+                "run's objective declares; resume with the code that wrote it"),
+}
+RECIPE_FLAGS = ["--preset=tiny", "--n_layer=1", "--n_head=2", "--d_model=64", "--block_size=32", "--batch_size=8",
+                "--max_iters=6", "--eval_interval=3", "--eval_batches=1", "--log_interval=1", "--device=cpu"]
 
 
-def test_run_state_a_fork_adds_to_state_is_saved_checked_and_resumed_with_no_other_edit(tiny_data_dir, tmp_path):
-    """Issue 48's point 3: new run state is one field with a default on checkpoint.State (and the line of the loop
-    that updates it): saved, checked by its declared type and range, restored on --resume, no edit of the doors."""
+def recipe_diff(heading: str) -> str:
+    """The diff under `### heading` in docs/hacking.md: its one ```diff block."""
+    text = (ROOT / "docs" / "hacking.md").read_text()
+    section = re.search(rf"^### {re.escape(heading)}\n(.*?)(?=^##)", text + "\n##", re.M | re.S)
+    assert section, f"docs/hacking.md has no section '### {heading}'"
+    blocks = re.findall(r"^```diff\n(.*?)^```$", section.group(1), re.M | re.S)
+    assert len(blocks) == 1, f"docs/hacking.md's '### {heading}' holds {len(blocks)} ```diff blocks, not one"
+    return blocks[0]
+
+
+def applied(diff: str, fork: Path, heading: str) -> None:
+    """The diff applied to the copy as `git apply` does it (its context lines checked): a failure names the recipe."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(fork.parent)}  # no repository around the copy is used
+    done = subprocess.run(["git", "apply", "-v", "-"], input=diff, cwd=fork, capture_output=True, text=True, env=env,
+                          timeout=60)
+    if done.returncode != 0:
+        pytest.fail(f"docs/hacking.md's recipe '{heading}' no longer applies to this code; update its diff to the "
+                    f"code it edits:\n{done.stderr}")
+
+
+@pytest.mark.parametrize("heading", RECIPES)
+def test_each_recipe_of_hacking_md_trains_stops_resumes_exactly_and_refuses_a_hostile_value(tiny_data_dir, tmp_path,
+                                                                                             heading):
+    """Issue 54.3: each recipe's diff applied to a copy of the repository, then as a user runs it: a tiny run
+    straight; the same run stopped at step 4 (--stop_at) and resumed with --resume alone, equal to the straight one
+    (every log record but its timing, every tensor of the checkpoint: weights, optimizer, the recipe's own, and every
+    State field); then its new value made hostile in the checkpoint, refused in one line by --resume and every
+    reader named, with nothing written."""
+    spec = RECIPES[heading]
     fork = tmp_path / "fork"
     shutil.copytree(ROOT, fork, ignore=shutil.ignore_patterns(".git", "data", "out*", "__pycache__", ".*cache"))
-    for name, (line, added) in (("checkpoint.py", STATE_FIELD), ("train.py", STATE_UPDATE)):
-        source = (fork / name).read_text()
-        assert source.count(line) == 1
-        (fork / name).write_text(source.replace(line, line + added))
-    flags = ["--preset=tiny", "--n_layer=1", "--block_size=16", "--batch_size=2", "--eval_interval=10",
-             "--eval_batches=1", "--log_interval=1", "--device=cpu", f"--dataset={tiny_data_dir}"]
-    steps = [["--max_iters=2", "--out_dir=b"], ["--resume", "--max_iters=4", "--out_dir=b"], ["set", "b", -1.0],
-             ["--resume", "--max_iters=5", "--out_dir=b"]]
-    stopped, resumed, _, refused = run_fork(fork, flags, steps, read=("state", "loss_max"))
-    assert stopped[0] == resumed[0] == 0, resumed[2][-2000:]
-    losses = [r["loss"] for r in map(json.loads, (fork / "b" / "log.jsonl").read_text().splitlines()) if "loss" in r]
-    assert len(losses) == 4 and stopped[4] == max(losses[:2])  # saved
-    assert resumed[4] == max(losses)  # restored on --resume, then updated
-    assert refused[0] == 2 and "state.loss_max is -1.0, outside" in refused[2] and refused[4] == -1.0  # checked
+    applied(recipe_diff(heading), fork, heading)
+    request = {"recipe": spec["recipe"], "flags": [*RECIPE_FLAGS, f"--dataset={tiny_data_dir}"], "stop_at": 4,
+               "hostile": spec["hostile"], "readers": spec.get("readers", []), "data_root": str(tiny_data_dir.parent)}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "CUDA_VISIBLE_DEVICES": ""}  # --resume alone: the CPU
+    done = subprocess.run([sys.executable, "tests/recipe_run.py", json.dumps(request)], cwd=fork, capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["straight"][0] == 0 and result["resumed"][0] == 0, (result["straight"], result["resumed"])
+    assert result["stopped"][0] == 0 and "stopped at step 4" in result["stopped"][1], result["stopped"]
+    straight, resumed = result["logs"]
+    assert len([r for r in straight if "loss" in r]) == 6 and resumed == straight
+    assert result["states"][0] == result["states"][1] and result["differ"] == []
+    assert any(name.startswith("/optimizer/state/") for name in result["tensors"])
+    for code, err in result["refused"]:
+        assert code == 2 and spec["refused"] in one_error_line(err), err[-2000:]
+    assert result["untouched"]
+    checks_of_the_recipe(spec["recipe"], result, straight)
+
+
+def checks_of_the_recipe(recipe: str, result: dict, log: list[dict]) -> None:
+    """What each recipe's value is: the largest logged loss; the moving average of every step's loss; the weights'
+    average, which every reader loads; a temperature that trained, with which eval.py scores as the run did."""
+    state = result["states"][0]
+    losses = [r["loss"] for r in log if "loss" in r]
+    if recipe == "loss_max":
+        assert state["loss_max"] == max(losses)
+    if recipe == "loss_ema":
+        average = losses[0]
+        for loss in losses[1:]:
+            average = 0.9 * average + 0.1 * loss
+        assert state["loss_ema"] == pytest.approx(average, rel=1e-12)
+    if recipe == "ema":
+        assert "/ema/wte.weight" in result["tensors"] and result["extra"]["ema_is_not_the_weights"]
+        assert result["extra"]["readers_get_the_ema"] and result["extra"]["generate"][0] == 0
+    if recipe == "temperature":
+        assert "/objective/log_temperature" in result["tensors"] and result["extra"]["log_temperature"] != 0.0
+        assert result["extra"]["val_cwt"] == pytest.approx([r for r in log if "val_cwt" in r][-1]["val_cwt"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ the optimizer
@@ -362,25 +427,6 @@ class LearnedTemperature(train.Objective):
 
     def settings(self):
         return dataclasses.replace(self.config, temperature=self.log_temperature.exp())
-
-
-def test_a_learned_piece_of_the_objective_trains_saves_resumes_and_is_scored_with_no_other_code(
-        tiny_data_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "Objective", LearnedTemperature)
-    cfg = tiny_config(tiny_data_dir, tmp_path / "straight", max_iters=4, eval_interval=2, lr=1e-2)
-    train.train(cfg)
-    learned = saved(tmp_path / "straight")["objective"]["log_temperature"]
-    assert learned.item() != 0.0  # it trained (from exactly 1.0: the division is never skipped for a tensor)
-    stopped = dataclasses.replace(cfg, out_dir=str(tmp_path / "resumed"), max_iters=2)
-    train.train(stopped)
-    train.train(dataclasses.replace(stopped, max_iters=4, resume=True))
-    assert saved(tmp_path / "resumed")["objective"]["log_temperature"].item() == learned.item()
-    assert read_log(tmp_path / "resumed")[-1]["val_cwt"] == read_log(tmp_path / "straight")[-1]["val_cwt"]
-    # eval.py and compare.py score through objective_of: the checkpoint's learned temperature, no edit there
-    import eval as evaluation
-    result = evaluation.main([f"--ckpt={tmp_path / 'straight' / 'ckpt.safetensors'}", "--task=val", "--max_batches=2",
-                              "--batch_size=8", f"--data_root={tiny_data_dir.parent}"])
-    assert result["val_cwt"] == pytest.approx(read_log(tmp_path / "straight")[-1]["val_cwt"], rel=1e-6)
 
 
 class QueueOfPastTargets(train.Objective):
