@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,20 +24,21 @@ from model import GPT, GPTConfig, from_checkpoint
 from safe_files import atomic_file
 
 COUNT = doors.COUNT_RANGE
+FLOPS = {"range": (0, 1e30)}  # a float count: past 2^62 within ~6B tokens of GPT-2 124M; beyond any run (~1e26)
 Metrics = dict[str, float | None]  # validation metrics (loss.val_metrics): each finite, or None where no row scored
 
 
 @dataclass
 class State:
     """What the loop counts. It travels in the checkpoint, so a resumed run goes on exactly: a field added here, with
-    a default, is saved, checked against its type and range, and restored on --resume (train.starting_point)."""
+    a default, is saved, checked against its type and range, and restored on --resume (plan.starting_point)."""
     step: int = field(default=0, metadata=COUNT)
     micro_batches: int | None = field(default=0, metadata=COUNT)  # consumed by all ranks: the position in the data
     #   stream, whatever the split (None: written before runs counted it, so it cannot resume exactly)
     tokens: int = field(default=0, metadata=COUNT)  # tokens and FLOPs of this run, summed as they are spent
-    flops: float = field(default=0.0, metadata=COUNT)
+    flops: float = field(default=0.0, metadata=FLOPS)
     earlier_tokens: int = field(default=0, metadata=COUNT)  # ... and of the checkpoints it started from
-    earlier_flops: float = field(default=0.0, metadata=COUNT)
+    earlier_flops: float = field(default=0.0, metadata=FLOPS)
     loss: float | None = None
     first_val: Metrics | None = None
     val: Metrics | None = None
@@ -47,7 +49,7 @@ class State:
 @dataclass
 class Init:
     """What rebuilds the first weights of a run's lineage exactly (analyze.py's drift): a fresh model's seed and
-    shape (train.lineage_init)."""
+    shape (plan.lineage_init)."""
     seed: int = field(metadata={"range": (0, 2**32 - 1)})
     model_config: GPTConfig
 
@@ -128,12 +130,12 @@ def read_checkpoint(path: str | Path, train_class: type | None = None) -> Checkp
     return doors.declared(Checkpoint, payload)
 
 
-PLANNED = ("model_config", "train_config", "state")  # what a plan reads of a checkpoint's document (train.settle)
+PLANNED = ("model_config", "train_config", "state")  # what a plan reads of a checkpoint's document (plan.settle)
 
 
 def read_document(path: str | Path, train_class: type | None = None) -> Checkpoint:
     """A checkpoint's document alone (its safetensors metadata: the settings and counts; no tensor read, so no
-    checksum pass): what a command settles its plan from (train.settle) before it touches anything. The fields a
+    checksum pass): what a command settles its plan from (plan.settle) before it touches anything. The fields a
     plan reads are checked against their declarations and together (fmt.settings_problems); the rest are left empty
     here, and the whole file passes read_checkpoint's door when the run is built."""
     payload = fmt.checkpoint_file(path, whole=False)
@@ -185,6 +187,26 @@ def last_good_checkpoint(path: str | Path) -> str:
         return f"the last good checkpoint is {path} (step {ckpt.state.step})"
     except Exception:  # none yet, unreadable, or damaged
         return "there is no earlier checkpoint"
+
+
+def restore_training(resumed: Checkpoint, path: Path, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                     parameters: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Continue exactly (train.Run on --resume): the optimizer, the fp16 loss scale, the random state (the weights
+    are in already), once its state fits the parameters built, in optimizer order (checkpoint_format.resumable)."""
+    through_door(fmt.resumable, path, resumed, optimizer.param_groups, parameters)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(resumed.optimizer)
+    except (KeyError, ValueError):
+        raise UserError(f"{path} holds the optimizer of other trainable parameters; resume with the interrupted "
+                        "run's settings (--freeze_body, --loss)") from None
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)  # this run's betas, decay and eps (the saved run's unless a flag changed them)
+    if scaler.is_enabled() and resumed.scaler:
+        scaler.load_state_dict(dataclasses.asdict(resumed.scaler))
+    torch.set_rng_state(resumed.rng.torch)
+    if device.type == "cuda" and resumed.rng.cuda is not None:
+        torch.cuda.set_rng_state(resumed.rng.cuda)
 
 
 def load_checkpoint(path: str | Path, train_class: type | None = None) -> Checkpoint:

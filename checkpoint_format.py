@@ -316,7 +316,7 @@ def resumable(path: str | Path, ckpt: Any, groups: list[dict] | None = None,
     """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights or optimizer
     state that are not finite (NaNs that would then be blamed on --lr); and, given the param_groups this run's
     optimizer holds (`named`: the parameters' names), state for another optimizer or of other parameters
-    (optimizer_fits). Called by train.Run.restore, and by last_good_checkpoint without groups."""
+    (optimizer_fits). Called by checkpoint.restore_training, and by last_good_checkpoint without groups."""
     fix = "it is damaged: resume from a good copy, or start a new run from its weights with --init_from"
 
     def refuse(why: str) -> doors.Refused:

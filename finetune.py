@@ -14,14 +14,12 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import cli
 import ddp
 import devices
 import doors
-import io_checks
 import plan
 import run_folder
 from checkpoint import Checkpoint
@@ -128,10 +126,7 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
              idle: Callable | None = None) -> dict[str, Any]:
     """Fine-tune cfg.ckpt with an LM head; returns train()'s summary plus the budget figures. `given` and `idle`: as
     train()'s. Its plan is settled first (settle); a resumed one reads nothing but its own folder."""
-    io_checks.declare_io(reads={"--ckpt": cfg.ckpt}, writes={"--out_dir": run_folder.run_files(cfg.out_dir)},
-                      kinds={"--ckpt": "start"})  # never the checkpoint it starts from, nor one still training
-    if ddp.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
-        run_folder.check_out_dir(Path(cfg.out_dir))
+    plan.declare_paths(cfg, "--ckpt", cfg.ckpt)
     cfg, given, base = settle(cfg, cli.given_settings(cfg, given), idle)
     resuming = run_folder.resumes(cfg.out_dir, cfg.resume)
     # the checkpoint's lineage; a resumed fine-tune's base counts alone (its own tokens are not pre-training's)

@@ -45,6 +45,9 @@ HERE = {"resume": "here"}  # ... this command's, never the resumed run's: where 
 # betas, decay and clip are TrainConfig's defaults. Short CPU runs warm up over 10% and end at lr / 10.
 RECIPES = {"pythia-70m": dict(warmup=0.01, final_lr=0.0), "pythia-160m": dict(warmup=0.01, final_lr=0.0)}
 DEFAULT_RECIPE = dict(warmup=0.1, final_lr=0.1)
+# --quick: a run of seconds on a CPU (30 steps of the tiny preset on short sequences), the tests' tiny_config too
+QUICK = dict(preset="tiny", block_size=32, batch_size=8, max_iters=30, warmup_iters=5, eval_interval=10,
+             eval_batches=2, log_interval=1)
 
 
 def lr_at(step: int, cfg: Any) -> float:
@@ -73,6 +76,16 @@ class Plan:
     resuming: bool = False
     changed: list[str] = field(default_factory=list)  # settings given on --resume unlike the run's, as said and logged
     device: torch.device = torch.device("cpu")
+
+
+def declare_paths(cfg: Any, flag: str, starts_from: str | None) -> io_checks.Declared:
+    """The paths a run names (`flag`: the checkpoint it starts from, never one still training; its out_dir), declared
+    before a byte of them is read (io_checks.declare_io); a live run's folder named at once, before its checkpoint."""
+    declared = io_checks.declare_io(reads={flag: starts_from}, writes={"--out_dir": run_folder.run_files(cfg.out_dir)},
+                                    kinds={flag: "start"})
+    if ddp.launched_as_rank_0():
+        run_folder.check_out_dir(Path(cfg.out_dir))
+    return declared
 
 
 def settle(cfg: Any, given: frozenset[str], idle: Callable[[Any], dict] | None = None) -> Plan:
@@ -307,6 +320,8 @@ def idle_settings(cfg: Any) -> dict[str, str]:
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
     if not cfg.init_from or run_folder.resumes(cfg.out_dir, cfg.resume):
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
+    if run_folder.resumes(cfg.out_dir, cfg.resume):
+        idle["quick"] = "with --resume (a resumed run keeps its own settings)"
     return {**idle, **idle_anywhere(cfg)}
 
 

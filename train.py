@@ -31,11 +31,10 @@ import data
 import ddp
 import devices
 import doors
-import io_checks
 import loss
 import plan
 import run_folder
-from checkpoint import Checkpoint, Rng, Scaler, diverged, save_checkpoint
+from checkpoint import Checkpoint, Rng, Scaler, diverged, restore_training, save_checkpoint
 from common import UserError, note
 from data import BatchSampler, ValSplit, dataset_dir, open_split, open_val_split, sequential_batches
 from devices import DeviceName, DtypeName
@@ -49,9 +48,8 @@ SAME, HERE = plan.SAME, plan.HERE  # a field's resume rule (plan.resumed_setting
 @dataclass
 class TrainConfig(plan.ModelSettings, LossConfig):
     """train.py's settings; the model's (ModelSettings) and the objective's (loss.LossConfig) are inherited. Each
-    field's rule is on it (doors.field_rules): its type, its "range" (the flag's, a --config file's and a
-    checkpoint's train_config's), what --resume does with it ("resume": plan.resumed_settings), and its meaning ("help":
-    --help and docs/training.md's table)."""
+    field declares its rule (doors.field_rules): its type, its "range" (flag, --config, a checkpoint's train_config),
+    "resume" (what --resume does: plan.resumed_settings) and "help" (--help, docs/training.md's table)."""
     # data and model
     dataset: str = field(default="shakespeare", metadata={
         **SAME, "help": "a prepared dataset under --data_root, or its folder (prepare.py); A,B,C: a mix of several"})
@@ -110,7 +108,7 @@ class TrainConfig(plan.ModelSettings, LossConfig):
         "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model and loss, and validation"})
     quick: bool = field(default=False, metadata={
-        **HERE, "help": "the settings not given: a 30-step tiny run (QUICK), seconds on a CPU"})
+        **HERE, "help": "the settings not given: a 30-step tiny run (plan.QUICK), seconds on a CPU"})
     seed: int = field(default=1337, metadata={  # numpy's generators take no negative seed
         "range": (0, 2**32 - 1), **SAME, "help": "the initial weights, the batches, sampled negatives"})
     # starting from another checkpoint's weights (finetune.py sets these)
@@ -295,8 +293,9 @@ class Run:
             self.objective.load_own_state(start.objective, settled.source, exactly=resuming)
         self.optimizer = adamw(self.objective, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
-        if resuming:
-            self.restore(start)
+        if resuming:  # exactly: the optimizer, the fp16 loss scale, the random state
+            restore_training(start, self.out_dir / "ckpt.safetensors", self.optimizer, self.scaler,
+                             self.objective.named_parameters(), self.device)
         vocab = model.config.vocab_size
         if len(data_dirs) == 1:
             self.sampler = BatchSampler(open_split(data_dirs[0], "train", vocab), cfg.batch_size, cfg.block_size,
@@ -315,24 +314,6 @@ class Run:
             self.objective.compile(fullgraph=True)
         self.wrapped = ddp.wrapped(self.objective)  # what runs each micro-batch: under torchrun, in DDP
         self.describe()
-
-    def restore(self, resumed: Checkpoint) -> None:
-        """Continue exactly: the optimizer, the fp16 loss scale, the random state (the weights are in already)."""
-        common.through_door(checkpoint_format.resumable, self.out_dir / "ckpt.safetensors", resumed,
-                            self.optimizer.param_groups, self.objective.named_parameters())  # its state fits
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        try:
-            self.optimizer.load_state_dict(resumed.optimizer)
-        except (KeyError, ValueError):
-            raise UserError(f"{self.out_dir / 'ckpt.safetensors'} holds the optimizer of other trainable parameters; "
-                            "resume with the interrupted run's settings (--freeze_body, --loss)") from None
-        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
-            group.update(own)  # this run's betas, decay and eps (the saved run's unless a flag changed them)
-        if self.scaler.is_enabled() and resumed.scaler:
-            self.scaler.load_state_dict(dataclasses.asdict(resumed.scaler))
-        torch.set_rng_state(resumed.rng.torch)
-        if self.device.type == "cuda" and resumed.rng.cuda is not None:
-            torch.cuda.set_rng_state(resumed.rng.cuda)
 
     def describe(self) -> None:
         cfg = self.cfg
@@ -481,10 +462,7 @@ def train(cfg: TrainConfig, given: Iterable[str] | None = None,
     None: those unlike their defaults), the others on --resume the run's own; `idle`: as plan.settle's. Its paths
     are declared, its plan settled and its out_dir claimed (its lock taken) before anything is written."""
     starts_from = None if run_folder.resumes(cfg.out_dir, cfg.resume) else cfg.init_from  # a resume reads its own
-    declared = io_checks.declare_io(reads={"--init_from": starts_from}, writes={"--out_dir": run_folder.run_files(
-        cfg.out_dir)}, kinds={"--init_from": "start"})  # the paths given, before a byte of them is read
-    if ddp.launched_as_rank_0():  # a live run's folder is named at once, before its checkpoint is read
-        run_folder.check_out_dir(Path(cfg.out_dir))
+    declared = plan.declare_paths(cfg, "--init_from", starts_from)
     settled = plan.settle(cfg, cli.given_settings(cfg, given), idle)
     cfg = settled.cfg
     declared.also_reads("--dataset", [dataset_dir(name, cfg.data_root) for name in cfg.dataset.split(",")])
@@ -542,13 +520,8 @@ def train_claimed(settled: plan.Plan) -> dict[str, Any]:
             "signal": stop.signal if stopping else None, "seconds": elapsed}
 
 
-# --quick: a run of seconds on a CPU (30 steps of the tiny preset on short sequences), the tests' tiny_config too
-QUICK = dict(preset="tiny", block_size=32, batch_size=8, max_iters=30, warmup_iters=5, eval_interval=10,
-             eval_batches=2, log_interval=1)
-
-
 def main(argv: list[str]) -> None:
-    cfg, given = cli.parse_given(TrainConfig, argv, QUICK)
+    cfg, given = cli.parse_given(TrainConfig, argv, plan.QUICK)
     summary = train(cfg, given, plan.idle_settings)
     if summary["signal"] is not None:  # a planned stop (--stop_at) exits 0
         raise common.Interrupted(summary["signal"])

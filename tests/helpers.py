@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 import common
-from train import QUICK, TrainConfig
+from plan import QUICK
+from train import TrainConfig
 
 
 def tiny_config(data_dir, out_dir, **overrides) -> TrainConfig:
-    """`python train.py --quick`'s run (train.QUICK: 30 steps of the tiny preset, shrunk by conftest's
+    """`python train.py --quick`'s run (plan.QUICK: 30 steps of the tiny preset, shrunk by conftest's
     small_tiny_preset, validated every 10) on the test dataset, on CPU."""
     settings = dict(**QUICK, dataset=str(data_dir), out_dir=str(out_dir), device="cpu", seed=0)
     return TrainConfig(**{**settings, **overrides})

@@ -444,6 +444,8 @@ RESUME_PLANS = {  # case: (the run's own settings changed, the flags given with 
                                     "with; pass --min_lr too"),
     "--mix_alpha without a mix": ({}, ["--mix_alpha=0.5"], "--mix_alpha=0.5 changes nothing without a mix"),
     "--add_lm_head": ({}, ["--add_lm_head"], "--add_lm_head=True changes nothing without --init_from"),
+    "--quick on a resume": ({}, ["--quick"], "--quick=True changes nothing with --resume (a resumed run keeps its own "
+                            "settings); drop it"),
     "--wandb_run_name on a --wandb run": ({"wandb": True}, ["--wandb_run_name=x"], None),
     "--mix_alpha on a mix": ({"dataset": "corp,other"}, ["--mix_alpha=0.5"], None),
     "--eval_batches": ({}, ["--eval_batches=4"], None),
