@@ -192,7 +192,7 @@ def last_good_checkpoint(path: str | Path) -> str:
 def restore_training(resumed: Checkpoint, path: Path, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                      parameters: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> None:
     """Continue exactly (train.Run on --resume): the optimizer, the fp16 loss scale, the random state (the weights
-    are in already), once its state fits the parameters built, in optimizer order (checkpoint_format.resumable)."""
+    are in), once they fit the parameters built, in optimizer order (checkpoint_format.resumable)."""
     through_door(fmt.resumable, path, resumed, optimizer.param_groups, parameters)
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     try:

@@ -131,7 +131,6 @@ def _check_block_size(tokens: np.ndarray, block_size: int, batch_size: int = 1) 
                         f"{len(tokens)}: lower --block_size or --batch_size")
 
 
-
 NEGATIVES_STREAM = 1  # the random streams of a micro-batch besides its windows (BatchSampler) and masks (masking.py)
 DROPOUT_STREAM = 2
 

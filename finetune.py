@@ -144,9 +144,8 @@ def finetune(cfg: FinetuneConfig, given: Iterable[str] | None = None,
         budget = cfg.tokens if cfg.tokens is not None else cfg.budget_fraction * pretrain_tokens
         raise UserError(f"{budget:,.0f} tokens are {steps:,} steps of {tokens_per_iter:,} tokens, more than a run "
                         f"can have ({most:,}); lower --tokens or raise --batch_size")
-    warmup = cfg.warmup_iters
-    if warmup is None:
-        warmup = max(1, round(FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])["warmup"] * steps))
+    warmup_share = FINETUNE_RECIPES.get(cfg.preset, FINETUNE_RECIPES["pythia-70m"])["warmup"]
+    warmup = max(1, round(warmup_share * steps)) if cfg.warmup_iters is None else cfg.warmup_iters
     share = "pre-training tokens unknown"
     if pretrain_tokens:
         share = f"{100 * steps * tokens_per_iter / pretrain_tokens:.2f}% of {pretrain_tokens:,} pre-training tokens"

@@ -80,7 +80,7 @@ class Plan:
 
 def declare_paths(cfg: Any, flag: str, starts_from: str | None) -> io_checks.Declared:
     """The paths a run names (`flag`: the checkpoint it starts from, never one still training; its out_dir), declared
-    before a byte of them is read (io_checks.declare_io); a live run's folder named at once, before its checkpoint."""
+    before a byte of them is read (io_checks.declare_io); a live run's folder is named at once."""
     declared = io_checks.declare_io(reads={flag: starts_from}, writes={"--out_dir": run_folder.run_files(cfg.out_dir)},
                                     kinds={flag: "start"})
     if ddp.launched_as_rank_0():
@@ -99,9 +99,7 @@ def settle(cfg: Any, given: frozenset[str], idle: Callable[[Any], dict] | None =
     cfg, own = resumed(cfg, given)
     resuming = own is not None
     source = str(run_folder.run_files(cfg.out_dir)[0]) if resuming else cfg.init_from
-    start = own
-    if source and not resuming:
-        start = source_document(source, type(cfg))
+    start = own if resuming or not source else source_document(source, type(cfg))
     before = start.train_config if start else {}
     device = devices.pick_device(cfg.device)
     cfg = dataclasses.replace(cfg, dtype=settled_dtype(cfg, device, given, source if resuming else ""))
@@ -188,9 +186,7 @@ def with_schedule(cfg: Any, before: dict, resumed_step: int | None = None, given
     says so."""
     preset = cfg.preset or before.get("preset") or "tiny"
     recipe = RECIPES.get(preset, DEFAULT_RECIPE)
-    warmup = cfg.warmup_iters
-    if warmup is None:
-        warmup = max(1, round(recipe["warmup"] * cfg.max_iters))
+    warmup = max(1, round(recipe["warmup"] * cfg.max_iters)) if cfg.warmup_iters is None else cfg.warmup_iters
     min_lr = recipe["final_lr"] * cfg.lr if cfg.min_lr is None else cfg.min_lr
     new = dataclasses.replace(cfg, preset=preset, warmup_iters=warmup, min_lr=min_lr)
     check_stop_at(new, resumed_step)
