@@ -555,8 +555,6 @@ def bench_resume() -> str:
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every configuration of the grid; returns {"meta": ..., "rows": [...]}."""
     check_config(cfg)
-    for v in cfg.variants + cfg.step_variants:
-        parse_variant(v)
     warn_if_every_negative(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -711,10 +709,7 @@ def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
         if meta["skipped"]:
             print(f"skipped (tokens x V above --max_logits={cfg.max_logits}; raise it to measure them): "
                   + ", ".join(meta["skipped"]), file=sys.stderr)
-        rows += [dict(kind=kind, loss=r["variant"], vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"],
-                      step_ms=1e3 * r["time_s"], best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
-                      peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
-                      device=meta["device_name"], dtype=meta["dtype"]) for r in result["rows"]]
+        rows += [sweep_row(r, meta, loss=r["variant"]) for r in result["rows"]]
     for r in rows:
         same = [b for b in rows if (b["kind"], b["loss"], b["tokens"]) == (r["kind"], r["loss"], r["tokens"])]
         smallest = min(same, key=lambda b: b["vocab_size"])
@@ -842,13 +837,16 @@ def run_negatives_sweep(cfg: BenchConfig) -> list[dict]:
 
 
 def negatives_row(r: dict, meta: dict) -> dict:
-    """A run_bench row as a sweep row: kind, label (CE, k=N, unique, all), loss, negatives and num_negatives
-    (train.py's flags; none for CE), vocab_size, tokens, step_ms, peak_mib, ..."""
+    """A sweep_row named by label (CE, k=N, unique, all) and train.py's flags (negatives: none for CE)."""
     kw = parse_variant(r["variant"])
-    return dict(kind=r["kind"], label=negatives_label(r["variant"]), variant=r["variant"], loss=kw["loss"],
-                negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"],
-                vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"], step_ms=1e3 * r["time_s"],
-                best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
+    return sweep_row(r, meta, label=negatives_label(r["variant"]), variant=r["variant"], loss=kw["loss"],
+                     negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"])
+
+
+def sweep_row(r: dict, meta: dict, **names) -> dict:
+    """A run_bench row as a sweep's flat row: kind, `names` (the variant's), vocab_size, tokens, step_ms, ..."""
+    return dict(kind=r["kind"], **names, vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"],
+                step_ms=1e3 * r["time_s"], best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
                 peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
                 device=meta["device_name"], dtype=meta["dtype"])
 
@@ -1283,8 +1281,7 @@ def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
     presets = cfg.check_presets or CHECK_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     if device.type == "cuda":
         device = torch.device("cuda", 0)
-        shape = GPU_SHAPE
-        step_shape = GPU_SHAPE
+        shape = step_shape = GPU_SHAPE
         title = (f"GPU check: {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch "
                  f"{torch.__version__}, CUDA {torch.version.cuda}, torch.compile backend {cfg.check_backend}")
     else:
@@ -1312,15 +1309,14 @@ def idle_settings(cfg: BenchConfig) -> dict[str, str]:
         return {n: "with --gpu_check (it runs its own checks on its own shapes and prints its report)"
                 for n in ["quick", *names] if n not in used}
     idle = dict.fromkeys(("check_backend", "check_presets"), "without --gpu_check")
-    if cfg.mode == "data":
-        return {**idle, **{n: "with --mode=data (it times the built-in tokeniser and batches)" for n in names
-                           if n not in ("mode", "gpu_check")}}
-    if cfg.mode == "resume":
-        return {**idle, **{n: "with --mode=resume (it runs its own tiny runs on the CPU)" for n in names
-                           if n not in ("mode", "gpu_check")}}
-    if cfg.mode == "checkpoint":
-        return {**idle, **{n: "with --mode=checkpoint (it times loading one checkpoint of --preset on the CPU)"
-                           for n in names if n not in ("mode", "gpu_check", "preset", "warmup", "repeats", "quick")}}
+    own = {"data": ("it times the built-in tokeniser and batches", ()),
+           "resume": ("it runs its own tiny runs on the CPU", ()),
+           "checkpoint": ("it times loading one checkpoint of --preset on the CPU",
+                          ("preset", "warmup", "repeats", "quick"))}
+    if cfg.mode in own:
+        what, used = own[cfg.mode]
+        return {**idle, **{n: f"with --mode={cfg.mode} ({what})" for n in names
+                           if n not in ("mode", "gpu_check", *used)}}
     loss_rows = cfg.mode in ("both", "loss") and not (cfg.vocab_sweep or cfg.negatives_sweep)
     without = {"val_chunk": cfg.mode != "val", "max_logits": cfg.mode in ("val", "ddp"),
                "tokens": not loss_rows, "variants": not loss_rows or cfg.negatives_sweep,
@@ -1351,14 +1347,9 @@ def main(argv: list[str]) -> None:
         print(report)
         sys.exit(0 if ok else 1)
     check_config(cfg)
-    if cfg.mode == "data":
-        print(bench_data())
-        return
-    if cfg.mode == "checkpoint":
-        print(bench_checkpoint(cfg))
-        return
-    if cfg.mode == "resume":
-        print(bench_resume())
+    reports = {"data": bench_data, "checkpoint": lambda: bench_checkpoint(cfg), "resume": bench_resume}
+    if cfg.mode in reports:
+        print(reports[cfg.mode]())
         return
     if cfg.mode == "ddp":
         table = bench_ddp(cfg)
