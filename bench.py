@@ -72,10 +72,14 @@ from typing import Literal
 import numpy as np
 import torch
 
+import checkpoint
+import checkpoint_format
 import data
+import doors
 import prepare
 import sources
 import tokenizer
+import train
 from cli import config_path, parse_flags, refuse_idle, within_ranges
 from common import UserError, first_line, run_main
 from ddp import all_reduce_sum, barrier, init_distributed, is_main_process, rank, world_size
@@ -86,7 +90,7 @@ from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
 from results import import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, objective_loss, optimizer_step
+from train import Objective, TrainConfig, Validation, evaluate, objective_loss, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -306,8 +310,6 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
     """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
     bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
     of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
-    from data import ValSplit
-    from train import Validation, evaluate
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -321,7 +323,7 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
         objective = Objective(model, loss_config(variant))
 
         def step():
-            evaluate(objective, ValSplit(val, byte_counts, [vocab - 1]),
+            evaluate(objective, data.ValSplit(val, byte_counts, [vocab - 1]),
                      Validation(batch_size=tokens // block, block_size=block, device=device, dtype=dtype,
                                 max_batches=1))
         return step
@@ -466,18 +468,14 @@ def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
     logits = model(x[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
     optimizer_step(optimizer, model.parameters())
-    from checkpoint import Checkpoint, Rng, State
-    return Checkpoint(model=model.state_dict(), model_config=model.config, optimizer=optimizer.state_dict(),
+    return checkpoint.Checkpoint(model=model.state_dict(), model_config=model.config, optimizer=optimizer.state_dict(),
                       train_config=dataclasses.asdict(TrainConfig(preset=preset, block_size=64, lr=1e-4)),
-                      state=State(step=1, micro_batches=1, tokens=16, flops=1.0, loss=10.0),
-                      rng=Rng(torch=torch.get_rng_state()))
+                      state=checkpoint.State(step=1, micro_batches=1, tokens=16, flops=1.0, loss=10.0),
+                      rng=checkpoint.Rng(torch=torch.get_rng_state()))
 
 
 def bench_checkpoint(cfg: BenchConfig) -> str:
     """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
-    import checkpoint
-    import checkpoint_format
-    import doors
     payload = checkpoint_payload(cfg.preset)
     with tempfile.TemporaryDirectory() as tmp:
         ours, pt = Path(tmp) / "ckpt.safetensors", Path(tmp) / "ckpt.pt"
@@ -513,23 +511,19 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
 
 def bench_resume() -> str:
     """--mode=resume: how far a run stopped and resumed lies from the straight run, at 1 and 2 CPU threads."""
-    import checkpoint
-    import doors
-    import train
-    from prepare import ensure_dataset
     lines = ["tiny preset, 8 steps (4, then --resume), seed 1337, constant lr, CPU, float32", "",
              "| threads | resumed vs straight: losses | weights | optimizer state | straight vs again: weights |",
              "|---|---|---|---|---|"]
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = ensure_dataset("shakespeare", str(Path(tmp) / "data"))
+        folder = prepare.ensure_dataset("shakespeare", str(Path(tmp) / "data"))
         for n in (1, 2):
             torch.set_num_threads(n)
             runs = {}
             for name, stops in (("straight", (8,)), ("again", (8,)), ("resumed", (4, 8))):
                 out = Path(tmp) / f"{name}{n}"
                 for i, stop in enumerate(stops):
-                    train.train(train.TrainConfig(dataset=str(folder), preset="tiny", block_size=64, batch_size=4,
+                    train.train(TrainConfig(dataset=str(folder), preset="tiny", block_size=64, batch_size=4,
                                                   max_iters=stop, eval_interval=4, eval_batches=2, log_interval=1,
                                                   lr_schedule="constant", device="cpu", dtype="float32",
                                                   compile=False, out_dir=str(out), resume=i > 0))
@@ -1006,11 +1000,6 @@ def skip(reason: str) -> Callable[[], str]:
     return skipped
 
 
-def cuda_only(device: torch.device, check: Callable[[], str], what: str) -> Callable[[], str]:
-    """`check` on a GPU; elsewhere skipped, naming what only a GPU exercises."""
-    return check if device.type == "cuda" else skip(f"CUDA only: {what}")
-
-
 def _check_model(shape: CheckShape, device: torch.device, **overrides):
     torch.manual_seed(0)
     model = build_model(shape.preset, shape.vocab, block_size=shape.block, **overrides).to(device)
@@ -1198,8 +1187,8 @@ def gpu_checks(device: torch.device, shape: CheckShape, step_shapes: list[CheckS
         "bf16 autocast + fused AdamW": lambda: check_training(device, shape, torch.bfloat16),
         "fp16 autocast + GradScaler": lambda: check_training(device, shape, torch.float16, "ce"),
         "fused AdamW = for-each": lambda: check_fused_adamw(device, shape),
-        "flash attention (SDPA)": cuda_only(device, lambda: check_flash_attention(device, shape, torch.bfloat16),
-                                            "the GPU's flash kernels (a CPU has its own)"),
+        "flash attention (SDPA)": (lambda: check_flash_attention(device, shape, torch.bfloat16))
+        if device.type == "cuda" else skip("CUDA only: the GPU's flash kernels (a CPU has its own)"),
         f"torch.compile ({backend}), CE and CWT": lambda: check_compile(device, step_shapes, dtype, backend, rows),
         "KV-cache generation": lambda: check_kv_cache(device, shape),
         f"train.py --compile ({backend})": lambda: check_script(
