@@ -504,7 +504,6 @@ def plot(rows: list[dict], path: str) -> None:
         f"{n}: {cell(r['embedding_anisotropy'])}, {cell(r['embedding_anisotropy_all'])}, {cell(r['hidden_anisotropy'])}"
         for n, r in zip(names, rows)), transform=summary.transAxes, va="top", fontsize=8, family="monospace")
     fig.suptitle("What each objective learns (analyze.py)")
-    fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 

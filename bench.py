@@ -219,10 +219,7 @@ def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int,
 
 
 def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
-    """Build the inputs for one configuration; returns ({variant: step_fn}, {variant: flops}, extra).
-
-    spec: kind ("loss" | "step" | "mlm"), preset, vocab, tokens, block_size, variants, seed.
-    """
+    """({variant: step_fn}, {variant: flops}, extra) of the configuration `spec` (kind, preset, vocab, tokens, ...)."""
     gen = torch.Generator().manual_seed(spec["seed"])
     vocab, tokens, variants = spec["vocab"], spec["tokens"], spec["variants"]
     loss_rng = torch.Generator()
@@ -681,7 +678,6 @@ def plot_bench(result: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(result["meta"]["device_name"], fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
@@ -690,9 +686,8 @@ def plot_bench(result: dict, path: str) -> None:
 
 
 def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
-    """CE and CWT (cfg.step_variants) at each size of cfg.vocab_sweep: loss-layer and full-step rows over the
-    same --step_tokens, body and dtype, timed interleaved per size as run_bench does; returns one flat row per
-    (kind, loss, V, tokens), with ratios to the same row at the smallest V and to CE at the same V."""
+    """run_bench's rows of cfg.step_variants at each V of cfg.vocab_sweep, one flat row per (kind, loss, V, tokens),
+    with ratios to the same row at the smallest V and to CE at the same V."""
     if cfg.mode not in ("both", "loss", "step"):
         raise UserError(f"--vocab_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or step)")
     sizes, rows = sorted(set(cfg.vocab_sweep)), []
@@ -755,7 +750,6 @@ def plot_vocab_sweep(rows: list[dict], path: str) -> None:
     if rows:
         fig.suptitle(f"CE vs CWT across vocabulary sizes: {rows[0]['preset']}, {rows[0]['tokens']} tokens per step, "
                      f"{rows[0]['device']}, {rows[0]['dtype']}", fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
@@ -766,9 +760,8 @@ QUICK_NEGATIVES = dict(preset="tiny", vocab=[50304], step_tokens=[1024], block_s
 
 
 def negatives_variants(entries: list[str], candidates: int, flag: str = "--negatives_sweep") -> list[str]:
-    """Sweep entries (a number k of sampled negatives, unique, all) as variants (cwt-kN, cwt-unique, cwt):
-    k ascending, then unique, then all. Refused in one line: an empty list, an entry that is none of these or
-    is repeated, k = 0, a k not below the `candidates` of a micro-batch (it would score them all, as `all`)."""
+    """Sweep entries (k sampled negatives, unique, all) as variants (cwt-kN, cwt-unique, cwt) in that order, k
+    ascending; a k not below the `candidates` of a micro-batch is refused: it would score them all, as `all`."""
     entries = [e.strip() for e in entries]
     if not entries or "" in entries:
         raise UserError(f"{flag} needs values: numbers k of sampled negatives, unique, all (e.g. {flag}=64,256,"
@@ -798,10 +791,8 @@ def negatives_label(variant: str) -> str:
 
 
 def run_negatives_sweep(cfg: BenchConfig) -> list[dict]:
-    """Loss-layer and full-step rows of CWT with each negatives entry of cfg.negatives_sweep, and CE beside them
-    (unless its logits exceed --max_logits), at each V of --vocab and each --step_tokens, the variants of one
-    configuration timed interleaved as run_bench does. One flat row each, with ratios to `all` (the paper's
-    in-batch negatives) and to CE of the same kind, V and tokens."""
+    """run_bench's rows of CWT with each entry of cfg.negatives_sweep and CE beside them (within --max_logits), one
+    flat row each, with ratios to `all` (the paper's in-batch negatives) and to CE of the same kind, V and tokens."""
     if cfg.mode not in ("both", "loss", "step"):
         raise UserError(f"--negatives_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or "
                         "step)")
@@ -889,7 +880,6 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
     if rows:
         fig.suptitle(f"CWT's cost as its negatives grow: {rows[0]['preset']}, {rows[0]['device']}, {rows[0]['dtype']}",
                      fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
@@ -1070,10 +1060,9 @@ def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.
 
 
 def measure_step(device: torch.device, shape: CheckShape, dtype: torch.dtype, loss: str, backend: str) -> StepRow:
-    """A training step as train.py takes it (Objective, backward, clipping, fused AdamW), eager and compiled, on
-    one model: first the eager loss and the first compiled step on the same weights (its wall time minus a
-    steady step's is the compile time, with inductor's caches off: what a first run pays), then eager and
-    compiled steps in turn (medians). Graph breaks and recompiles come from dynamo's counters."""
+    """A training step as train.py takes it, eager and compiled, on one model: the eager loss and the first compiled
+    step on the same weights (its wall time less a steady step's is the compile time, inductor's caches off: what a
+    first run pays), then eager and compiled steps in turn (medians); dynamo's counts of breaks and recompiles."""
     from torch._dynamo.utils import counters
     model, x, y = _check_model(shape, device)
     optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))

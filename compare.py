@@ -591,7 +591,6 @@ def plot_vocab_sweep(sweep: dict, path: str) -> None:
            title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute at each size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     save_figure(fig, path)
 
 
@@ -603,10 +602,8 @@ POINT_UNCHECKED = (*SWEEP_UNCHECKED, "seed", "batch_size", "quick")
 
 
 def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
-    """Series "k": CE and CWT with each --negatives_sweep entry at --batch_size; series "batch": CE and CWT (all)
-    at each --negatives_batch_sizes size. Every point, once per seed, pre-trains --ce_iters steps (CE: plus the
-    fine-tune's steps, the same tokens in all), CWT then gets its head fine-tune, and each model is scored on the
-    whole validation split. A point whose result.json exists is skipped. Returns one row per series and point."""
+    """Every point of the series (negatives_series) once per seed, as the docstring above says (a point whose
+    result.json exists is skipped); one row per series and point."""
     check_config(cfg)
     need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
     from bench import parse_variant
@@ -675,9 +672,8 @@ def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, 
 
 def run_point(cfg: CompareConfig, kw: dict, folder: Path, data_dir: Path, vocab: int,
               texts: list[str] | None) -> dict:
-    """One point at cfg.batch_size and cfg.seed: CE for ce_iters + fine-tune steps, or CWT with these negatives
-    (bench.parse_variant's keywords) for ce_iters steps and its head fine-tune; every model scored on the whole
-    validation split (and LAMBADA, given texts)."""
+    """One point at cfg.batch_size and cfg.seed: CE, or CWT with the negatives `kw` (bench.parse_variant's) and its
+    head fine-tune, on the same tokens; every model scored on the whole validation split (and LAMBADA, given texts)."""
     start = time.time()
     steps = cfg.ce_iters
     ft_steps = max(1, math.ceil(cfg.finetune_fraction * steps))
@@ -852,7 +848,6 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
         r = cwt[0]
         fig.suptitle(f"How many negatives CWT needs: {r['preset']} on {Path(r['dataset']).name}, {r['steps']} steps + "
                      f"{r['ft_steps']} of fine-tune, seeds {', '.join(map(str, r['seeds']))}", fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 

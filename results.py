@@ -98,7 +98,8 @@ def matplotlib_folder() -> Iterator[None]:
 
 
 def save_figure(fig: Any, path: str | Path) -> None:
-    """A figure as an image file (the format from its extension), written atomically."""
+    """A figure, laid out tight, as an image file (the format from its extension), written atomically."""
+    fig.tight_layout()
     with atomic_file(path) as f:  # a failed write is atomic_file's one line
         fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
     print(f"plot written to {path}", file=sys.stderr)
@@ -162,7 +163,6 @@ def plot_curves(runs: dict[str, Curves], path: str | Path, xlabel: str, title: s
     for ax in axes.flat[len(metrics):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
