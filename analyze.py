@@ -13,8 +13,7 @@ distance from the initial weights (rebuilt from the seed and shape the checkpoin
 cross-entropy of the positions whose target is in the bin (and the same bins by the split's counts); the nearest
 neighbours in E of --words. An encoder is measured with masking off: hidden states of the plain text, and the
 cross-entropy of each position's own token. What each measure means, why the paper's
-argument predicts a difference, and a study: docs/analysis.md.
-"""
+argument predicts a difference, and a study: docs/analysis.md."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -201,8 +200,8 @@ def mean_or_none(values: torch.Tensor) -> float | None:
 def frequency_bins(counts: np.ndarray, row_norms: torch.Tensor, drift: torch.Tensor | None, targets: torch.Tensor,
                    row_ce: torch.Tensor) -> list[dict]:
     """The tokens (every id of `counts`) grouped by their training count: unseen, then decades. Each bin: its count
-    range, how many tokens, the mean of their row norms and drift (None without an initialisation), and the mean
-    cross-entropy of the validation positions whose target is in the bin (`targets`, `row_ce`)."""
+    range, how many tokens, the mean of their row norms and drift, and the mean CE of the validation positions whose
+    target is in the bin."""
     counts_t = torch.from_numpy(counts)
     edges = count_edges(int(counts.max(initial=0)))
     ranges = [(0, 0)] + [(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]

@@ -43,8 +43,7 @@ mmap: what the door of a torch.save checkpoint called after its checks), interle
 --mode=resume: a tiny run of 8 steps on the built-in data beside the same run stopped after 4 and resumed, at
 1 and 2 CPU threads: the largest difference of the logged losses, the weights and the optimizer state.
 --chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
-interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
-"""
+interleaved with this one's: side-by-side figures for a change to the memory-flat losses."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)

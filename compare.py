@@ -29,8 +29,7 @@ CWT with k sampled negatives, unique targets or all of the micro-batch; series b
 CWT (all) as the batch grows, the paper's reading. Every point pre-trains --ce_iters steps, CWT then gets its
 head fine-tune, CE runs at the same batch on the same tokens; each is scored on the whole validation split, once
 per seed of --seeds (mean and spread), with its tokens, FLOPs and the cost of a step (bench.py). A point lives in
-out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
-"""
+out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)

@@ -5,8 +5,7 @@ several processes (--num_proc).
 Validation: a hub dataset with a `validation` split (TinyStories) uses it, and so does a local folder whose
 files are named as `datasets` names splits (train.jsonl and validation.jsonl, data/valid-000.parquet...);
 --val_split=hash holds out documents by hash instead, as for any other source. One local .txt file is one
-document, split once near its end.
-"""
+document, split once near its end."""
 from __future__ import annotations
 
 import contextlib

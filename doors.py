@@ -523,12 +523,10 @@ MAX_HEADER_BYTES = MAX_TEXT_BYTES  # a safetensors header: each tensor's name, d
 
 
 def safetensors_open(path: str | Path, what: str, fix: str, old: str = "") -> Any:
-    """A safetensors file opened by its library (safetensors.safe_open: memory-mapped, a tensor read when it is
-    asked for, copy-on-write) through the descriptor its checks read, once its first bytes can begin one: a regular
-    file, not sparse, whose header length (its first 8 bytes) is at most MAX_HEADER_BYTES and within the file. The
-    library checks the rest before a tensor is read: a JSON header, each tensor's dtype, shape and byte count
-    agreeing, their byte ranges tiling the data exactly (no overlap, no gap, nothing past the end). `old`: the fix
-    for a torch.save file (a zip)."""
+    """A safetensors file opened by its library (memory-mapped, a tensor read when asked for) through the descriptor
+    its checks read, once its first bytes can begin one: a regular file, not sparse, with a header length within
+    MAX_HEADER_BYTES and the file. The library checks the rest (the header, each tensor's dtype, shape and bytes
+    tiling the data exactly) before a tensor is read. `old`: the fix for a torch.save file (a zip)."""
     from safetensors import safe_open
     f, info = opened(path, what, fix)
     with f:  # one open file, start to end: a file a save renames over `path` meanwhile is never read with this one
@@ -713,10 +711,8 @@ def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
 
 
 def results_file(path: str | Path, what: str, declared: type, expected: dict[str, Any]) -> dict:
-    """A results file a script reads back (compare.py's result.json of a finished point or vocabulary size, which a
-    sweep resumed with --resume uses as it is): a regular JSON file of at most MAX_TEXT_BYTES, every field as
-    `declared` declares it (finite numbers), and `expected` (the point's batch, variant and seed, or the size) as
-    it says: a result.json copied from another point is refused."""
+    """A results file a script reads back as it is (compare.py's result.json of a finished point or size): every
+    field as `declared` declares it, and `expected` (what the point or size is): one copied from another is refused."""
     fix = f"delete it to run that {what} again"
     data = read_small(path, MAX_TEXT_BYTES, f"{what}'s result file", fix)
     result = parse(data, f"{path}, not a finished {what}'s results: it", fix)

@@ -19,8 +19,7 @@ lm_eval/models/huggingface.py `loglikelihood`/`_encode_pair`/`_loglikelihood_tok
     position (teacher forcing); its log-likelihood is the sum of the target tokens' log-probabilities;
   * acc = mean over examples of correct; perplexity = exp(-mean over examples of the log-likelihood).
 Log-softmax (in fp32) covers every column of the model's output, as the harness does for Pythia's padded
-vocabulary. Batches are right-padded: under causal attention pads never reach a scored position.
-"""
+vocabulary. Batches are right-padded: under causal attention pads never reach a scored position."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)

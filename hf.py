@@ -13,8 +13,7 @@ folder (a million layers, a truncated file) is one line, never a large allocatio
 never read: a folder of it alone is refused, naming the one command that converts it.
 
 GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py packs them per kind
-((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name.
-"""
+((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -75,9 +74,8 @@ _EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # [
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer (e.g. Pythia's GPT-NeoX BPE) behind the part of tiktoken's
-    interface this project uses: encode_ordinary(_batch), encode(text, allowed_special="all"), decode,
-    n_vocab, eot_token and name. Nothing is added around the text (no BOS/EOS), as tiktoken does."""
+    """A Hugging Face `tokenizers` tokenizer (e.g. Pythia's GPT-NeoX BPE) behind the part of tiktoken's interface
+    this project uses. Nothing is added around the text (no BOS/EOS), as tiktoken does."""
 
     def __init__(self, name: str, tokenizer: Any):
         from tokenizers import Tokenizer
@@ -461,9 +459,8 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
-    """What to record as the model's tokenizer (data_meta's `tokenizer`): "gpt2" when the folder's
-    tokenizer.json is GPT-2's BPE (so exported models come back to data prepared with gpt2), else hf:ID
-    for a hub model or the tokenizer.json's path; None when the folder has none."""
+    """The model's data_meta `tokenizer`: "gpt2" for GPT-2's BPE (an exported model comes back to data prepared
+    with gpt2), else hf:ID for a hub model or the tokenizer.json's path; None when the folder has none."""
     path = folder / "tokenizer.json"
     if not os.path.lexists(path):
         return None
@@ -504,10 +501,9 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
 
 
 def hf_checkpoint(source: str) -> Checkpoint:
-    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), so that every script
-    takes it where it takes a checkpoint: `train.py --init_from=hf:EleutherAI/pythia-70m`, `finetune.py --ckpt=hf:...`,
-    `eval.py --ckpt=hf:...`, `generate.py --ckpt=hf:...`. It records the preset of the same shape, if any
-    (the context length aside, which a run may shorten)."""
+    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), taken by every script
+    where it takes a checkpoint (--init_from=hf:..., --ckpt=hf:...); with the preset of its shape, if any (the context
+    length aside, which a run may shorten)."""
     model, tokenizer = load_hf(source)
     c = model.config
     preset = next((name for name, shape in PRESETS.items()
@@ -646,10 +642,8 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 
 
 def export(ckpt: str, out: str) -> Path:
-    """Write a checkpoint as a transformers GPT-NeoX folder (config.json, model.safetensors, tokenizer),
-    into a temporary folder (named with the process id) renamed at the end: `out` is complete or absent.
-    A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
-    parent folder the export created."""
+    """Write a checkpoint as a transformers GPT-NeoX folder into a temporary folder renamed at the end: `out` is
+    complete or absent. A failed write is one line, and removes what the export created."""
     from safetensors.torch import save_file
     out_dir = export_target(out)
     # its train_config as plain values (an export reads none of them); an hf: source re-exported as it reads

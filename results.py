@@ -4,8 +4,7 @@ bench.py, compare.py, glue.py, xnli.py). As a script, it draws the curves of tra
     python results.py --log=out/log.jsonl,out-ce/log.jsonl --plot=out/curves.png
 
 the training loss and each validation metric against the tokens seen, a panel a metric, a line a run (the log.jsonl
-of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too.
-"""
+of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)

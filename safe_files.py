@@ -175,13 +175,12 @@ def remove_stale_temps(folder: str | Path) -> None:
 
 @contextlib.contextmanager
 def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[None]:
-    """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file
-    folder/name (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped
-    whole). A second holder is refused in one line naming the first. The kernel drops a dead process's lock (a
-    crash leaves no stale lock). The file is never unlinked but with the folders this command made, left empty
-    (a refused command leaves no folder), while it is held; a lock is ours only once the file we locked is still
-    the one at its name, so nobody holds a lock file that was removed. A link, a folder or a special file planted
-    at its name is refused, never written through."""
+    """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file folder/name
+    (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped whole). A second holder
+    is refused in one line naming the first. The kernel drops a dead process's lock (a crash leaves no stale lock). The
+    file is never unlinked but with the folders this command made, left empty (a refused command leaves no folder),
+    while it is held; a lock is ours only once the file we locked is still the one at its name, so nobody holds a lock
+    file that was removed. A link, a folder or a special file planted at its name is refused, never written through."""
     folder = Path(folder)
     lock = folder / name
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]

@@ -24,8 +24,7 @@ every record in both files when train.py returns (finish_wandb).
 
 Nothing is written outside out_dir: W&B's own logs and caches (WANDB_CACHE_DIR, WANDB_DATA_DIR; by default under
 $HOME/.cache) go to out_dir/wandb/cache and out_dir/wandb/data for the run, unless you set those variables (then
-they are yours, and W&B writes there). W&B reads your settings and login (WANDB_CONFIG_DIR, ~/.netrc) as always.
-"""
+they are yours, and W&B writes there). W&B reads your settings and login (WANDB_CONFIG_DIR, ~/.netrc) as always."""
 from __future__ import annotations
 
 import contextlib
