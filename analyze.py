@@ -34,14 +34,7 @@ from tqdm import tqdm
 from checkpoint import Checkpoint, Init, State, checkpoint_model
 from cli import config_path, parse_flags, within_ranges
 from common import UserError, format_metric, note, run_main
-from data import (
-    BatchSampler,
-    load_meta,
-    open_split,
-    recorded_dataset,
-    same_tokenizer,
-    sequential_batches,
-)
+from data import BatchSampler, load_meta, open_split, recorded_dataset, same_tokenizer, sequential_batches
 from devices import DeviceName, pick_device
 from io_checks import declare_io
 from load import load_source
@@ -73,8 +66,7 @@ COUNT_CHUNK = 1 << 22  # tokens counted at a time: bounded memory on any trainin
 LOGIT_ROWS = 512  # positions scored against the vocabulary at a time
 
 
-# ----------------------------------------------------------------------------------------------
-# The measures: plain functions of matrices (float64), each tested against a reference
+# --------------------------------- The measures: plain functions of matrices (float64), each tested against a reference
 
 
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -232,8 +224,7 @@ def initial_model(init: Init) -> GPT:
         return GPT(init.model_config)
 
 
-# ----------------------------------------------------------------------------------------------
-# One checkpoint, on its own dataset
+# ----------------------------------------------------------------------------------- One checkpoint, on its own dataset
 
 
 @dataclass
@@ -364,8 +355,7 @@ def word_token(tokenizer: Any, word: str) -> int | None:
 
 def neighbours_of(words: list[str], ckpt: Checkpoint, table: torch.Tensor,
                   counts: np.ndarray) -> dict[str, list | None]:
-    """Each word's nearest neighbours (decoded) among the tokens seen in training; None for a word that is not one
-    token of this checkpoint's tokenizer, or one never seen in training."""
+    """Each word's nearest neighbours (decoded) among the tokens seen in training; None: not one seen token."""
     tokenizer = dataset_tokenizer(ckpt)
     seen = torch.from_numpy(np.flatnonzero(counts))
     found = {}
@@ -376,8 +366,7 @@ def neighbours_of(words: list[str], ckpt: Checkpoint, table: torch.Tensor,
     return found
 
 
-# ----------------------------------------------------------------------------------------------
-# The table and the plot
+# ---------------------------------------------------------------------------------------------- The table and the plot
 
 
 MEASURES = [("loss", "training loss"), ("step", "step"), ("tokens", "tokens"), ("val_ce", "val CE (its positions)"),
@@ -467,8 +456,7 @@ def shown(token: str) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """One line per checkpoint: singular-value spectra of E (seen tokens) and of the hidden states; E's row norm,
-    drift and the validation CE by training-count bin."""
+    """A line per checkpoint: spectra of E (seen tokens) and of the hidden states; E's norm, drift, CE by count bin."""
     plt = import_pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     names = column_names(rows)
@@ -519,8 +507,7 @@ def line_styles(rows: list[dict]) -> list[dict]:
     return styles
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
+# ---------------------------------------------------------------------------------------------- Command line
 
 
 def check_config(cfg: AnalyzeConfig) -> None:

@@ -200,8 +200,7 @@ def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(weights, n, replacement=True, generator=generator)
 
 
-# ----------------------------------------------------------------------------------------------
-# One configuration: set-up, step function and FLOPs
+# ------------------------------------------------------------------- One configuration: set-up, step function and FLOPs
 
 
 def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int, gen: torch.Generator,
@@ -413,8 +412,7 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# ----------------------------------------------------------------------------------------------
-# The data pipeline
+# ---------------------------------------------------------------------------------------------- The data pipeline
 
 
 def bench_data() -> str:
@@ -451,8 +449,7 @@ def bench_data() -> str:
                               for name, rate, tokens_per_s in rows])
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading a checkpoint
+# ---------------------------------------------------------------------------------------------- Loading a checkpoint
 
 
 def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
@@ -538,8 +535,7 @@ def bench_resume() -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# The grid
+# ---------------------------------------------------------------------------------------------- The grid
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -680,8 +676,7 @@ def plot_bench(result: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Vocabulary sweep: CE's cost grows with V, CWT's does not (the paper's figure, 20k-200k)
+# ------------------------------ Vocabulary sweep: CE's cost grows with V, CWT's does not (the paper's figure, 20k-200k)
 
 
 def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
@@ -752,8 +747,7 @@ def plot_vocab_sweep(rows: list[dict], path: str) -> None:
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Negatives sweep: CWT's cost as the candidates it scores grow (k sampled, unique, all), CE beside it
+# ------------------ Negatives sweep: CWT's cost as the candidates it scores grow (k sampled, unique, all), CE beside it
 
 QUICK_NEGATIVES = dict(preset="tiny", vocab=[50304], step_tokens=[1024], block_size=128, repeats=3)
 
@@ -857,8 +851,7 @@ def negatives_table(rows: list[dict]) -> str:
 
 
 def plot_negatives_sweep(rows: list[dict], path: str) -> None:
-    """Two panels, time and memory per step against the negatives entry, a line per (kind, V, tokens); CE of
-    the same configuration as a dashed level."""
+    """Time and memory per step against the negatives entry, a line per (kind, V, tokens); CE as a dashed level."""
     plt = import_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = list(dict.fromkeys(r["label"] for r in rows if r["loss"] == "cwt"))
@@ -882,14 +875,12 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Several ranks (torchrun): tokens/s per rank and scaling efficiency
+# --------------------------------------------------- Several ranks (torchrun): tokens/s per rank and scaling efficiency
 
 
 def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype: torch.dtype,
                      parallel: bool) -> float:
-    """Median seconds of a full training step of the preset (step_tokens[0] tokens, vocab[0]); with
-    `parallel`, through DistributedDataParallel (gradients averaged over all ranks)."""
+    """Median seconds of a training step of the preset (step_tokens[0], vocab[0]); `parallel`: under DDP."""
     gen = torch.Generator().manual_seed(cfg.seed + rank())
     model, optimizer, seq = step_setup(cfg.preset, cfg.vocab[0], cfg.step_tokens[0], cfg.block_size, cfg.seed,
                                        gen, device)
@@ -932,9 +923,8 @@ def bench_ddp(cfg: BenchConfig) -> str:
     return "\n".join(lines + ["", note])
 
 
-# ----------------------------------------------------------------------------------------------
-# GPU check: `python bench.py --gpu_check` exercises every CUDA-only path in a few minutes; without CUDA (or with
-# --device=cpu) the same checks run on a small shape as a CPU dry run, which skips what only a GPU has
+# ---------- GPU check: `python bench.py --gpu_check` exercises every CUDA-only path in a few minutes; without CUDA
+# (or with --device=cpu) the same checks run on a small shape as a CPU dry run, which skips what only a GPU has
 
 
 @dataclass
@@ -998,8 +988,7 @@ def _check_model(shape: CheckShape, device: torch.device, **overrides):
 
 
 def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, loss: str = "cwt") -> str:
-    """Train on one fixed batch under autocast (fp16: with a GradScaler) and fused AdamW: the loss must be
-    finite and fall. Returns the loss, tokens/s and MFU (where the device's peak is known)."""
+    """Train on one fixed batch under autocast (fp16: a GradScaler), fused AdamW: the loss must be finite and fall."""
     model, x, y = _check_model(shape, device)
     optimizer = adamw(model, 1e-3, 0.1, (0.9, 0.95))
     require(optimizer.defaults["fused"], "AdamW is not fused")
@@ -1043,8 +1032,7 @@ def check_fused_adamw(device: torch.device, shape: CheckShape) -> str:
 
 
 def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.dtype) -> str:
-    """The model's causal attention runs on the flash kernel alone (forward and backward), and agrees with
-    the plain math kernel."""
+    """The model's causal attention on the flash kernel alone (forward and backward) agrees with the math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     model, x, _ = _check_model(shape, device)
     outputs = {}
@@ -1152,8 +1140,7 @@ def check_script(args: list[str], expect: str, timeout: float = 240) -> str:
 
 
 def python_with_backend(backend: str) -> list[str]:
-    """The command that runs a script (its path and flags follow) whose torch.compile uses `backend`: the plain
-    interpreter for inductor, torch's default; otherwise torch.compile with the backend filled in first."""
+    """The command that runs a script with torch.compile's backend `backend` (inductor: the plain interpreter)."""
     if backend == "inductor":
         return [sys.executable]
     setup = ["import functools", "import runpy", "import sys", "import torch",
@@ -1199,8 +1186,7 @@ def gpu_checks(device: torch.device, shape: CheckShape, step_shapes: list[CheckS
 
 
 def run_checks(checks: dict[str, Callable[[], str]]) -> list[tuple[str, str, str, float]]:
-    """(name, "ok" | "FAILED" | "skipped", detail or the reason's first line, seconds) for each check, all run
-    whatever fails."""
+    """(name, "ok" | "FAILED" | "skipped", detail or the reason's first line, seconds) of each check, all run."""
     rows = []
     for name, check in checks.items():
         start = time.perf_counter()
@@ -1251,8 +1237,7 @@ def checks_report(rows: list[tuple[str, str, str, float]], title: str, steps: st
 
 
 def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
-    """Every check on the first GPU; without CUDA (or with --device=cpu), a CPU dry run of the same checks on a
-    small shape, titled as such. Returns the report and whether no check failed."""
+    """Every check on the first GPU, else (no CUDA, --device=cpu) a CPU dry run; the report and whether none failed."""
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     presets = cfg.check_presets or CHECK_PRESETS["cuda" if device.type == "cuda" else "cpu"]
@@ -1262,8 +1247,7 @@ def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
         title = (f"GPU check: {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch "
                  f"{torch.__version__}, CUDA {torch.version.cuda}, torch.compile backend {cfg.check_backend}")
     else:
-        shape = DRY_RUN_SHAPE
-        step_shape = DRY_RUN_STEP_SHAPE
+        shape, step_shape = DRY_RUN_SHAPE, DRY_RUN_STEP_SHAPE
         threads = torch.get_num_threads()
         title = (f"CPU dry run of the GPU check (not a GPU result): CPU, {threads} thread{'s' * (threads > 1)}, "
                  f"torch {torch.__version__}, torch.compile backend {cfg.check_backend}")
@@ -1335,15 +1319,12 @@ def main(argv: list[str]) -> None:
         return
     if cfg.plot:
         import_pyplot(cfg.plot)
-    if cfg.negatives_sweep:
-        rows = run_negatives_sweep(cfg)
-        print(negatives_table(rows))
-        save_results(rows, cfg.json, cfg.plot, plot_negatives_sweep)
-        return
-    if cfg.vocab_sweep:
-        rows = run_vocab_sweep(cfg)
-        print(sweep_table(rows))
-        save_results(rows, cfg.json, cfg.plot, plot_vocab_sweep)
+    if cfg.negatives_sweep or cfg.vocab_sweep:
+        run, table, plot = ((run_negatives_sweep, negatives_table, plot_negatives_sweep) if cfg.negatives_sweep
+                            else (run_vocab_sweep, sweep_table, plot_vocab_sweep))
+        rows = run(cfg)
+        print(table(rows))
+        save_results(rows, cfg.json, cfg.plot, plot)
         return
     result = run_bench(cfg)
     print(markdown_table(result))

@@ -50,15 +50,7 @@ import doors
 from checkpoint import Checkpoint, State, checkpoint_model, load_checkpoint
 from cli import config_path, parse_flags, refuse_idle, within_ranges
 from common import Interrupted, UserError, format_metric, need_extra, note, run_main, through_door
-from data import (
-    BatchSampler,
-    ValSplit,
-    dataset_dir,
-    load_meta,
-    open_split,
-    open_val_split,
-    special_ids,
-)
+from data import BatchSampler, ValSplit, dataset_dir, load_meta, open_split, open_val_split, special_ids
 from ddp import barrier, init_distributed, is_main_process
 from devices import DeviceName, DtypeName, pick_device, pick_dtype
 from doors import MAXIMA
@@ -391,8 +383,7 @@ def plot_compare(result: dict, path: str) -> None:
                 {"FLOP budget": result["budget_flops"]})
 
 
-# ----------------------------------------------------------------------------------------------
-# --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
+# ------------------------------- --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
 
 # settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
 SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite", "negatives_sweep",
@@ -593,16 +584,14 @@ def plot_vocab_sweep(sweep: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# --negatives_sweep: how many negatives CWT needs, at a fixed batch (k sampled, unique, all) and by batch size
+# --------- --negatives_sweep: how many negatives CWT needs, at a fixed batch (k sampled, unique, all) and by batch size
 
 # settings a finished point may differ in: which points there are, and where the results go
 POINT_UNCHECKED = (*SWEEP_UNCHECKED, "seed", "batch_size", "quick")
 
 
 def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
-    """Every point of the series (negatives_series) once per seed, as the docstring above says (a point whose
-    result.json exists is skipped); one row per series and point."""
+    """Every point of the series (negatives_series) once per seed, the finished skipped; a row per series and point."""
     check_config(cfg)
     need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
     from bench import parse_variant
@@ -657,8 +646,7 @@ def point_dir(root: Path, batch: int, variant: str, seed: int) -> Path:
 
 
 def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, str, int]]) -> None:
-    """Before any work: runs of an unfinished point are continued (--resume) or started over (--overwrite)
-    only when asked."""
+    """Before any work: runs of an unfinished point are continued or started over only when asked."""
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
     held = [folder.name for folder in (point_dir(root, *p) for p in points) if not (folder / "result.json").exists()

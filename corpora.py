@@ -36,8 +36,7 @@ OWN_VAL = "with the source's own validation split (nothing is held out by hash; 
 
 
 def open_corpus(cfg: Any) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
-    """(description, (split, text, ends a document) items, number of documents if known) of cfg, a
-    sources.PrepareConfig."""
+    """(description, (split, text, ends a document) items, number of documents if known) of cfg."""
     if not cfg.dataset.strip():
         raise UserError("--dataset is empty; use shakespeare, a Hugging Face id or a local path")
     path = Path(cfg.dataset)

@@ -91,8 +91,7 @@ class EvalConfig:
 LAMBADA_BATCH = 16
 
 
-# ----------------------------------------------------------------------------------------------
-# LAMBADA: the harness's definition
+# ------------------------------------------------------------------------------------ LAMBADA: the harness's definition
 
 
 def split_context_target(text: str) -> tuple[str, str]:
@@ -183,8 +182,7 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
 
 
 def read_jsonl(path: str) -> list[str]:
-    """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format), read line by
-    line through its door (results.jsonl_rows: bounded, UTF-8 text, JSON)."""
+    """The `text` of each line of a LAMBADA .jsonl file (lambada_test.jsonl's format), through results.jsonl_rows."""
     if not Path(path).is_file():
         raise UserError(f"--data={path} not found; "
                         f"pass a .jsonl file with one {{\"text\": ...}} object per line")
@@ -221,8 +219,7 @@ def load_lambada(data: str | None) -> list[str]:
                         "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl)") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
+# ---------------------------------------------------------------------------------------------- Command line
 
 
 def run_lambada(cfg: EvalConfig, model, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> dict:

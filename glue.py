@@ -110,8 +110,7 @@ class GlueConfig(TuneSettings):
         "help": "a folder with train.jsonl and validation.jsonl (GLUE's columns); none: the hub"})
 
 
-# ----------------------------------------------------------------------------------------------
-# GLUE's metrics (plain numpy, so each can be checked by hand)
+# --------------------------------------------------------- GLUE's metrics (plain numpy, so each can be checked by hand)
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
@@ -161,8 +160,7 @@ def task_metrics(task: Task, split: str, pred: np.ndarray, gold: np.ndarray) -> 
     return {name + suffix: METRICS[name](pred, gold) for name in task.metrics}
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: rows with GLUE's columns -> token ids
+# -------------------------------------------------------------------------- Data: rows with GLUE's columns -> token ids
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -244,8 +242,7 @@ def padded_batch(examples: list[list[int]], rows: np.ndarray, pad: int,
     return ids.to(device), mask.to(device)
 
 
-# ----------------------------------------------------------------------------------------------
-# Model: the encoder plus a small head on its mean-pooled states
+# ------------------------------------------------------- Model: the encoder plus a small head on its mean-pooled states
 
 
 def add_classifier(model: GPT, num_labels: int, dropout: float) -> None:
@@ -295,8 +292,7 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Fine-tuning
+# ---------------------------------------------------------------------------------------------- Fine-tuning
 
 
 def check_config(cfg: GlueConfig) -> None:

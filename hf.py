@@ -52,8 +52,7 @@ MAX_SIZE = 1 << 48  # any other size in config.json (checked against the weights
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have (as doors.WEIGHT_DTYPES)
 
 
-# ----------------------------------------------------------------------------------------------
-# Files from outside, through their doors (doors.py): every problem is one line naming the file
+# ------------------------ Files from outside, through their doors (doors.py): every problem is one line naming the file
 
 
 def json_file(path: Path, limit: int, what: str) -> Any:
@@ -66,8 +65,7 @@ def _short(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizers
+# ---------------------------------------------------------------------------------------------- Tokenizers
 
 # Names of the end-of-text token in Hugging Face tokenizers (GPT-2 / GPT-NeoX first).
 _EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # [SEP]: WordPiece (BERT)
@@ -177,8 +175,7 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
     return HFTokenizer(name, Tokenizer.from_str(text))  # the door read it as one, within its bound
 
 
-# ----------------------------------------------------------------------------------------------
-# Configs
+# ---------------------------------------------------------------------------------------------- Configs
 
 
 def config_from_hf(hf: Any, source: str) -> GPTConfig:
@@ -283,8 +280,7 @@ def hf_config(c: GPTConfig, eot_token: int) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Weights
+# ---------------------------------------------------------------------------------------------- Weights
 
 
 def _per_kind(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -400,8 +396,7 @@ _LAYER = re.compile(r"gpt_neox\.layers\.(\d{1,9})\.")
 
 
 def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, source: str) -> None:
-    """config.json against the weight files' shapes, before any model is built: sizes no weight backs
-    (num_hidden_layers: 1000000) are refused here rather than allocated."""
+    """config.json against the weights' shapes, before any model is built: a size no weight backs is refused."""
     def shape(name: str) -> str:
         return f"{name} of shape {brief(list(shapes[name][0]), 80)} in {shapes[name][1].name}"
 
@@ -436,8 +431,7 @@ def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, 
     return state
 
 
-# ----------------------------------------------------------------------------------------------
-# Import
+# ---------------------------------------------------------------------------------------------- Import
 
 
 def _download(repo_id: str) -> Path:
@@ -478,8 +472,7 @@ def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
 
 
 def load_hf(source: str) -> tuple[GPT, str | None]:
-    """A GPT (fp32, eval mode) from a Hugging Face GPT-NeoX folder or hub id, and the name of its
-    tokenizer for load_tokenizer / data_meta (None when the folder has no tokenizer.json)."""
+    """A GPT (fp32, eval mode) from a GPT-NeoX folder or hub id, and its tokenizer's name (None: no tokenizer.json)."""
     source = source.removeprefix("hf:")
     folder = Path(source)
     hub = not folder.exists() and _looks_like_hub_id(source)
@@ -517,8 +510,7 @@ def hf_checkpoint(source: str) -> Checkpoint:
                       train_config={"preset": preset} if preset else {})
 
 
-# ----------------------------------------------------------------------------------------------
-# Export
+# ---------------------------------------------------------------------------------------------- Export
 
 
 def _gpt2_merges() -> list[str]:

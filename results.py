@@ -121,8 +121,7 @@ Curves = dict[str, list[tuple[float, float]]]  # metric: its (x, value) points
 
 
 def log_curves(records: list[dict], x: Callable[[dict], float] = lambda r: r["tokens"]) -> Curves:
-    """A run's log records (doors.run_log) as curves: its training loss and each validation metric against
-    x (by default the tokens seen); a null (a value that was not finite) is left out."""
+    """A run's log records (doors.run_log) as curves of its loss and validation metrics against x; nulls left out."""
     curves: Curves = {}
     for r in records:
         for key, value in r.items():

@@ -162,8 +162,7 @@ def write_error(e: BaseException, path: Path, what: str, failed: OSError | None 
 
 
 def remove_stale_temps(folder: str | Path) -> None:
-    """Delete our temp files and folders whose writer is dead (a kill -9 mid-save), and nobody else's files;
-    a link is removed, never followed."""
+    """Delete our temp files and folders whose writer is dead (a kill -9 mid-save), nobody else's; links unfollowed."""
     for tmp in Path(folder).glob(f".*{TEMP_MARK}*.tmp"):
         pid = tmp.name.rsplit(TEMP_MARK, 1)[1].removesuffix(".tmp").split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():

@@ -80,8 +80,7 @@ def all_entries(out_dir: Path) -> set[str]:
 
 
 def recorded(out_dir: Path) -> list[str]:
-    """The names tracking recorded creating in out_dir (WRITTEN, through its door): each one name in tb/ or
-    wandb/ (no link followed, nothing outside them)."""
+    """The names tracking recorded creating in out_dir (WRITTEN), each in tb/ or wandb/, no link followed."""
     path = out_dir / WRITTEN
     if not os.path.lexists(path):
         return []
@@ -108,8 +107,7 @@ def record(out_dir: Path, names: set[str]) -> None:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """A log.jsonl record's numbers by tag: val/KEY in a validation record, train/KEY otherwise; not the step,
-    which is the x-axis, and not a null (a value that was not finite)."""
+    """A log.jsonl record's numbers by tag, val/KEY or train/KEY; not the step (the x-axis), nor a null (not finite)."""
     group = "val" if any(key.startswith("val_") for key in record) else "train"
     return {f"{group}/{key}": float(value) for key, value in record.items()
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -72,8 +72,7 @@ class XnliConfig(glue.TuneSettings):
         "range": (1, 1 << 40), "help": "only the first N test examples per language (quick runs; not comparable)"})
 
 
-# ----------------------------------------------------------------------------------------------
-# The score
+# ---------------------------------------------------------------------------------------------- The score
 
 
 def xnli_scores(pred_by_lang: dict[str, np.ndarray],
@@ -91,8 +90,7 @@ def xnli_scores(pred_by_lang: dict[str, np.ndarray],
     return accuracy, float(np.mean(list(accuracy.values())))
 
 
-# ----------------------------------------------------------------------------------------------
-# Languages and data
+# ---------------------------------------------------------------------------------------------- Languages and data
 
 
 def known_languages(cfg: XnliConfig) -> list[str]:
@@ -129,8 +127,7 @@ def plan_languages(cfg: XnliConfig, known: list[str]) -> list[tuple[str, list[st
 
 
 def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
-    """(position, row) of each non-blank line of a .jsonl file (read line by line through its door,
-    results.jsonl_rows); the position names the file and line."""
+    """(position: the file and line, row) of each non-blank line of a .jsonl file, through results.jsonl_rows."""
     if not path.is_file():
         raise UserError(f"{path} not found; {DATA_HINT}")
     for number, row in jsonl_rows(path, "XNLI file", "save the file as UTF-8 JSON lines"):
@@ -184,8 +181,7 @@ def load_split(cfg: XnliConfig, lang: str, split: str, limit: int | None) -> tup
     return rows, np.array([row["label"] for row in rows], dtype=np.int64)
 
 
-# ----------------------------------------------------------------------------------------------
-# Fine-tuning and scoring
+# ---------------------------------------------------------------------------------------------- Fine-tuning and scoring
 
 
 def check_config(cfg: XnliConfig) -> None:
@@ -195,8 +191,7 @@ def check_config(cfg: XnliConfig) -> None:
 
 def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,
               pad: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
-    """A fresh copy of the checkpoint with a new head, fine-tuned on one language; and its mean training
-    loss per epoch."""
+    """A fresh copy of the checkpoint with a new head, fine-tuned on one language; its mean training loss per epoch."""
     model = glue.load_encoder(cfg, ckpt, NLI, device)  # reads cfg.ckpt, cfg.dropout, cfg.seed
     losses = []
     for epoch, loss in glue.train_epochs(model, cfg, examples, labels, pad, device, dtype, f"xnli {lang}"):
