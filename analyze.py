@@ -191,9 +191,8 @@ def mean_or_none(values: torch.Tensor) -> float | None:
 
 def frequency_bins(counts: np.ndarray, row_norms: torch.Tensor, drift: torch.Tensor | None, targets: torch.Tensor,
                    row_ce: torch.Tensor) -> list[dict]:
-    """The tokens (every id of `counts`) grouped by their training count: unseen, then decades. Each bin: its count
-    range, how many tokens, the mean of their row norms and drift, and the mean CE of the validation positions whose
-    target is in the bin."""
+    """The tokens grouped by their training count (`counts`): unseen, then decades; per bin its count range, how many
+    tokens, the mean of their row norms and drift, and the mean CE of the validation positions whose target is in it."""
     counts_t = torch.from_numpy(counts)
     edges = count_edges(int(counts.max(initial=0)))
     ranges = [(0, 0)] + [(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]

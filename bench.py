@@ -302,9 +302,8 @@ def chunked_as(module):
 
 
 def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
-    """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
-    bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
-    of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
+    """make_case for kind "val": a train.evaluate pass as a decoder's run makes it (cwt: also its loss and accuracy)
+    over tokens // block sequences of a fresh model, in one batch; -chunkN: N rows at a time."""
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -898,9 +897,8 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
 
 
 def bench_ddp(cfg: BenchConfig) -> str:
-    """Rank 0 times a training step alone (the others wait), then every rank times it under DDP. Scaling
-    efficiency = DDP tokens/s per rank / tokens/s of one rank alone (1.0: perfect linear scaling). On CPU
-    the ranks share the cores, so the figures only show that the path works."""
+    """Rank 0 times a training step alone (the others wait), then every rank under DDP; scaling efficiency: DDP
+    tokens/s per rank / one rank's alone (1.0: linear). On CPU the ranks share the cores: it shows the path works."""
     device = init_distributed(pick_device(cfg.device))
     dtype = pick_dtype(cfg.dtype, device)
     tokens, n = cfg.step_tokens[0], world_size()

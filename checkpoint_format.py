@@ -140,8 +140,7 @@ def checkpoint_file(path: str | Path, whole: bool = True) -> dict:
 
 def convert_command(path: str | Path) -> str:
     """The command that converts a checkpoint from before safetensors or of an earlier layout (convert.py) into one
-    beside it, to paste in a shell from any folder: this interpreter, the script and both files by their full paths,
-    each quoted."""
+    beside it, to paste in a shell anywhere: this interpreter, the script and both files by full path, quoted."""
     old = Path(os.path.abspath(path))
     new = old.with_suffix(".safetensors")
     new = new if new != old else old.with_name(f"{old.stem}-converted.safetensors")

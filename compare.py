@@ -183,8 +183,7 @@ def declared_io(cfg: CompareConfig, argv: list[str]) -> None:
 
 
 def check_out_dir(cfg: CompareConfig) -> None:
-    """Before any work: an out_dir holding an earlier compare.py's runs is continued (--resume) or started
-    over (--overwrite) only when asked, never replaced by default."""
+    """Before any work: an out_dir holding an earlier compare.py's runs is continued or started over only when asked."""
     root = Path(cfg.out_dir)
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
@@ -203,10 +202,9 @@ def run_state(folder: Path) -> tuple[Checkpoint | None, list[dict] | None]:
 
 
 def finished_run(run_cfg: TrainConfig) -> dict | None:
-    """With --resume: the summary of a run in its folder that reached its planned steps (read from its
-    checkpoint: it is skipped), else None (train.py's --resume continues it, or it starts). A run of other
-    settings is another experiment: refused; a finished run whose log does not end with its last validation
-    (missing, cut short) is refused too: its curve would be wrong."""
+    """With --resume: the summary of a run in its folder that reached its planned steps (from its checkpoint: it is
+    skipped), else None (train.py's --resume continues it, or it starts). A run of other settings is refused, as is a
+    finished run whose log does not end with its last validation: its curve would be wrong."""
     path = Path(run_cfg.out_dir) / "ckpt.safetensors"
     ckpt, records = run_state(path.parent)
     if ckpt is None:
@@ -245,8 +243,7 @@ def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_toke
 
 
 def run_once(name: str, run_cfg: TrainConfig, cfg: CompareConfig, start_over: bool = False) -> dict:
-    """One run in its folder: with --resume, continued from its checkpoint (train.py's --resume=auto: a
-    folder without one starts); with --overwrite or `start_over`, started over; else a fresh folder."""
+    """One run in its folder: continued with --resume (--resume=auto), started over with --overwrite or `start_over`."""
     resume = "auto" if cfg.resume and not start_over else False
     run_cfg = dataclasses.replace(run_cfg, resume=resume, overwrite=cfg.overwrite or start_over)
     summary = finetune(run_cfg) if isinstance(run_cfg, FinetuneConfig) else train(run_cfg)
@@ -391,9 +388,8 @@ SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrit
 
 
 def run_vocab_sweep(cfg: CompareConfig) -> dict:
-    """run_compare on the source tokenised with a BPE of each size, in out_dir/bpeN; then every model scored on
-    the whole validation split (val_ce, val_bpb). A size whose result.json (written atomically once the size is
-    done) exists is skipped, if it was made with the same settings."""
+    """run_compare in out_dir/bpeN on the source tokenised with a BPE of each size, every model then scored on the
+    whole validation split; a size whose result.json exists is skipped if made with the same settings."""
     from bpe import parse_bpe_name
     sizes = sorted(set(cfg.vocab_sizes))
     for n in sizes:
@@ -504,9 +500,8 @@ class SizeResult:
 
 
 def finished_size(path: Path, settings: dict, what: str = "size", expected: dict | None = None) -> dict:
-    """A size's (or another sweep's point's) result.json from an earlier run, through its door
-    (doors.results_file: every field as SizeResult or PointResult declares it, and `expected`, what the point or
-    size is); refused when made with other settings."""
+    """A size's (or a point's) result.json from an earlier run, through its door (doors.results_file: as SizeResult
+    or PointResult declares it, and `expected`, what it is); refused when made with other settings."""
     result = through_door(doors.results_file, path, what, PointResult if what == "point" else SizeResult,
                           expected or {})
     runs = [["ce"], ["cwt", "cwt-ft"]] if what == "point" else [list(RUNS)]
@@ -536,9 +531,8 @@ def vocab_dataset(cfg: CompareConfig, n: int) -> Path:
 
 
 def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
-    """val_ce and val_bpb of a checkpoint over every whole block of the validation split (the last partial
-    block aside), in batches of about 4096 tokens (which do not change the figures); the tokens and UTF-8
-    bytes scored, and the checkpoint's step."""
+    """val_ce and val_bpb of a checkpoint over every whole block of the validation split, in batches of about 4096
+    tokens (which do not change the figures); the tokens and UTF-8 bytes scored, and its step."""
     device = init_distributed(pick_device(run_cfg["device"]))
     ckpt = load_checkpoint(ckpt_path, TrainConfig)
     model = checkpoint_model(ckpt, ckpt_path).to(device)

@@ -193,10 +193,9 @@ def shown_number(x: float) -> str:
 
 
 def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, ends: str = "[]") -> str | None:
-    """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes
-    whole numbers too; int never takes a bool), a list of the values allowed, or a field's type hint (int | None,
-    a Literal, list[int], bool | Literal["auto"]). Numbers: within low..high, `ends` saying whether each end is
-    included (NaN never is)."""
+    """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes whole
+    numbers too; int never a bool), a list of the values allowed, or a type hint (int | None, a Literal, list[int],
+    bool | Literal["auto"]). Numbers: within low..high, `ends` saying whether each end is included (NaN never is)."""
     if typing.get_origin(kinds) is list:
         if not isinstance(value, list):
             return f"is {brief(value)}, not a list"

@@ -343,9 +343,8 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The model's weight files: model.safetensors, or the shards model.safetensors.index.json maps tensors to (each
-    a .safetensors file of this folder). A folder of pytorch_model.bin alone (a pickle) is refused, naming the one
-    command that converts it (transformers' own loader, which reads it with torch.load(weights_only=True))."""
+    """The weight files: model.safetensors, or the shards model.safetensors.index.json maps tensors to; a folder of
+    pytorch_model.bin alone (a pickle) is refused, naming the command that converts it (transformers')."""
     index = folder / "model.safetensors.index.json"
     if os.path.lexists(index):
         table = json_file(index, doors.MAX_TEXT_BYTES, "model.safetensors.index.json")
@@ -494,9 +493,8 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
 
 
 def hf_checkpoint(source: str) -> Checkpoint:
-    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), taken by every script
-    where it takes a checkpoint (--init_from=hf:..., --ckpt=hf:...); with the preset of its shape, if any (the context
-    length aside, which a run may shorten)."""
+    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), taken where a checkpoint
+    is (--init_from=hf:..., --ckpt=hf:...); with the preset of its shape, if any (the context length aside)."""
     model, tokenizer = load_hf(source)
     c = model.config
     preset = next((name for name, shape in PRESETS.items()
