@@ -13,8 +13,7 @@ distance from the initial weights (rebuilt from the seed and shape the checkpoin
 cross-entropy of the positions whose target is in the bin (and the same bins by the split's counts); the nearest
 neighbours in E of --words. An encoder is measured with masking off: hidden states of the plain text, and the
 cross-entropy of each position's own token. What each measure means, why the paper's
-argument predicts a difference, and a study: docs/analysis.md.
-"""
+argument predicts a difference, and a study: docs/analysis.md."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -35,14 +34,7 @@ from tqdm import tqdm
 from checkpoint import Checkpoint, Init, State, checkpoint_model
 from cli import config_path, parse_flags, within_ranges
 from common import UserError, format_metric, note, run_main
-from data import (
-    BatchSampler,
-    load_meta,
-    open_split,
-    recorded_dataset,
-    same_tokenizer,
-    sequential_batches,
-)
+from data import BatchSampler, load_meta, open_split, recorded_dataset, same_tokenizer, sequential_batches
 from devices import DeviceName, pick_device
 from io_checks import declare_io
 from load import load_source
@@ -74,8 +66,7 @@ COUNT_CHUNK = 1 << 22  # tokens counted at a time: bounded memory on any trainin
 LOGIT_ROWS = 512  # positions scored against the vocabulary at a time
 
 
-# ----------------------------------------------------------------------------------------------
-# The measures: plain functions of matrices (float64), each tested against a reference
+# --------------------------------- The measures: plain functions of matrices (float64), each tested against a reference
 
 
 def unit_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -200,9 +191,8 @@ def mean_or_none(values: torch.Tensor) -> float | None:
 
 def frequency_bins(counts: np.ndarray, row_norms: torch.Tensor, drift: torch.Tensor | None, targets: torch.Tensor,
                    row_ce: torch.Tensor) -> list[dict]:
-    """The tokens (every id of `counts`) grouped by their training count: unseen, then decades. Each bin: its count
-    range, how many tokens, the mean of their row norms and drift (None without an initialisation), and the mean
-    cross-entropy of the validation positions whose target is in the bin (`targets`, `row_ce`)."""
+    """The tokens grouped by their training count (`counts`): unseen, then decades; per bin its count range, how many
+    tokens, the mean of their row norms and drift, and the mean CE of the validation positions whose target is in it."""
     counts_t = torch.from_numpy(counts)
     edges = count_edges(int(counts.max(initial=0)))
     ranges = [(0, 0)] + [(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]
@@ -233,8 +223,7 @@ def initial_model(init: Init) -> GPT:
         return GPT(init.model_config)
 
 
-# ----------------------------------------------------------------------------------------------
-# One checkpoint, on its own dataset
+# ----------------------------------------------------------------------------------- One checkpoint, on its own dataset
 
 
 @dataclass
@@ -365,8 +354,7 @@ def word_token(tokenizer: Any, word: str) -> int | None:
 
 def neighbours_of(words: list[str], ckpt: Checkpoint, table: torch.Tensor,
                   counts: np.ndarray) -> dict[str, list | None]:
-    """Each word's nearest neighbours (decoded) among the tokens seen in training; None for a word that is not one
-    token of this checkpoint's tokenizer, or one never seen in training."""
+    """Each word's nearest neighbours (decoded) among the tokens seen in training; None: not one seen token."""
     tokenizer = dataset_tokenizer(ckpt)
     seen = torch.from_numpy(np.flatnonzero(counts))
     found = {}
@@ -377,8 +365,7 @@ def neighbours_of(words: list[str], ckpt: Checkpoint, table: torch.Tensor,
     return found
 
 
-# ----------------------------------------------------------------------------------------------
-# The table and the plot
+# ---------------------------------------------------------------------------------------------- The table and the plot
 
 
 MEASURES = [("loss", "training loss"), ("step", "step"), ("tokens", "tokens"), ("val_ce", "val CE (its positions)"),
@@ -468,8 +455,7 @@ def shown(token: str) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """One line per checkpoint: singular-value spectra of E (seen tokens) and of the hidden states; E's row norm,
-    drift and the validation CE by training-count bin."""
+    """A line per checkpoint: spectra of E (seen tokens) and of the hidden states; E's norm, drift, CE by count bin."""
     plt = import_pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     names = column_names(rows)
@@ -504,7 +490,6 @@ def plot(rows: list[dict], path: str) -> None:
         f"{n}: {cell(r['embedding_anisotropy'])}, {cell(r['embedding_anisotropy_all'])}, {cell(r['hidden_anisotropy'])}"
         for n, r in zip(names, rows)), transform=summary.transAxes, va="top", fontsize=8, family="monospace")
     fig.suptitle("What each objective learns (analyze.py)")
-    fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 
@@ -521,8 +506,7 @@ def line_styles(rows: list[dict]) -> list[dict]:
     return styles
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
+# ---------------------------------------------------------------------------------------------- Command line
 
 
 def check_config(cfg: AnalyzeConfig) -> None:

@@ -43,8 +43,7 @@ mmap: what the door of a torch.save checkpoint called after its checks), interle
 --mode=resume: a tiny run of 8 steps on the built-in data beside the same run stopped after 4 and resumed, at
 1 and 2 CPU threads: the largest difference of the logged losses, the weights and the optimizer state.
 --chunked_ref=PATH: loss rows also time each -chunkN variant with the chunked.py at PATH ('<variant>@ref'),
-interleaved with this one's: side-by-side figures for a change to the memory-flat losses.
-"""
+interleaved with this one's: side-by-side figures for a change to the memory-flat losses."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -72,10 +71,14 @@ from typing import Literal
 import numpy as np
 import torch
 
+import checkpoint
+import checkpoint_format
 import data
+import doors
 import prepare
 import sources
 import tokenizer
+import train
 from cli import config_path, parse_flags, refuse_idle, within_ranges
 from common import UserError, first_line, run_main
 from ddp import all_reduce_sum, barrier, init_distributed, is_main_process, rank, world_size
@@ -86,7 +89,7 @@ from loss import LossConfig, scored_columns, training_loss
 from masking import NOT_MASKED, MaskSpec, mask_tokens, masked_rows, scored_rows
 from model import PRESETS, PresetName, adamw, build_model
 from results import import_pyplot, save_figure, save_results
-from train import Objective, TrainConfig, objective_loss, optimizer_step
+from train import Objective, TrainConfig, Validation, evaluate, objective_loss, optimizer_step
 
 MEMORY_NOTE = {"cuda": "peak allocated during one step (after a warm-up step) minus the memory allocated "
                        "before it",
@@ -197,8 +200,7 @@ def zipf_tokens(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(weights, n, replacement=True, generator=generator)
 
 
-# ----------------------------------------------------------------------------------------------
-# One configuration: set-up, step function and FLOPs
+# ------------------------------------------------------------------- One configuration: set-up, step function and FLOPs
 
 
 def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int, gen: torch.Generator,
@@ -215,10 +217,7 @@ def step_setup(preset: str, vocab: int, tokens: int, block_size: int, seed: int,
 
 
 def make_case(spec: dict, device: torch.device, dtype: torch.dtype):
-    """Build the inputs for one configuration; returns ({variant: step_fn}, {variant: flops}, extra).
-
-    spec: kind ("loss" | "step" | "mlm"), preset, vocab, tokens, block_size, variants, seed.
-    """
+    """({variant: step_fn}, {variant: flops}, extra) of the configuration `spec` (kind, preset, vocab, tokens, ...)."""
     gen = torch.Generator().manual_seed(spec["seed"])
     vocab, tokens, variants = spec["vocab"], spec["tokens"], spec["variants"]
     loss_rng = torch.Generator()
@@ -303,11 +302,8 @@ def chunked_as(module):
 
 
 def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
-    """make_case for kind "val": one validation pass of train.evaluate, as a decoder's run does it (val_ce and
-    bits per byte; for cwt also the contrastive loss and accuracy against E), over tokens // block sequences
-    of a fresh model of the preset, in one batch; a -chunkN variant scores N rows at a time."""
-    from data import ValSplit
-    from train import Validation, evaluate
+    """make_case for kind "val": a train.evaluate pass as a decoder's run makes it (cwt: also its loss and accuracy)
+    over tokens // block sequences of a fresh model, in one batch; -chunkN: N rows at a time."""
     vocab, tokens = spec["vocab"], spec["tokens"]
     block = min(spec["block_size"], tokens)
     if tokens % block:
@@ -321,7 +317,7 @@ def val_case(spec: dict, device: torch.device, dtype: torch.dtype, gen: torch.Ge
         objective = Objective(model, loss_config(variant))
 
         def step():
-            evaluate(objective, ValSplit(val, byte_counts, [vocab - 1]),
+            evaluate(objective, data.ValSplit(val, byte_counts, [vocab - 1]),
                      Validation(batch_size=tokens // block, block_size=block, device=device, dtype=dtype,
                                 max_batches=1))
         return step
@@ -415,8 +411,7 @@ def measure_memory(spec: dict, device: torch.device) -> dict[str, int | None]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# ----------------------------------------------------------------------------------------------
-# The data pipeline
+# ---------------------------------------------------------------------------------------------- The data pipeline
 
 
 def bench_data() -> str:
@@ -453,8 +448,7 @@ def bench_data() -> str:
                               for name, rate, tokens_per_s in rows])
 
 
-# ----------------------------------------------------------------------------------------------
-# Loading a checkpoint
+# ---------------------------------------------------------------------------------------------- Loading a checkpoint
 
 
 def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
@@ -466,18 +460,14 @@ def checkpoint_payload(preset: str, vocab: int = 50304) -> dict:
     logits = model(x[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
     optimizer_step(optimizer, model.parameters())
-    from checkpoint import Checkpoint, Rng, State
-    return Checkpoint(model=model.state_dict(), model_config=model.config, optimizer=optimizer.state_dict(),
+    return checkpoint.Checkpoint(model=model.state_dict(), model_config=model.config, optimizer=optimizer.state_dict(),
                       train_config=dataclasses.asdict(TrainConfig(preset=preset, block_size=64, lr=1e-4)),
-                      state=State(step=1, micro_batches=1, tokens=16, flops=1.0, loss=10.0),
-                      rng=Rng(torch=torch.get_rng_state()))
+                      state=checkpoint.State(step=1, micro_batches=1, tokens=16, flops=1.0, loss=10.0),
+                      rng=checkpoint.Rng(torch=torch.get_rng_state()))
 
 
 def bench_checkpoint(cfg: BenchConfig) -> str:
     """Seconds to load one checkpoint of the preset, ours beside plain torch.load (--mode=checkpoint)."""
-    import checkpoint
-    import checkpoint_format
-    import doors
     payload = checkpoint_payload(cfg.preset)
     with tempfile.TemporaryDirectory() as tmp:
         ours, pt = Path(tmp) / "ckpt.safetensors", Path(tmp) / "ckpt.pt"
@@ -513,23 +503,19 @@ def bench_checkpoint(cfg: BenchConfig) -> str:
 
 def bench_resume() -> str:
     """--mode=resume: how far a run stopped and resumed lies from the straight run, at 1 and 2 CPU threads."""
-    import checkpoint
-    import doors
-    import train
-    from prepare import ensure_dataset
     lines = ["tiny preset, 8 steps (4, then --resume), seed 1337, constant lr, CPU, float32", "",
              "| threads | resumed vs straight: losses | weights | optimizer state | straight vs again: weights |",
              "|---|---|---|---|---|"]
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = ensure_dataset("shakespeare", str(Path(tmp) / "data"))
+        folder = prepare.ensure_dataset("shakespeare", str(Path(tmp) / "data"))
         for n in (1, 2):
             torch.set_num_threads(n)
             runs = {}
             for name, stops in (("straight", (8,)), ("again", (8,)), ("resumed", (4, 8))):
                 out = Path(tmp) / f"{name}{n}"
                 for i, stop in enumerate(stops):
-                    train.train(train.TrainConfig(dataset=str(folder), preset="tiny", block_size=64, batch_size=4,
+                    train.train(TrainConfig(dataset=str(folder), preset="tiny", block_size=64, batch_size=4,
                                                   max_iters=stop, eval_interval=4, eval_batches=2, log_interval=1,
                                                   lr_schedule="constant", device="cpu", dtype="float32",
                                                   compile=False, out_dir=str(out), resume=i > 0))
@@ -548,15 +534,12 @@ def bench_resume() -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# The grid
+# ---------------------------------------------------------------------------------------------- The grid
 
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Measure every configuration of the grid; returns {"meta": ..., "rows": [...]}."""
     check_config(cfg)
-    for v in cfg.variants + cfg.step_variants:
-        parse_variant(v)
     warn_if_every_negative(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -689,18 +672,15 @@ def plot_bench(result: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(result["meta"]["device_name"], fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Vocabulary sweep: CE's cost grows with V, CWT's does not (the paper's figure, 20k-200k)
+# ------------------------------ Vocabulary sweep: CE's cost grows with V, CWT's does not (the paper's figure, 20k-200k)
 
 
 def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
-    """CE and CWT (cfg.step_variants) at each size of cfg.vocab_sweep: loss-layer and full-step rows over the
-    same --step_tokens, body and dtype, timed interleaved per size as run_bench does; returns one flat row per
-    (kind, loss, V, tokens), with ratios to the same row at the smallest V and to CE at the same V."""
+    """run_bench's rows of cfg.step_variants at each V of cfg.vocab_sweep, one flat row per (kind, loss, V, tokens),
+    with ratios to the same row at the smallest V and to CE at the same V."""
     if cfg.mode not in ("both", "loss", "step"):
         raise UserError(f"--vocab_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or step)")
     sizes, rows = sorted(set(cfg.vocab_sweep)), []
@@ -711,10 +691,7 @@ def run_vocab_sweep(cfg: BenchConfig) -> list[dict]:
         if meta["skipped"]:
             print(f"skipped (tokens x V above --max_logits={cfg.max_logits}; raise it to measure them): "
                   + ", ".join(meta["skipped"]), file=sys.stderr)
-        rows += [dict(kind=kind, loss=r["variant"], vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"],
-                      step_ms=1e3 * r["time_s"], best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
-                      peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
-                      device=meta["device_name"], dtype=meta["dtype"]) for r in result["rows"]]
+        rows += [sweep_row(r, meta, loss=r["variant"]) for r in result["rows"]]
     for r in rows:
         same = [b for b in rows if (b["kind"], b["loss"], b["tokens"]) == (r["kind"], r["loss"], r["tokens"])]
         smallest = min(same, key=lambda b: b["vocab_size"])
@@ -766,20 +743,17 @@ def plot_vocab_sweep(rows: list[dict], path: str) -> None:
     if rows:
         fig.suptitle(f"CE vs CWT across vocabulary sizes: {rows[0]['preset']}, {rows[0]['tokens']} tokens per step, "
                      f"{rows[0]['device']}, {rows[0]['dtype']}", fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Negatives sweep: CWT's cost as the candidates it scores grow (k sampled, unique, all), CE beside it
+# ------------------ Negatives sweep: CWT's cost as the candidates it scores grow (k sampled, unique, all), CE beside it
 
 QUICK_NEGATIVES = dict(preset="tiny", vocab=[50304], step_tokens=[1024], block_size=128, repeats=3)
 
 
 def negatives_variants(entries: list[str], candidates: int, flag: str = "--negatives_sweep") -> list[str]:
-    """Sweep entries (a number k of sampled negatives, unique, all) as variants (cwt-kN, cwt-unique, cwt):
-    k ascending, then unique, then all. Refused in one line: an empty list, an entry that is none of these or
-    is repeated, k = 0, a k not below the `candidates` of a micro-batch (it would score them all, as `all`)."""
+    """Sweep entries (k sampled negatives, unique, all) as variants (cwt-kN, cwt-unique, cwt) in that order, k
+    ascending; a k not below the `candidates` of a micro-batch is refused: it would score them all, as `all`."""
     entries = [e.strip() for e in entries]
     if not entries or "" in entries:
         raise UserError(f"{flag} needs values: numbers k of sampled negatives, unique, all (e.g. {flag}=64,256,"
@@ -809,10 +783,8 @@ def negatives_label(variant: str) -> str:
 
 
 def run_negatives_sweep(cfg: BenchConfig) -> list[dict]:
-    """Loss-layer and full-step rows of CWT with each negatives entry of cfg.negatives_sweep, and CE beside them
-    (unless its logits exceed --max_logits), at each V of --vocab and each --step_tokens, the variants of one
-    configuration timed interleaved as run_bench does. One flat row each, with ratios to `all` (the paper's
-    in-batch negatives) and to CE of the same kind, V and tokens."""
+    """run_bench's rows of CWT with each entry of cfg.negatives_sweep and CE beside them (within --max_logits), one
+    flat row each, with ratios to `all` (the paper's in-batch negatives) and to CE of the same kind, V and tokens."""
     if cfg.mode not in ("both", "loss", "step"):
         raise UserError(f"--negatives_sweep measures loss and step rows; drop --mode={cfg.mode} (or use loss or "
                         "step)")
@@ -842,13 +814,16 @@ def run_negatives_sweep(cfg: BenchConfig) -> list[dict]:
 
 
 def negatives_row(r: dict, meta: dict) -> dict:
-    """A run_bench row as a sweep row: kind, label (CE, k=N, unique, all), loss, negatives and num_negatives
-    (train.py's flags; none for CE), vocab_size, tokens, step_ms, peak_mib, ..."""
+    """A sweep_row named by label (CE, k=N, unique, all) and train.py's flags (negatives: none for CE)."""
     kw = parse_variant(r["variant"])
-    return dict(kind=r["kind"], label=negatives_label(r["variant"]), variant=r["variant"], loss=kw["loss"],
-                negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"],
-                vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"], step_ms=1e3 * r["time_s"],
-                best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
+    return sweep_row(r, meta, label=negatives_label(r["variant"]), variant=r["variant"], loss=kw["loss"],
+                     negatives=None if kw["loss"] == "ce" else kw["negatives"], num_negatives=kw["num_negatives"])
+
+
+def sweep_row(r: dict, meta: dict, **names) -> dict:
+    """A run_bench row as a sweep's flat row: kind, `names` (the variant's), vocab_size, tokens, step_ms, ..."""
+    return dict(kind=r["kind"], **names, vocab_size=r["vocab"], tokens=r["tokens"], preset=r["preset"],
+                step_ms=1e3 * r["time_s"], best_ms=1e3 * r["best_s"], tokens_per_s=r["tokens_per_s"],
                 peak_mib=None if r["memory_bytes"] is None else r["memory_bytes"] / 2**20, flops=r["flops"],
                 device=meta["device_name"], dtype=meta["dtype"])
 
@@ -875,8 +850,7 @@ def negatives_table(rows: list[dict]) -> str:
 
 
 def plot_negatives_sweep(rows: list[dict], path: str) -> None:
-    """Two panels, time and memory per step against the negatives entry, a line per (kind, V, tokens); CE of
-    the same configuration as a dashed level."""
+    """Time and memory per step against the negatives entry, a line per (kind, V, tokens); CE as a dashed level."""
     plt = import_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = list(dict.fromkeys(r["label"] for r in rows if r["loss"] == "cwt"))
@@ -897,18 +871,15 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
     if rows:
         fig.suptitle(f"CWT's cost as its negatives grow: {rows[0]['preset']}, {rows[0]['device']}, {rows[0]['dtype']}",
                      fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Several ranks (torchrun): tokens/s per rank and scaling efficiency
+# --------------------------------------------------- Several ranks (torchrun): tokens/s per rank and scaling efficiency
 
 
 def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype: torch.dtype,
                      parallel: bool) -> float:
-    """Median seconds of a full training step of the preset (step_tokens[0] tokens, vocab[0]); with
-    `parallel`, through DistributedDataParallel (gradients averaged over all ranks)."""
+    """Median seconds of a training step of the preset (step_tokens[0], vocab[0]); `parallel`: under DDP."""
     gen = torch.Generator().manual_seed(cfg.seed + rank())
     model, optimizer, seq = step_setup(cfg.preset, cfg.vocab[0], cfg.step_tokens[0], cfg.block_size, cfg.seed,
                                        gen, device)
@@ -926,9 +897,8 @@ def median_step_time(cfg: BenchConfig, variant: str, device: torch.device, dtype
 
 
 def bench_ddp(cfg: BenchConfig) -> str:
-    """Rank 0 times a training step alone (the others wait), then every rank times it under DDP. Scaling
-    efficiency = DDP tokens/s per rank / tokens/s of one rank alone (1.0: perfect linear scaling). On CPU
-    the ranks share the cores, so the figures only show that the path works."""
+    """Rank 0 times a training step alone (the others wait), then every rank under DDP; scaling efficiency: DDP
+    tokens/s per rank / one rank's alone (1.0: linear). On CPU the ranks share the cores: it shows the path works."""
     device = init_distributed(pick_device(cfg.device))
     dtype = pick_dtype(cfg.dtype, device)
     tokens, n = cfg.step_tokens[0], world_size()
@@ -951,9 +921,8 @@ def bench_ddp(cfg: BenchConfig) -> str:
     return "\n".join(lines + ["", note])
 
 
-# ----------------------------------------------------------------------------------------------
-# GPU check: `python bench.py --gpu_check` exercises every CUDA-only path in a few minutes; without CUDA (or with
-# --device=cpu) the same checks run on a small shape as a CPU dry run, which skips what only a GPU has
+# ---------- GPU check: `python bench.py --gpu_check` exercises every CUDA-only path in a few minutes; without CUDA
+# (or with --device=cpu) the same checks run on a small shape as a CPU dry run, which skips what only a GPU has
 
 
 @dataclass
@@ -1008,11 +977,6 @@ def skip(reason: str) -> Callable[[], str]:
     return skipped
 
 
-def cuda_only(device: torch.device, check: Callable[[], str], what: str) -> Callable[[], str]:
-    """`check` on a GPU; elsewhere skipped, naming what only a GPU exercises."""
-    return check if device.type == "cuda" else skip(f"CUDA only: {what}")
-
-
 def _check_model(shape: CheckShape, device: torch.device, **overrides):
     torch.manual_seed(0)
     model = build_model(shape.preset, shape.vocab, block_size=shape.block, **overrides).to(device)
@@ -1022,8 +986,7 @@ def _check_model(shape: CheckShape, device: torch.device, **overrides):
 
 
 def check_training(device: torch.device, shape: CheckShape, dtype: torch.dtype, loss: str = "cwt") -> str:
-    """Train on one fixed batch under autocast (fp16: with a GradScaler) and fused AdamW: the loss must be
-    finite and fall. Returns the loss, tokens/s and MFU (where the device's peak is known)."""
+    """Train on one fixed batch under autocast (fp16: a GradScaler), fused AdamW: the loss must be finite and fall."""
     model, x, y = _check_model(shape, device)
     optimizer = adamw(model, 1e-3, 0.1, (0.9, 0.95))
     require(optimizer.defaults["fused"], "AdamW is not fused")
@@ -1067,8 +1030,7 @@ def check_fused_adamw(device: torch.device, shape: CheckShape) -> str:
 
 
 def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.dtype) -> str:
-    """The model's causal attention runs on the flash kernel alone (forward and backward), and agrees with
-    the plain math kernel."""
+    """The model's causal attention on the flash kernel alone (forward and backward) agrees with the math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     model, x, _ = _check_model(shape, device)
     outputs = {}
@@ -1083,10 +1045,9 @@ def check_flash_attention(device: torch.device, shape: CheckShape, dtype: torch.
 
 
 def measure_step(device: torch.device, shape: CheckShape, dtype: torch.dtype, loss: str, backend: str) -> StepRow:
-    """A training step as train.py takes it (Objective, backward, clipping, fused AdamW), eager and compiled, on
-    one model: first the eager loss and the first compiled step on the same weights (its wall time minus a
-    steady step's is the compile time, with inductor's caches off: what a first run pays), then eager and
-    compiled steps in turn (medians). Graph breaks and recompiles come from dynamo's counters."""
+    """A training step as train.py takes it, eager and compiled, on one model: the eager loss and the first compiled
+    step on the same weights (its wall time less a steady step's is the compile time, inductor's caches off: what a
+    first run pays), then eager and compiled steps in turn (medians); dynamo's counts of breaks and recompiles."""
     from torch._dynamo.utils import counters
     model, x, y = _check_model(shape, device)
     optimizer = adamw(model, 1e-4, 0.1, (0.9, 0.95))
@@ -1177,8 +1138,7 @@ def check_script(args: list[str], expect: str, timeout: float = 240) -> str:
 
 
 def python_with_backend(backend: str) -> list[str]:
-    """The command that runs a script (its path and flags follow) whose torch.compile uses `backend`: the plain
-    interpreter for inductor, torch's default; otherwise torch.compile with the backend filled in first."""
+    """The command that runs a script with torch.compile's backend `backend` (inductor: the plain interpreter)."""
     if backend == "inductor":
         return [sys.executable]
     setup = ["import functools", "import runpy", "import sys", "import torch",
@@ -1200,8 +1160,8 @@ def gpu_checks(device: torch.device, shape: CheckShape, step_shapes: list[CheckS
         "bf16 autocast + fused AdamW": lambda: check_training(device, shape, torch.bfloat16),
         "fp16 autocast + GradScaler": lambda: check_training(device, shape, torch.float16, "ce"),
         "fused AdamW = for-each": lambda: check_fused_adamw(device, shape),
-        "flash attention (SDPA)": cuda_only(device, lambda: check_flash_attention(device, shape, torch.bfloat16),
-                                            "the GPU's flash kernels (a CPU has its own)"),
+        "flash attention (SDPA)": (lambda: check_flash_attention(device, shape, torch.bfloat16))
+        if device.type == "cuda" else skip("CUDA only: the GPU's flash kernels (a CPU has its own)"),
         f"torch.compile ({backend}), CE and CWT": lambda: check_compile(device, step_shapes, dtype, backend, rows),
         "KV-cache generation": lambda: check_kv_cache(device, shape),
         f"train.py --compile ({backend})": lambda: check_script(
@@ -1224,8 +1184,7 @@ def gpu_checks(device: torch.device, shape: CheckShape, step_shapes: list[CheckS
 
 
 def run_checks(checks: dict[str, Callable[[], str]]) -> list[tuple[str, str, str, float]]:
-    """(name, "ok" | "FAILED" | "skipped", detail or the reason's first line, seconds) for each check, all run
-    whatever fails."""
+    """(name, "ok" | "FAILED" | "skipped", detail or the reason's first line, seconds) of each check, all run."""
     rows = []
     for name, check in checks.items():
         start = time.perf_counter()
@@ -1276,20 +1235,17 @@ def checks_report(rows: list[tuple[str, str, str, float]], title: str, steps: st
 
 
 def gpu_check(cfg: BenchConfig) -> tuple[str, bool]:
-    """Every check on the first GPU; without CUDA (or with --device=cpu), a CPU dry run of the same checks on a
-    small shape, titled as such. Returns the report and whether no check failed."""
+    """Every check on the first GPU, else (no CUDA, --device=cpu) a CPU dry run; the report and whether none failed."""
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     presets = cfg.check_presets or CHECK_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     if device.type == "cuda":
         device = torch.device("cuda", 0)
-        shape = GPU_SHAPE
-        step_shape = GPU_SHAPE
+        shape = step_shape = GPU_SHAPE
         title = (f"GPU check: {torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch "
                  f"{torch.__version__}, CUDA {torch.version.cuda}, torch.compile backend {cfg.check_backend}")
     else:
-        shape = DRY_RUN_SHAPE
-        step_shape = DRY_RUN_STEP_SHAPE
+        shape, step_shape = DRY_RUN_SHAPE, DRY_RUN_STEP_SHAPE
         threads = torch.get_num_threads()
         title = (f"CPU dry run of the GPU check (not a GPU result): CPU, {threads} thread{'s' * (threads > 1)}, "
                  f"torch {torch.__version__}, torch.compile backend {cfg.check_backend}")
@@ -1312,15 +1268,14 @@ def idle_settings(cfg: BenchConfig) -> dict[str, str]:
         return {n: "with --gpu_check (it runs its own checks on its own shapes and prints its report)"
                 for n in ["quick", *names] if n not in used}
     idle = dict.fromkeys(("check_backend", "check_presets"), "without --gpu_check")
-    if cfg.mode == "data":
-        return {**idle, **{n: "with --mode=data (it times the built-in tokeniser and batches)" for n in names
-                           if n not in ("mode", "gpu_check")}}
-    if cfg.mode == "resume":
-        return {**idle, **{n: "with --mode=resume (it runs its own tiny runs on the CPU)" for n in names
-                           if n not in ("mode", "gpu_check")}}
-    if cfg.mode == "checkpoint":
-        return {**idle, **{n: "with --mode=checkpoint (it times loading one checkpoint of --preset on the CPU)"
-                           for n in names if n not in ("mode", "gpu_check", "preset", "warmup", "repeats", "quick")}}
+    own = {"data": ("it times the built-in tokeniser and batches", ()),
+           "resume": ("it runs its own tiny runs on the CPU", ()),
+           "checkpoint": ("it times loading one checkpoint of --preset on the CPU",
+                          ("preset", "warmup", "repeats", "quick"))}
+    if cfg.mode in own:
+        what, used = own[cfg.mode]
+        return {**idle, **{n: f"with --mode={cfg.mode} ({what})" for n in names
+                           if n not in ("mode", "gpu_check", *used)}}
     loss_rows = cfg.mode in ("both", "loss") and not (cfg.vocab_sweep or cfg.negatives_sweep)
     without = {"val_chunk": cfg.mode != "val", "max_logits": cfg.mode in ("val", "ddp"),
                "tokens": not loss_rows, "variants": not loss_rows or cfg.negatives_sweep,
@@ -1351,14 +1306,9 @@ def main(argv: list[str]) -> None:
         print(report)
         sys.exit(0 if ok else 1)
     check_config(cfg)
-    if cfg.mode == "data":
-        print(bench_data())
-        return
-    if cfg.mode == "checkpoint":
-        print(bench_checkpoint(cfg))
-        return
-    if cfg.mode == "resume":
-        print(bench_resume())
+    reports = {"data": bench_data, "checkpoint": lambda: bench_checkpoint(cfg), "resume": bench_resume}
+    if cfg.mode in reports:
+        print(reports[cfg.mode]())
         return
     if cfg.mode == "ddp":
         table = bench_ddp(cfg)
@@ -1367,15 +1317,12 @@ def main(argv: list[str]) -> None:
         return
     if cfg.plot:
         import_pyplot(cfg.plot)
-    if cfg.negatives_sweep:
-        rows = run_negatives_sweep(cfg)
-        print(negatives_table(rows))
-        save_results(rows, cfg.json, cfg.plot, plot_negatives_sweep)
-        return
-    if cfg.vocab_sweep:
-        rows = run_vocab_sweep(cfg)
-        print(sweep_table(rows))
-        save_results(rows, cfg.json, cfg.plot, plot_vocab_sweep)
+    if cfg.negatives_sweep or cfg.vocab_sweep:
+        run, table, plot = ((run_negatives_sweep, negatives_table, plot_negatives_sweep) if cfg.negatives_sweep
+                            else (run_vocab_sweep, sweep_table, plot_vocab_sweep))
+        rows = run(cfg)
+        print(table(rows))
+        save_results(rows, cfg.json, cfg.plot, plot)
         return
     result = run_bench(cfg)
     print(markdown_table(result))

@@ -14,8 +14,7 @@ models, tokenizers issue #1794) is not used here. tests/test_bpe.py checks it in
 Another version of `tokenizers` may learn other merges: record the sha256 that save_tokenizer_json returns.
 
 The trainer holds every distinct word in memory and counts pairs in 32 bits: give it a sample of a
-large corpus (sample_documents), not billions of words.
-"""
+large corpus (sample_documents), not billions of words."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -95,10 +94,9 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> Any:
-    """A byte-level BPE `tokenizers.Tokenizer` of exactly vocab_size tokens learned from texts: ids
-    0-255 are the bytes (numbered as in GPT-2), then the merges in the order learned, then
-    "<|endoftext|>" at vocab_size - 1. UserError when the corpus has too few
-    distinct pairs for vocab_size - 257 merges, naming the largest size it supports."""
+    """A byte-level BPE `tokenizers.Tokenizer` of exactly vocab_size tokens learned from texts: ids 0-255 are the bytes
+    (numbered as in GPT-2), then the merges in the order learned, then "<|endoftext|>" at vocab_size - 1. UserError when
+    the corpus has too few distinct pairs for vocab_size - 257 merges, naming the largest size it supports."""
     from tokenizers import AddedToken, models, pre_tokenizers, trainers
     if vocab_size < MIN_VOCAB:
         raise UserError(f"--tokenizer=bpe:{vocab_size}: a byte-level BPE has at least {MIN_VOCAB} tokens "

@@ -140,8 +140,7 @@ def checkpoint_file(path: str | Path, whole: bool = True) -> dict:
 
 def convert_command(path: str | Path) -> str:
     """The command that converts a checkpoint from before safetensors or of an earlier layout (convert.py) into one
-    beside it, to paste in a shell from any folder: this interpreter, the script and both files by their full paths,
-    each quoted."""
+    beside it, to paste in a shell anywhere: this interpreter, the script and both files by full path, quoted."""
     old = Path(os.path.abspath(path))
     new = old.with_suffix(".safetensors")
     new = new if new != old else old.with_name(f"{old.stem}-converted.safetensors")
@@ -201,9 +200,8 @@ def refuse_earlier_layout(path: str | Path, payload: dict) -> None:
 
 def checkpoint_problem(payload: dict, declared: type, train_class: type | None = None) -> str | None:
     """The first way a checkpoint's payload breaks its declaration (`declared`: checkpoint.Checkpoint), or what its
-    fields say together: weights of a floating-point dtype, a model_config whose heads divide its width,
-    train_config by `train_class`'s fields (a field of none is a plain value) and a step the model can take,
-    data_meta by doors.DatasetMeta's fields and its ids, a run's random state and optimizer, an encoder's mask_spec."""
+    fields say together: weights of a floating-point dtype, its settings (settings_problems), data_meta's ids, a
+    run's random state and optimizer, an encoder's mask_spec."""
     if why := doors.declared_problem(payload, declared):
         return why
     return next(filter(None, together_problems(payload, declared, train_class)), None)
@@ -314,9 +312,9 @@ def state_problem(name: str, value: Any) -> str | None:
 def resumable(path: str | Path, ckpt: Any, groups: list[dict] | None = None,
               named: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
     """Refuse a checkpoint its run cannot continue from, before its optimizer state is loaded: weights or optimizer
-    state that are not finite (NaNs that would then be blamed on --lr); and, given the param_groups this run's
-    optimizer holds (`named`: the parameters' names), state for another optimizer or of other parameters
-    (optimizer_fits). Called by checkpoint.restore_training, and by last_good_checkpoint without groups."""
+    state that are not finite (NaNs that would then be blamed on --lr); and, given this run's param_groups (`named`:
+    the parameters' names), state for another optimizer or of other parameters (optimizer_fits). Called by
+    checkpoint.restore_training, and by last_good_checkpoint without groups."""
     fix = "it is damaged: resume from a good copy, or start a new run from its weights with --init_from"
 
     def refuse(why: str) -> doors.Refused:

@@ -4,8 +4,7 @@ plain losses, but no N x V logits or N x N scores are ever held, only a block of
 The gradients are made in the forward, block by block, while each block's scores are at hand, and the
 backward only scales them by the incoming gradient: three matmuls per block (scores, h's gradient, the
 candidates' gradient) where recomputing the scores in the backward would take four. The ideas of Liger
-Kernel's fused linear cross-entropy and of Cut Cross-Entropy (Wijmans et al., 2024), in plain torch.
-"""
+Kernel's fused linear cross-entropy and of Cut Cross-Entropy (Wijmans et al., 2024), in plain torch."""
 from __future__ import annotations
 
 import functools
@@ -22,8 +21,7 @@ def chunked_cross_entropy(h: torch.Tensor, candidates: torch.Tensor, labels: tor
     tensor temperature). Rows labelled IGNORE_INDEX are left out of the mean, as F.cross_entropy does.
 
     CE: candidates = the (V, d) output weight, labels = targets. CWT: candidates = the target
-    embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset.
-    """
+    embeddings, labels = arange(N). Negatives gathered from other ranks: rows' positives at an offset."""
     h, candidates = h.reshape(-1, h.size(-1)), candidates.reshape(-1, candidates.size(-1))
     return chunked_softmax_loss(h, candidates, temperature, chunk_size, labels=labels.reshape(-1))
 
@@ -38,8 +36,7 @@ def chunked_softmax_loss(h: torch.Tensor, candidates: torch.Tensor, temperature:
     positives and a tensor temperature; they are made in the forward unless no gradient is wanted
     (torch.no_grad, validation). A row labelled IGNORE_INDEX scores nothing and is left out of the mean.
 
-    Extra memory: one block of chunk_size x M scores, and gradients the size of the inputs.
-    """
+    Extra memory: one block of chunk_size x M scores, and gradients the size of the inputs."""
     _check(chunk_size, labels, positives)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and isinstance(x, torch.Tensor) and x.requires_grad for x in (h, candidates, positives,

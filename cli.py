@@ -24,9 +24,8 @@ def parse_flags(cls: type, argv: list[str], quick: dict[str, Any] | None = None)
 
 
 def parse_given(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> tuple[Any, frozenset[str]]:
-    """parse_flags, and the names of the settings the user gave (on the command line or in the --config file):
-    what a script takes from elsewhere when not given (a resumed run's own, an inherited one) and what it may
-    refuse as idle."""
+    """parse_flags, and the names of the settings the user gave (flags or --config): what a script takes from
+    elsewhere when not given (a resumed run's own) and what it may refuse as idle."""
     return common.through_door(settings, cls, argv, quick)
 
 
@@ -133,11 +132,10 @@ def coerce(key: str, raw: Any, kind: Any, where: str = "") -> Any:
 
 
 def settings(cls: type, argv: list[str], quick: dict[str, Any] | None = None) -> tuple[Any, frozenset[str]]:
-    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file, each value of its
-    field's type and within its range; and the names of the settings given (on the command line or in the file:
-    not --quick's, not the defaults). A refusal names the value as the user gave it: --key, or the file and its
-    key. --help lists the settings. A field with metadata repeatable (generate's --prompt) takes every occurrence
-    of its flag."""
+    """Dataclass `cls` from --key=value flags (a bare --flag is true) over a --config file, each value of its field's
+    type and within its range; and the names of the settings given (on the command line or in the file: not --quick's,
+    not the defaults). A refusal names the value as the user gave it: --key, or the file and its key. --help lists the
+    settings. A field with metadata repeatable (generate's --prompt) takes every occurrence of its flag."""
     hints = typing.get_type_hints(cls)
     if "--help" in argv or "-h" in argv:
         print_help(cls, hints)
@@ -201,9 +199,7 @@ def shown_range(low: float, high: float, ends: str = "[]") -> str:
 
 
 def print_help(cls: type, hints: dict[str, Any]) -> None:
-    """The script's docstring, then its settings, grouped by the dataclass that declares them (train.py's model
-    settings and objective settings each under their own heading), each with its type, default and range, and
-    under it its meaning (the field's "help")."""
+    """The script's docstring, then its settings by declaring dataclass (setting_groups): type, default, range, help."""
     print((sys.modules["__main__"].__doc__ or "").strip())
     for title, fields in setting_groups(cls):
         print(f"\n{title}:")

@@ -29,8 +29,7 @@ CWT with k sampled negatives, unique targets or all of the micro-batch; series b
 CWT (all) as the batch grows, the paper's reading. Every point pre-trains --ce_iters steps, CWT then gets its
 head fine-tune, CE runs at the same batch on the same tokens; each is scored on the whole validation split, once
 per seed of --seeds (mean and spread), with its tokens, FLOPs and the cost of a step (bench.py). A point lives in
-out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped.
-"""
+out_dir/b{batch}-{variant}-s{seed}; one whose result.json exists is skipped."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -51,15 +50,7 @@ import doors
 from checkpoint import Checkpoint, State, checkpoint_model, load_checkpoint
 from cli import config_path, parse_flags, refuse_idle, within_ranges
 from common import Interrupted, UserError, format_metric, need_extra, note, run_main, through_door
-from data import (
-    BatchSampler,
-    ValSplit,
-    dataset_dir,
-    load_meta,
-    open_split,
-    open_val_split,
-    special_ids,
-)
+from data import BatchSampler, ValSplit, dataset_dir, load_meta, open_split, open_val_split, special_ids
 from ddp import barrier, init_distributed, is_main_process
 from devices import DeviceName, DtypeName, pick_device, pick_dtype
 from doors import MAXIMA
@@ -192,8 +183,7 @@ def declared_io(cfg: CompareConfig, argv: list[str]) -> None:
 
 
 def check_out_dir(cfg: CompareConfig) -> None:
-    """Before any work: an out_dir holding an earlier compare.py's runs is continued (--resume) or started
-    over (--overwrite) only when asked, never replaced by default."""
+    """Before any work: an out_dir holding an earlier compare.py's runs is continued or started over only when asked."""
     root = Path(cfg.out_dir)
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
@@ -212,10 +202,9 @@ def run_state(folder: Path) -> tuple[Checkpoint | None, list[dict] | None]:
 
 
 def finished_run(run_cfg: TrainConfig) -> dict | None:
-    """With --resume: the summary of a run in its folder that reached its planned steps (read from its
-    checkpoint: it is skipped), else None (train.py's --resume continues it, or it starts). A run of other
-    settings is another experiment: refused; a finished run whose log does not end with its last validation
-    (missing, cut short) is refused too: its curve would be wrong."""
+    """With --resume: the summary of a run in its folder that reached its planned steps (from its checkpoint: it is
+    skipped), else None (train.py's --resume continues it, or it starts). A run of other settings is refused, as is a
+    finished run whose log does not end with its last validation: its curve would be wrong."""
     path = Path(run_cfg.out_dir) / "ckpt.safetensors"
     ckpt, records = run_state(path.parent)
     if ckpt is None:
@@ -254,8 +243,7 @@ def solve_cwt_iters(ce_iters: int, ce_flops_per_token: float, cwt_flops_per_toke
 
 
 def run_once(name: str, run_cfg: TrainConfig, cfg: CompareConfig, start_over: bool = False) -> dict:
-    """One run in its folder: with --resume, continued from its checkpoint (train.py's --resume=auto: a
-    folder without one starts); with --overwrite or `start_over`, started over; else a fresh folder."""
+    """One run in its folder: continued with --resume (--resume=auto), started over with --overwrite or `start_over`."""
     resume = "auto" if cfg.resume and not start_over else False
     run_cfg = dataclasses.replace(run_cfg, resume=resume, overwrite=cfg.overwrite or start_over)
     summary = finetune(run_cfg) if isinstance(run_cfg, FinetuneConfig) else train(run_cfg)
@@ -392,8 +380,7 @@ def plot_compare(result: dict, path: str) -> None:
                 {"FLOP budget": result["budget_flops"]})
 
 
-# ----------------------------------------------------------------------------------------------
-# --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
+# ------------------------------- --vocab_sizes: CE vs CWT + fine-tune once per vocabulary size, scored in bits per byte
 
 # settings a finished size may differ in (resume/overwrite: how to treat a size's own runs, if compare.py has them)
 SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrite", "negatives_sweep",
@@ -401,9 +388,8 @@ SWEEP_UNCHECKED = ("out_dir", "json", "plot", "vocab_sizes", "resume", "overwrit
 
 
 def run_vocab_sweep(cfg: CompareConfig) -> dict:
-    """run_compare on the source tokenised with a BPE of each size, in out_dir/bpeN; then every model scored on
-    the whole validation split (val_ce, val_bpb). A size whose result.json (written atomically once the size is
-    done) exists is skipped, if it was made with the same settings."""
+    """run_compare in out_dir/bpeN on the source tokenised with a BPE of each size, every model then scored on the
+    whole validation split; a size whose result.json exists is skipped if made with the same settings."""
     from bpe import parse_bpe_name
     sizes = sorted(set(cfg.vocab_sizes))
     for n in sizes:
@@ -514,9 +500,8 @@ class SizeResult:
 
 
 def finished_size(path: Path, settings: dict, what: str = "size", expected: dict | None = None) -> dict:
-    """A size's (or another sweep's point's) result.json from an earlier run, through its door
-    (doors.results_file: every field as SizeResult or PointResult declares it, and `expected`, what the point or
-    size is); refused when made with other settings."""
+    """A size's (or a point's) result.json from an earlier run, through its door (doors.results_file: as SizeResult
+    or PointResult declares it, and `expected`, what it is); refused when made with other settings."""
     result = through_door(doors.results_file, path, what, PointResult if what == "point" else SizeResult,
                           expected or {})
     runs = [["ce"], ["cwt", "cwt-ft"]] if what == "point" else [list(RUNS)]
@@ -546,9 +531,8 @@ def vocab_dataset(cfg: CompareConfig, n: int) -> Path:
 
 
 def full_val_scores(ckpt_path: Path, data_dir: Path, run_cfg: dict) -> dict:
-    """val_ce and val_bpb of a checkpoint over every whole block of the validation split (the last partial
-    block aside), in batches of about 4096 tokens (which do not change the figures); the tokens and UTF-8
-    bytes scored, and the checkpoint's step."""
+    """val_ce and val_bpb of a checkpoint over every whole block of the validation split, in batches of about 4096
+    tokens (which do not change the figures); the tokens and UTF-8 bytes scored, and its step."""
     device = init_distributed(pick_device(run_cfg["device"]))
     ckpt = load_checkpoint(ckpt_path, TrainConfig)
     model = checkpoint_model(ckpt, ckpt_path).to(device)
@@ -591,22 +575,17 @@ def plot_vocab_sweep(sweep: dict, path: str) -> None:
            title=f"{c['preset']} on {Path(c['dataset']).name}: equal compute at each size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
     save_figure(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# --negatives_sweep: how many negatives CWT needs, at a fixed batch (k sampled, unique, all) and by batch size
+# --------- --negatives_sweep: how many negatives CWT needs, at a fixed batch (k sampled, unique, all) and by batch size
 
 # settings a finished point may differ in: which points there are, and where the results go
 POINT_UNCHECKED = (*SWEEP_UNCHECKED, "seed", "batch_size", "quick")
 
 
 def run_negatives_sweep(cfg: CompareConfig) -> list[dict]:
-    """Series "k": CE and CWT with each --negatives_sweep entry at --batch_size; series "batch": CE and CWT (all)
-    at each --negatives_batch_sizes size. Every point, once per seed, pre-trains --ce_iters steps (CE: plus the
-    fine-tune's steps, the same tokens in all), CWT then gets its head fine-tune, and each model is scored on the
-    whole validation split. A point whose result.json exists is skipped. Returns one row per series and point."""
+    """Every point of the series (negatives_series) once per seed, the finished skipped; a row per series and point."""
     check_config(cfg)
     need_extra("bench", "--negatives_sweep")  # its variants, and the cost of a step
     from bench import parse_variant
@@ -661,8 +640,7 @@ def point_dir(root: Path, batch: int, variant: str, seed: int) -> Path:
 
 
 def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, str, int]]) -> None:
-    """Before any work: runs of an unfinished point are continued (--resume) or started over (--overwrite)
-    only when asked."""
+    """Before any work: runs of an unfinished point are continued or started over only when asked."""
     if any(p.exists() and not p.is_dir() for p in (root, *root.parents)):
         raise UserError(f"--out_dir={root}: it, or a folder above it, is a file; pass a folder")
     held = [folder.name for folder in (point_dir(root, *p) for p in points) if not (folder / "result.json").exists()
@@ -675,9 +653,8 @@ def check_points_folder(cfg: CompareConfig, root: Path, points: list[tuple[int, 
 
 def run_point(cfg: CompareConfig, kw: dict, folder: Path, data_dir: Path, vocab: int,
               texts: list[str] | None) -> dict:
-    """One point at cfg.batch_size and cfg.seed: CE for ce_iters + fine-tune steps, or CWT with these negatives
-    (bench.parse_variant's keywords) for ce_iters steps and its head fine-tune; every model scored on the whole
-    validation split (and LAMBADA, given texts)."""
+    """One point at cfg.batch_size and cfg.seed: CE, or CWT with the negatives `kw` (bench.parse_variant's) and its
+    head fine-tune, on the same tokens; every model scored on the whole validation split (and LAMBADA, given texts)."""
     start = time.time()
     steps = cfg.ce_iters
     ft_steps = max(1, math.ceil(cfg.finetune_fraction * steps))
@@ -852,7 +829,6 @@ def plot_negatives_sweep(rows: list[dict], path: str) -> None:
         r = cwt[0]
         fig.suptitle(f"How many negatives CWT needs: {r['preset']} on {Path(r['dataset']).name}, {r['steps']} steps + "
                      f"{r['ft_steps']} of fine-tune, seeds {', '.join(map(str, r['seeds']))}", fontsize=9)
-    fig.tight_layout()
     save_figure(fig, path)
 
 

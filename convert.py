@@ -119,8 +119,7 @@ def check_out(out: Path) -> None:
 
 def convert(old: str | Path, out: str | Path) -> Path:
     """Write `out` from the old checkpoint `old`: built under a temp name beside it, read back through the checkpoint
-    door and its model built, then linked to its name, which never replaces a file (one put there meanwhile
-    included)."""
+    door and its model built, then linked to its name, which never replaces a file (even one put there meanwhile)."""
     old, out = Path(old), Path(out)
     check_out(out)
     payload = load_old(old)

@@ -5,8 +5,7 @@ several processes (--num_proc).
 Validation: a hub dataset with a `validation` split (TinyStories) uses it, and so does a local folder whose
 files are named as `datasets` names splits (train.jsonl and validation.jsonl, data/valid-000.parquet...);
 --val_split=hash holds out documents by hash instead, as for any other source. One local .txt file is one
-document, split once near its end.
-"""
+document, split once near its end."""
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +36,7 @@ OWN_VAL = "with the source's own validation split (nothing is held out by hash; 
 
 
 def open_corpus(cfg: Any) -> tuple[str, Iterable[tuple[str, str, bool]], int | None]:
-    """(description, (split, text, ends a document) items, number of documents if known) of cfg, a
-    sources.PrepareConfig."""
+    """(description, (split, text, ends a document) items, number of documents if known) of cfg."""
     if not cfg.dataset.strip():
         raise UserError("--dataset is empty; use shakespeare, a Hugging Face id or a local path")
     path = Path(cfg.dataset)

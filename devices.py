@@ -49,10 +49,9 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
 
 
 def ranks_agree(settings: Any, device: torch.device, flag: bool) -> int:
-    """In one all-reduce at a run's start: refuse ranks started with other settings (a 60-bit digest of each
-    rank's, compared through the sums of its parts and of their squares, equal everywhere only if every rank's is the
-    same), so that no rank trains another run or waits for ever for the others; and count the ranks where `flag`
-    holds."""
+    """In one all-reduce at a run's start: refuse ranks started with other settings (a 60-bit digest of each rank's,
+    compared through the sums of its parts and of their squares, equal everywhere only if every rank's is the same), so
+    that no rank trains another run or waits for ever for the others; and count the ranks where `flag` holds."""
     text = json.dumps(dataclasses.asdict(settings), sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).digest()
     parts = [int.from_bytes(digest[i:i + 3], "big") >> 4 for i in (0, 3, 6)]  # 20 bits each: squares sum exactly

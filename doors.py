@@ -157,7 +157,7 @@ def tokenizer_text(data: bytes, where: str, fix: str) -> str:
 #   "help": what it means, one line (--help shows it beside the type, default and range; docs/training.md's table)
 #   "range": (low, high) or (low, high, ends): a number's bounds (each of a list's), `ends` "[]" (the default),
 #       "(]", "[)" or "()"
-#   "resume": what --resume does with it (train.resumed_settings): "kept" (the default: the run's own unless given,
+#   "resume": what --resume does with it (plan.resumed_settings): "kept" (the default: the run's own unless given,
 #       a given one applies from there on), "same" (a given one must be the run's own: another value is another
 #       experiment), "here" (this command's: where files are, the device, --resume itself)
 # The flag, a --config file, --help and a checkpoint's train_config / model_config all follow it (field_rules). A
@@ -193,10 +193,9 @@ def shown_number(x: float) -> str:
 
 
 def problem(value: Any, kinds: Any, low: float = -1e300, high: float = 1e300, ends: str = "[]") -> str | None:
-    """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes
-    whole numbers too; int never takes a bool), a list of the values allowed, or a field's type hint (int | None,
-    a Literal, list[int], bool | Literal["auto"]). Numbers: within low..high, `ends` saying whether each end is
-    included (NaN never is)."""
+    """Why `value` breaks its rule, or None. kinds: a type or a tuple of them (None: may be null; float takes whole
+    numbers too; int never a bool), a list of the values allowed, or a type hint (int | None, a Literal, list[int],
+    bool | Literal["auto"]). Numbers: within low..high, `ends` saying whether each end is included (NaN never is)."""
     if typing.get_origin(kinds) is list:
         if not isinstance(value, list):
             return f"is {brief(value)}, not a list"
@@ -523,12 +522,10 @@ MAX_HEADER_BYTES = MAX_TEXT_BYTES  # a safetensors header: each tensor's name, d
 
 
 def safetensors_open(path: str | Path, what: str, fix: str, old: str = "") -> Any:
-    """A safetensors file opened by its library (safetensors.safe_open: memory-mapped, a tensor read when it is
-    asked for, copy-on-write) through the descriptor its checks read, once its first bytes can begin one: a regular
-    file, not sparse, whose header length (its first 8 bytes) is at most MAX_HEADER_BYTES and within the file. The
-    library checks the rest before a tensor is read: a JSON header, each tensor's dtype, shape and byte count
-    agreeing, their byte ranges tiling the data exactly (no overlap, no gap, nothing past the end). `old`: the fix
-    for a torch.save file (a zip)."""
+    """A safetensors file opened by its library (memory-mapped, a tensor read when asked for) through the descriptor
+    its checks read, once its first bytes can begin one: a regular file, not sparse, with a header length within
+    MAX_HEADER_BYTES and the file. The library checks the rest (the header, each tensor's dtype, shape and bytes
+    tiling the data exactly) before a tensor is read. `old`: the fix for a torch.save file (a zip)."""
     from safetensors import safe_open
     f, info = opened(path, what, fix)
     with f:  # one open file, start to end: a file a save renames over `path` meanwhile is never read with this one
@@ -589,7 +586,7 @@ def step_problem(batch_size: Any, grad_accum: Any, block_size: Any) -> str | Non
 
 
 def check_step(batch_size: int, grad_accum: int, block_size: int) -> None:
-    """step_problem as a refusal, for a script that knows the three (train.settle, finetune.py)."""
+    """step_problem as a refusal, for a script that knows the three (plan.settle, finetune.py)."""
     if why := step_problem(batch_size, grad_accum, block_size):
         raise Refused(f"{why}; lower --batch_size or --grad_accum (or --block_size)")
 
@@ -713,10 +710,8 @@ def run_log(path: str | Path, cut_ok: bool = False) -> list[dict]:
 
 
 def results_file(path: str | Path, what: str, declared: type, expected: dict[str, Any]) -> dict:
-    """A results file a script reads back (compare.py's result.json of a finished point or vocabulary size, which a
-    sweep resumed with --resume uses as it is): a regular JSON file of at most MAX_TEXT_BYTES, every field as
-    `declared` declares it (finite numbers), and `expected` (the point's batch, variant and seed, or the size) as
-    it says: a result.json copied from another point is refused."""
+    """A results file a script reads back as it is (compare.py's result.json of a finished point or size): every
+    field as `declared` declares it, and `expected` (what the point or size is): one copied from another is refused."""
     fix = f"delete it to run that {what} again"
     data = read_small(path, MAX_TEXT_BYTES, f"{what}'s result file", fix)
     result = parse(data, f"{path}, not a finished {what}'s results: it", fix)

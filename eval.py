@@ -19,8 +19,7 @@ lm_eval/models/huggingface.py `loglikelihood`/`_encode_pair`/`_loglikelihood_tok
     position (teacher forcing); its log-likelihood is the sum of the target tokens' log-probabilities;
   * acc = mean over examples of correct; perplexity = exp(-mean over examples of the log-likelihood).
 Log-softmax (in fp32) covers every column of the model's output, as the harness does for Pythia's padded
-vocabulary. Batches are right-padded: under causal attention pads never reach a scored position.
-"""
+vocabulary. Batches are right-padded: under causal attention pads never reach a scored position."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -92,8 +91,7 @@ class EvalConfig:
 LAMBADA_BATCH = 16
 
 
-# ----------------------------------------------------------------------------------------------
-# LAMBADA: the harness's definition
+# ------------------------------------------------------------------------------------ LAMBADA: the harness's definition
 
 
 def split_context_target(text: str) -> tuple[str, str]:
@@ -184,8 +182,7 @@ def score_lambada(model, tokenizer, texts: Sequence[str], batch_size: int = 16, 
 
 
 def read_jsonl(path: str) -> list[str]:
-    """The `text` of each line of a LAMBADA .jsonl file (the harness's lambada_test.jsonl format), read line by
-    line through its door (results.jsonl_rows: bounded, UTF-8 text, JSON)."""
+    """The `text` of each line of a LAMBADA .jsonl file (lambada_test.jsonl's format), through results.jsonl_rows."""
     if not Path(path).is_file():
         raise UserError(f"--data={path} not found; "
                         f"pass a .jsonl file with one {{\"text\": ...}} object per line")
@@ -222,8 +219,7 @@ def load_lambada(data: str | None) -> list[str]:
                         "(one {\"text\": ...} per line, e.g. the harness's lambada_test.jsonl)") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
+# ---------------------------------------------------------------------------------------------- Command line
 
 
 def run_lambada(cfg: EvalConfig, model, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> dict:

@@ -17,8 +17,7 @@ cross-entropy, or mean squared error on one output for STS-B. The validation spl
 every epoch; the last epoch's scores are the result (no selection on the validation set).
 Metrics (GLUE's): CoLA Matthews correlation; SST-2, QNLI, RTE, WNLI accuracy; MRPC, QQP F1 (of the
 positive class) and accuracy; STS-B Pearson and Spearman; MNLI matched and mismatched accuracy. The
-task `score` is their mean, as on the GLUE leaderboard. Fractions in --json, percentages on screen.
-"""
+task `score` is their mean, as on the GLUE leaderboard. Fractions in --json, percentages on screen."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -28,6 +27,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -78,12 +78,10 @@ TASKS: dict[str, Task] = {
 
 
 @dataclass
-class GlueConfig:
+class TuneSettings:
+    """Fine-tuning settings (glue.py's and xnli.py's)"""
     ckpt: str = field(default="out/ckpt.safetensors", metadata={
         "help": "an encoder checkpoint (train.py --objective=mlm)"})
-    task: TaskName = field(default="sst2", metadata={"help": "the GLUE task"})
-    data: str | None = field(default=None, metadata={
-        "help": "a folder with train.jsonl and validation.jsonl (GLUE's columns); none: the hub"})
     epochs: int = field(default=3, metadata={"range": (1, 1 << 20), "help": "passes over the training examples"})
     batch_size: int = field(default=32, metadata={"range": (1, 1 << 20), "help": "examples per optimizer step"})
     lr: float = field(default=5e-5, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
@@ -105,8 +103,14 @@ class GlueConfig:
     json: str | None = field(default=None, metadata={"help": "also write the results to this file"})
 
 
-# ----------------------------------------------------------------------------------------------
-# GLUE's metrics (plain numpy, so each can be checked by hand)
+@dataclass
+class GlueConfig(TuneSettings):
+    task: TaskName = field(default="sst2", metadata={"help": "the GLUE task"})
+    data: str | None = field(default=None, metadata={
+        "help": "a folder with train.jsonl and validation.jsonl (GLUE's columns); none: the hub"})
+
+
+# --------------------------------------------------------- GLUE's metrics (plain numpy, so each can be checked by hand)
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
@@ -156,8 +160,7 @@ def task_metrics(task: Task, split: str, pred: np.ndarray, gold: np.ndarray) -> 
     return {name + suffix: METRICS[name](pred, gold) for name in task.metrics}
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: rows with GLUE's columns -> token ids
+# -------------------------------------------------------------------------- Data: rows with GLUE's columns -> token ids
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -239,8 +242,7 @@ def padded_batch(examples: list[list[int]], rows: np.ndarray, pad: int,
     return ids.to(device), mask.to(device)
 
 
-# ----------------------------------------------------------------------------------------------
-# Model: the encoder plus a small head on its mean-pooled states
+# ------------------------------------------------------- Model: the encoder plus a small head on its mean-pooled states
 
 
 def add_classifier(model: GPT, num_labels: int, dropout: float) -> None:
@@ -290,8 +292,7 @@ def predict(model: GPT, examples: list[list[int]], batch_size: int, pad: int, de
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Fine-tuning
+# ---------------------------------------------------------------------------------------------- Fine-tuning
 
 
 def check_config(cfg: GlueConfig) -> None:
@@ -358,34 +359,44 @@ def fine_tune(cfg: GlueConfig) -> dict:
         labels = check_rows(rows, task, split_name(cfg, split))  # before encoding: a bad row is one line
         validation[split] = (encode_rows(rows, task, tokenizer, separator, max_length), labels)
     model = load_encoder(cfg, ckpt, task, device)
-    optimizer = adamw(model, cfg.lr, cfg.weight_decay, (0.9, 0.999))
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    steps_per_epoch = math.ceil(len(train_examples) / cfg.batch_size)
-    total = cfg.epochs * steps_per_epoch
-    warmup = round(cfg.warmup_fraction * total)
-    history, step, start = [], 0, time.time()
-    bar = tqdm(total=total, desc=f"glue {cfg.task}", unit="step", file=sys.stderr)
-    model.train()
-    for epoch in range(1, cfg.epochs + 1):
-        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(train_examples))
-        loss_sum = 0.0
-        for b in range(steps_per_epoch):
-            rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            loss_sum += train_batch(model, optimizer, train_examples, train_labels, rows, separator, device,
-                                    dtype, cfg.lr * linear_schedule(step, warmup, total), scaler)
-            step += 1
-            bar.update()
-            bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
+    history, start = [], time.time()
+    for epoch, train_loss in train_epochs(model, cfg, train_examples, train_labels, separator, device, dtype,
+                                          f"glue {cfg.task}"):
         metrics = evaluate_splits(model, task, validation, cfg, separator, device, dtype)
-        history.append({"epoch": epoch, "train_loss": loss_sum / steps_per_epoch, **metrics})
-        bar.write(f"epoch {epoch}: train loss {loss_sum / steps_per_epoch:.4f} | "
-                  + " | ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items()), file=sys.stderr)
-    bar.close()
+        history.append({"epoch": epoch, "train_loss": train_loss, **metrics})
+        tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f} | "
+                   + " | ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items()), file=sys.stderr)
     return {"task": cfg.task, "checkpoint": cfg.ckpt, "data": where, **history[-1],
             "metric_names": task.metrics, "history": history, "train_examples": len(train_examples),
             "validation_examples": {s: len(v[0]) for s, v in validation.items()}, "pooling": "mean",
             "causal_checkpoint": model.config.causal, "seconds": time.time() - start,
             "config": dataclasses.asdict(cfg)}
+
+
+def train_epochs(model: GPT, cfg: GlueConfig, examples: list[list[int]], labels: np.ndarray, pad: int,
+                 device: torch.device, dtype: torch.dtype, desc: str) -> Iterator[tuple[int, float]]:
+    """cfg.epochs passes over the examples, each in an order drawn from (cfg.seed, epoch), with AdamW and a linear
+    warmup and decay (glue.py's and xnli.py's fine-tune); yields (epoch, its mean training loss) after each."""
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay, (0.9, 0.999))
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total = cfg.epochs * steps_per_epoch
+    warmup = round(cfg.warmup_fraction * total)
+    step = 0
+    bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr)
+    model.train()
+    for epoch in range(1, cfg.epochs + 1):
+        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))
+        loss_sum = 0.0
+        for b in range(steps_per_epoch):
+            rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+            loss_sum += train_batch(model, optimizer, examples, labels, rows, pad, device, dtype,
+                                    cfg.lr * linear_schedule(step, warmup, total), scaler)
+            step += 1
+            bar.update()
+            bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
+        yield epoch, loss_sum / steps_per_epoch
+    bar.close()
 
 
 def train_batch(model: GPT, optimizer: torch.optim.Optimizer, examples: list[list[int]], labels: np.ndarray,

@@ -13,8 +13,7 @@ folder (a million layers, a truncated file) is one line, never a large allocatio
 never read: a folder of it alone is refused, naming the one command that converts it.
 
 GPT-NeoX packs q, k, v per head ((H, 3, hd) rows of query_key_value); model.py packs them per kind
-((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name.
-"""
+((3, H, hd) rows of qkv), so the rows are permuted both ways. Everything else maps name to name."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -53,8 +52,7 @@ MAX_SIZE = 1 << 48  # any other size in config.json (checked against the weights
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have (as doors.WEIGHT_DTYPES)
 
 
-# ----------------------------------------------------------------------------------------------
-# Files from outside, through their doors (doors.py): every problem is one line naming the file
+# ------------------------ Files from outside, through their doors (doors.py): every problem is one line naming the file
 
 
 def json_file(path: Path, limit: int, what: str) -> Any:
@@ -67,17 +65,15 @@ def _short(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizers
+# ---------------------------------------------------------------------------------------------- Tokenizers
 
 # Names of the end-of-text token in Hugging Face tokenizers (GPT-2 / GPT-NeoX first).
 _EOT_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")  # [SEP]: WordPiece (BERT)
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer (e.g. Pythia's GPT-NeoX BPE) behind the part of tiktoken's
-    interface this project uses: encode_ordinary(_batch), encode(text, allowed_special="all"), decode,
-    n_vocab, eot_token and name. Nothing is added around the text (no BOS/EOS), as tiktoken does."""
+    """A Hugging Face `tokenizers` tokenizer (e.g. Pythia's GPT-NeoX BPE) behind the part of tiktoken's interface
+    this project uses. Nothing is added around the text (no BOS/EOS), as tiktoken does."""
 
     def __init__(self, name: str, tokenizer: Any):
         from tokenizers import Tokenizer
@@ -179,8 +175,7 @@ def load_hf_tokenizer(name: str) -> HFTokenizer:
     return HFTokenizer(name, Tokenizer.from_str(text))  # the door read it as one, within its bound
 
 
-# ----------------------------------------------------------------------------------------------
-# Configs
+# ---------------------------------------------------------------------------------------------- Configs
 
 
 def config_from_hf(hf: Any, source: str) -> GPTConfig:
@@ -285,8 +280,7 @@ def hf_config(c: GPTConfig, eot_token: int) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Weights
+# ---------------------------------------------------------------------------------------------- Weights
 
 
 def _per_kind(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -349,9 +343,8 @@ def state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The model's weight files: model.safetensors, or the shards model.safetensors.index.json maps tensors to (each
-    a .safetensors file of this folder). A folder of pytorch_model.bin alone (a pickle) is refused, naming the one
-    command that converts it (transformers' own loader, which reads it with torch.load(weights_only=True))."""
+    """The weight files: model.safetensors, or the shards model.safetensors.index.json maps tensors to; a folder of
+    pytorch_model.bin alone (a pickle) is refused, naming the command that converts it (transformers')."""
     index = folder / "model.safetensors.index.json"
     if os.path.lexists(index):
         table = json_file(index, doors.MAX_TEXT_BYTES, "model.safetensors.index.json")
@@ -402,8 +395,7 @@ _LAYER = re.compile(r"gpt_neox\.layers\.(\d{1,9})\.")
 
 
 def check_shapes(shapes: dict[str, tuple[tuple[int, ...], Path]], c: GPTConfig, source: str) -> None:
-    """config.json against the weight files' shapes, before any model is built: sizes no weight backs
-    (num_hidden_layers: 1000000) are refused here rather than allocated."""
+    """config.json against the weights' shapes, before any model is built: a size no weight backs is refused."""
     def shape(name: str) -> str:
         return f"{name} of shape {brief(list(shapes[name][0]), 80)} in {shapes[name][1].name}"
 
@@ -438,8 +430,7 @@ def read_hf_weights(folder: Path, files: list[Path] | None = None) -> dict[str, 
     return state
 
 
-# ----------------------------------------------------------------------------------------------
-# Import
+# ---------------------------------------------------------------------------------------------- Import
 
 
 def _download(repo_id: str) -> Path:
@@ -461,9 +452,8 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
-    """What to record as the model's tokenizer (data_meta's `tokenizer`): "gpt2" when the folder's
-    tokenizer.json is GPT-2's BPE (so exported models come back to data prepared with gpt2), else hf:ID
-    for a hub model or the tokenizer.json's path; None when the folder has none."""
+    """The model's data_meta `tokenizer`: "gpt2" for GPT-2's BPE (an exported model comes back to data prepared
+    with gpt2), else hf:ID for a hub model or the tokenizer.json's path; None when the folder has none."""
     path = folder / "tokenizer.json"
     if not os.path.lexists(path):
         return None
@@ -481,8 +471,7 @@ def tokenizer_name(folder: Path, source: str, hub: bool) -> str | None:
 
 
 def load_hf(source: str) -> tuple[GPT, str | None]:
-    """A GPT (fp32, eval mode) from a Hugging Face GPT-NeoX folder or hub id, and the name of its
-    tokenizer for load_tokenizer / data_meta (None when the folder has no tokenizer.json)."""
+    """A GPT (fp32, eval mode) from a GPT-NeoX folder or hub id, and its tokenizer's name (None: no tokenizer.json)."""
     source = source.removeprefix("hf:")
     folder = Path(source)
     hub = not folder.exists() and _looks_like_hub_id(source)
@@ -504,10 +493,8 @@ def load_hf(source: str) -> tuple[GPT, str | None]:
 
 
 def hf_checkpoint(source: str) -> Checkpoint:
-    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), so that every script
-    takes it where it takes a checkpoint: `train.py --init_from=hf:EleutherAI/pythia-70m`, `finetune.py --ckpt=hf:...`,
-    `eval.py --ckpt=hf:...`, `generate.py --ckpt=hf:...`. It records the preset of the same shape, if any
-    (the context length aside, which a run may shorten)."""
+    """A Hugging Face GPT-NeoX model as a checkpoint like train.py's (no state: an import), taken where a checkpoint
+    is (--init_from=hf:..., --ckpt=hf:...); with the preset of its shape, if any (the context length aside)."""
     model, tokenizer = load_hf(source)
     c = model.config
     preset = next((name for name, shape in PRESETS.items()
@@ -521,8 +508,7 @@ def hf_checkpoint(source: str) -> Checkpoint:
                       train_config={"preset": preset} if preset else {})
 
 
-# ----------------------------------------------------------------------------------------------
-# Export
+# ---------------------------------------------------------------------------------------------- Export
 
 
 def _gpt2_merges() -> list[str]:
@@ -646,10 +632,8 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 
 
 def export(ckpt: str, out: str) -> Path:
-    """Write a checkpoint as a transformers GPT-NeoX folder (config.json, model.safetensors, tokenizer),
-    into a temporary folder (named with the process id) renamed at the end: `out` is complete or absent.
-    A failed write (full disk, read-only folder...) is one line, and removes the temporary folder and any
-    parent folder the export created."""
+    """Write a checkpoint as a transformers GPT-NeoX folder into a temporary folder renamed at the end: `out` is
+    complete or absent. A failed write is one line, and removes what the export created."""
     from safetensors.torch import save_file
     out_dir = export_target(out)
     # its train_config as plain values (an export reads none of them); an hf: source re-exported as it reads

@@ -6,8 +6,7 @@ make up the count); a chosen input becomes [MASK] with probability 0.8, a random
 and stays itself with 0.1. The losses then score the chosen positions only (masked_rows): for CWT, a
 masked position's negatives are the original tokens of the other masked positions of the micro-batch, as
 in the paper. Their number is the same in every micro-batch: a static shape, so torch.compile traces the
-masked objective as one graph.
-"""
+masked objective as one graph."""
 from __future__ import annotations
 
 import numpy as np

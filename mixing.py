@@ -3,8 +3,7 @@
 Each micro-batch comes from one source, drawn with probability proportional to (tokens in the source)^alpha
 (--mix_alpha: 0.3 as XLM-R, 0.5 as XLM, 1.0 by size): small languages are seen more often than their size
 alone would give them. The draw is a pure function of (seed, micro-batch index), like every batch, so a
-resumed run goes on exactly. Validation scores each source and reports their unweighted mean.
-"""
+resumed run goes on exactly. Validation scores each source and reports their unweighted mean."""
 from __future__ import annotations
 
 import math

@@ -7,8 +7,7 @@
   without replacement); a drawn copy of the row's own positive is skipped. The draw may come in drawn
   ahead, as a permutation (`draw`), so that a compiled objective has no random generator inside.
 - scope="global" (torchrun): the candidates are every rank's rows, as one process over the concatenated
-  batches; gradients reach the ranks that own them.
-"""
+  batches; gradients reach the ranks that own them."""
 from __future__ import annotations
 
 import sys

@@ -4,8 +4,7 @@ bench.py, compare.py, glue.py, xnli.py). As a script, it draws the curves of tra
     python results.py --log=out/log.jsonl,out-ce/log.jsonl --plot=out/curves.png
 
 the training loss and each validation metric against the tokens seen, a panel a metric, a line a run (the log.jsonl
-of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too.
-"""
+of train.py or finetune.py runs; matplotlib needed, an optional extra). compare.py draws its runs with it too."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
@@ -98,7 +97,8 @@ def matplotlib_folder() -> Iterator[None]:
 
 
 def save_figure(fig: Any, path: str | Path) -> None:
-    """A figure as an image file (the format from its extension), written atomically."""
+    """A figure, laid out tight, as an image file (the format from its extension), written atomically."""
+    fig.tight_layout()
     with atomic_file(path) as f:  # a failed write is atomic_file's one line
         fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=120)
     print(f"plot written to {path}", file=sys.stderr)
@@ -121,8 +121,7 @@ Curves = dict[str, list[tuple[float, float]]]  # metric: its (x, value) points
 
 
 def log_curves(records: list[dict], x: Callable[[dict], float] = lambda r: r["tokens"]) -> Curves:
-    """A run's log records (doors.run_log) as curves: its training loss and each validation metric against
-    x (by default the tokens seen); a null (a value that was not finite) is left out."""
+    """A run's log records (doors.run_log) as curves of its loss and validation metrics against x; nulls left out."""
     curves: Curves = {}
     for r in records:
         for key, value in r.items():
@@ -162,7 +161,6 @@ def plot_curves(runs: dict[str, Curves], path: str | Path, xlabel: str, title: s
     for ax in axes.flat[len(metrics):]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     save_figure(fig, path)
 
 

@@ -162,8 +162,7 @@ def write_error(e: BaseException, path: Path, what: str, failed: OSError | None 
 
 
 def remove_stale_temps(folder: str | Path) -> None:
-    """Delete our temp files and folders whose writer is dead (a kill -9 mid-save), and nobody else's files;
-    a link is removed, never followed."""
+    """Delete our temp files and folders whose writer is dead (a kill -9 mid-save), nobody else's; links unfollowed."""
     for tmp in Path(folder).glob(f".*{TEMP_MARK}*.tmp"):
         pid = tmp.name.rsplit(TEMP_MARK, 1)[1].removesuffix(".tmp").split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
@@ -175,13 +174,12 @@ def remove_stale_temps(folder: str | Path) -> None:
 
 @contextlib.contextmanager
 def hold_lock(folder: str | Path, what: str, name: str = ".lock") -> Iterator[None]:
-    """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file
-    folder/name (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped
-    whole). A second holder is refused in one line naming the first. The kernel drops a dead process's lock (a
-    crash leaves no stale lock). The file is never unlinked but with the folders this command made, left empty
-    (a refused command leaves no folder), while it is held; a lock is ours only once the file we locked is still
-    the one at its name, so nobody holds a lock file that was removed. A link, a folder or a special file planted
-    at its name is refused, never written through."""
+    """The one owner of a run folder or a dataset, for the block's life: an exclusive flock on the lock file folder/name
+    (a run's .lock inside its folder; a dataset's .NAME.lock beside it, as its folder is swapped whole). A second holder
+    is refused in one line naming the first. The kernel drops a dead process's lock (a crash leaves no stale lock). The
+    file is never unlinked but with the folders this command made, left empty (a refused command leaves no folder),
+    while it is held; a lock is ours only once the file we locked is still the one at its name, so nobody holds a lock
+    file that was removed. A link, a folder or a special file planted at its name is refused, never written through."""
     folder = Path(folder)
     lock = folder / name
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]

@@ -24,8 +24,7 @@ every record in both files when train.py returns (finish_wandb).
 
 Nothing is written outside out_dir: W&B's own logs and caches (WANDB_CACHE_DIR, WANDB_DATA_DIR; by default under
 $HOME/.cache) go to out_dir/wandb/cache and out_dir/wandb/data for the run, unless you set those variables (then
-they are yours, and W&B writes there). W&B reads your settings and login (WANDB_CONFIG_DIR, ~/.netrc) as always.
-"""
+they are yours, and W&B writes there). W&B reads your settings and login (WANDB_CONFIG_DIR, ~/.netrc) as always."""
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +80,7 @@ def all_entries(out_dir: Path) -> set[str]:
 
 
 def recorded(out_dir: Path) -> list[str]:
-    """The names tracking recorded creating in out_dir (WRITTEN, through its door): each one name in tb/ or
-    wandb/ (no link followed, nothing outside them)."""
+    """The names tracking recorded creating in out_dir (WRITTEN), each in tb/ or wandb/, no link followed."""
     path = out_dir / WRITTEN
     if not os.path.lexists(path):
         return []
@@ -109,8 +107,7 @@ def record(out_dir: Path, names: set[str]) -> None:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """A log.jsonl record's numbers by tag: val/KEY in a validation record, train/KEY otherwise; not the step,
-    which is the x-axis, and not a null (a value that was not finite)."""
+    """A log.jsonl record's numbers by tag, val/KEY or train/KEY; not the step (the x-axis), nor a null (not finite)."""
     group = "val" if any(key.startswith("val_") for key in record) else "train"
     return {f"{group}/{key}": float(value) for key, value in record.items()
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -22,21 +22,19 @@ scripts into bytes, so a multilingual comparison wants a multilingual tokenizer 
 
 Data: `facebook/xnli` from the hub (one config per language; splits train and test), or --data=DIR with
 one folder per language (its name is the language code) holding train.jsonl and test.jsonl, one
-{"premise": ..., "hypothesis": ..., "label": 0|1|2} per line. Only the files a run needs must exist.
-"""
+{"premise": ..., "hypothesis": ..., "label": 0|1|2} per line. Only the files a run needs must exist."""
 from __future__ import annotations
 
 import common  # noqa: F401 (first of all: a signal during the slow imports below is one line)
 
 # isort: split
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,10 +44,8 @@ import glue
 from cli import config_path, parse_flags, within_ranges
 from common import UserError, check_hub, first_line, run_main
 from devices import pick_device, pick_dtype
-from doors import MAXIMA
 from io_checks import declare_io
 from load import load_source
-from model import adamw
 from results import check_finite, jsonl_rows, write_json
 from tokenizer import dataset_tokenizer
 from train import TrainConfig
@@ -64,41 +60,19 @@ DATA_HINT = ("--data=DIR needs one folder per language holding train.jsonl and t
 
 
 @dataclass
-class XnliConfig:
-    ckpt: str = field(default="out/ckpt.safetensors", metadata={
-        "help": "an encoder checkpoint (train.py --objective=mlm)"})
+class XnliConfig(glue.TuneSettings):
     train_lang: str = field(default="en", metadata={
         "help": "en: zero-shot transfer to every language; xx: fine-tune on xx; each: every xx in turn"})
     data: str | None = field(default=None, metadata={
         "help": "a folder with one folder per language (train.jsonl, test.jsonl); none: the hub"})
     langs: list[str] | None = field(default=None, metadata={
         "help": "only these languages: scored (en) or fine-tuned (each); none: all"})
-    epochs: int = field(default=2, metadata={"range": (1, 1 << 20), "help": "passes over the training examples"})
-    batch_size: int = field(default=32, metadata={"range": (1, 1 << 20), "help": "examples per optimizer step"})
-    lr: float = field(default=5e-5, metadata={"range": (0, 10, "(]"), "help": "peak learning rate (AdamW)"})
-    warmup_fraction: float = field(default=0.1, metadata={
-        "range": (0, 1, "[)"), "help": "warmup over this share of the steps, then linear decay to zero"})
-    weight_decay: float = field(default=0.01, metadata={"range": (0, math.inf),
-                                                        "help": "AdamW's, on matrices only"})
-    dropout: float = field(default=0.1, metadata={"range": (0, 1, "[)"),  # as BERT fine-tunes
-                                                  "help": "dropout in the encoder and before the head"})
-    max_length: int = field(default=128, metadata={"range": (2, MAXIMA["block_size"]),
-                                                   "help": "tokens per example (at most the checkpoint's context)"})
-    max_train_examples: int | None = field(default=None, metadata={
-        "range": (1, 1 << 40), "help": "only the first N training examples (quick runs; not comparable)"})
+    epochs: int = 2  # glue.py's rule and meaning (doors.field_meta), another default
     max_test_examples: int | None = field(default=None, metadata={
         "range": (1, 1 << 40), "help": "only the first N test examples per language (quick runs; not comparable)"})
-    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={
-        "help": "auto: CUDA if there is one, else the CPU"})
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(default="auto", metadata={
-        "help": "auto: bfloat16 on CUDA (float16 without it), float32 on the CPU"})
-    seed: int = field(default=0, metadata={"range": (0, 2**32 - 1),  # numpy's generators take no negative seed
-                                           "help": "the head's initial weights, dropout, the examples' order"})
-    json: str | None = field(default=None, metadata={"help": "also write the results to this file"})
 
 
-# ----------------------------------------------------------------------------------------------
-# The score
+# ---------------------------------------------------------------------------------------------- The score
 
 
 def xnli_scores(pred_by_lang: dict[str, np.ndarray],
@@ -116,8 +90,7 @@ def xnli_scores(pred_by_lang: dict[str, np.ndarray],
     return accuracy, float(np.mean(list(accuracy.values())))
 
 
-# ----------------------------------------------------------------------------------------------
-# Languages and data
+# ---------------------------------------------------------------------------------------------- Languages and data
 
 
 def known_languages(cfg: XnliConfig) -> list[str]:
@@ -154,8 +127,7 @@ def plan_languages(cfg: XnliConfig, known: list[str]) -> list[tuple[str, list[st
 
 
 def read_jsonl_split(path: Path) -> Iterator[tuple[str, Any]]:
-    """(position, row) of each non-blank line of a .jsonl file (read line by line through its door,
-    results.jsonl_rows); the position names the file and line."""
+    """(position: the file and line, row) of each non-blank line of a .jsonl file, through results.jsonl_rows."""
     if not path.is_file():
         raise UserError(f"{path} not found; {DATA_HINT}")
     for number, row in jsonl_rows(path, "XNLI file", "save the file as UTF-8 JSON lines"):
@@ -209,8 +181,7 @@ def load_split(cfg: XnliConfig, lang: str, split: str, limit: int | None) -> tup
     return rows, np.array([row["label"] for row in rows], dtype=np.int64)
 
 
-# ----------------------------------------------------------------------------------------------
-# Fine-tuning and scoring
+# ---------------------------------------------------------------------------------------------- Fine-tuning and scoring
 
 
 def check_config(cfg: XnliConfig) -> None:
@@ -220,30 +191,12 @@ def check_config(cfg: XnliConfig) -> None:
 
 def fine_tune(cfg: XnliConfig, ckpt: dict, lang: str, examples: list[list[int]], labels: np.ndarray,
               pad: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, list[float]]:
-    """A fresh copy of the checkpoint with a new head, fine-tuned on one language; and its mean training
-    loss per epoch."""
+    """A fresh copy of the checkpoint with a new head, fine-tuned on one language; its mean training loss per epoch."""
     model = glue.load_encoder(cfg, ckpt, NLI, device)  # reads cfg.ckpt, cfg.dropout, cfg.seed
-    optimizer = adamw(model, cfg.lr, cfg.weight_decay, (0.9, 0.999))
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-    total = cfg.epochs * steps_per_epoch
-    warmup = round(cfg.warmup_fraction * total)
-    losses, step = [], 0
-    bar = tqdm(total=total, desc=f"xnli {lang}", unit="step", file=sys.stderr)
-    model.train()
-    for epoch in range(1, cfg.epochs + 1):
-        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))
-        loss_sum = 0.0
-        for b in range(steps_per_epoch):
-            rows = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            loss_sum += glue.train_batch(model, optimizer, examples, labels, rows, pad, device, dtype,
-                                         cfg.lr * glue.linear_schedule(step, warmup, total), scaler)
-            step += 1
-            bar.update()
-            bar.set_postfix_str(f"loss {loss_sum / (b + 1):.4f}", refresh=False)
-        losses.append(loss_sum / steps_per_epoch)
-        bar.write(f"{lang} epoch {epoch}: train loss {losses[-1]:.4f}", file=sys.stderr)
-    bar.close()
+    losses = []
+    for epoch, loss in glue.train_epochs(model, cfg, examples, labels, pad, device, dtype, f"xnli {lang}"):
+        losses.append(loss)
+        tqdm.write(f"{lang} epoch {epoch}: train loss {loss:.4f}", file=sys.stderr)
     return model, losses
 
 

@@ -429,6 +429,9 @@ def test_a_results_file_that_fails_anyway_goes_to_stdout(code, tmp_path, monkeyp
 
 def test_a_plot_that_fails_anyway_is_one_line(tmp_path, monkeypatch):
     class Figure:  # what save_figure asks of a matplotlib figure (an optional extra)
+        def tight_layout(self):
+            pass
+
         def savefig(self, f, **kwargs):
             f.write(b"png")
 
