@@ -74,7 +74,7 @@ def padded_vocab_size(n_vocab: int, multiple: int = 64) -> int:
 
 
 def rotary_tables(dims: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.get_default_device().type == "meta":  # state_shapes' build: torch computes on meta by its compiler
+    if torch.empty(0).is_meta:  # a model built for its shapes (state_shapes): torch computes on meta by its compiler
         return torch.empty(length, dims // 2), torch.empty(length, dims // 2)
     inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
