@@ -66,7 +66,7 @@ def load_old(path: Path) -> dict:
     if "model_config" not in payload:  # checked before anything is written: no model can be built without it
         raise UserError(f"--ckpt={path} holds model weights but no model_config (the model's shape), so no script "
                         f"could build its model; {FIX}")
-    return upgraded(payload)
+    return in_todays_layout(payload)
 
 
 def unpickled(f: IO[bytes], path: Path) -> Any:
@@ -93,7 +93,7 @@ def unpickled(f: IO[bytes], path: Path) -> Any:
         raise UserError(f"--ckpt={path} cannot be read as a checkpoint ({first_line(e)[:120]}); {FIX}") from None
 
 
-def upgraded(payload: dict) -> dict:
+def in_todays_layout(payload: dict) -> dict:
     """A payload in today's layout (checkpoint_format.earlier_layout): the counts kept beside `state` dropped, or,
     without a state, made one that cannot resume exactly (no data position); val_step the step validated at (its
     step, where known); an import's source dropped; a disabled scaler none. The door checks the result."""

@@ -130,7 +130,7 @@ EARLIER = {  # an earlier layout made from today's checkpoint, and the state its
 @pytest.mark.parametrize("layout", list(EARLIER))
 def test_an_earlier_layouts_refusal_prints_the_command_that_converts_it(layout, old_checkpoint, tmp_path,
                                                                         monkeypatch, capsys):
-    """What earlier readers made of an older file (checkpoint.upgraded, gone), convert.py makes once: counts kept
+    """What earlier readers made of an older file (the removed checkpoint.upgraded), convert.py makes once: counts kept
     beside the state dropped, or made its state (which cannot resume exactly: no data position); val_step the
     step validated at where known; an import's source dropped; a disabled scaler none."""
     today = read_ckpt(old_checkpoint.parents[1] / "run" / "ckpt.safetensors")
