@@ -221,10 +221,17 @@ def load_document(path: str | Path, train_class: type | None = None) -> Checkpoi
     return through_door(read_document, path, train_class)
 
 
+def model_of(ckpt: Checkpoint, **overrides: Any) -> GPT:
+    """The one place every reader's model gets its weights (checkpoint_model, load_model): the checkpoint's, checked
+    against its config first (model.from_checkpoint: a TypeError or ValueError names what does not fit)."""
+    weights = ckpt.model  # a fork's other weights (a moving average it saves) are picked here
+    return from_checkpoint(weights, dataclasses.replace(ckpt.model_config, **overrides))
+
+
 def checkpoint_model(ckpt: Checkpoint, path: str | Path, **overrides: Any) -> GPT:
-    """The model of a loaded checkpoint, its weights checked against its config first (model.from_checkpoint)."""
+    """The model of a loaded checkpoint (model_of), a mismatch said in one line."""
     try:
-        return from_checkpoint(ckpt.model, dataclasses.replace(ckpt.model_config, **overrides))
+        return model_of(ckpt, **overrides)
     except (TypeError, ValueError) as e:
         raise UserError(f"{path} does not match this model code: {first_line(e)}") from None
 
@@ -233,4 +240,4 @@ def load_model(path: str, device: str | torch.device = "cpu") -> GPT:
     """A train.py or finetune.py checkpoint's model, in eval mode: for notebooks and other programs. Read through
     the checkpoint's door (read_checkpoint): a bad file is a ValueError (doors.Refused) naming the problem."""
     ckpt = read_checkpoint(path)  # its train_config, which the model does not read, as plain values
-    return from_checkpoint(ckpt.model, ckpt.model_config).to(device).eval()
+    return model_of(ckpt).to(device).eval()
