@@ -310,13 +310,14 @@ def check_continuation(cfg: Any, start: Checkpoint, source: str | Path, resuming
 def idle_settings(cfg: Any) -> dict[str, str]:
     """train.py's settings that a command line gives and that would change nothing (refused: cli.refuse_idle)."""
     idle = {}
+    resuming = run_folder.resumes(cfg.out_dir, cfg.resume)
     if "," not in cfg.dataset:
         idle["mix_alpha"] = "without a mix (--dataset=A,B,...)"
     if cfg.lr_schedule == "constant":
         idle["min_lr"] = "with --lr_schedule=constant (the lr stays at --lr after the warmup)"
-    if not cfg.init_from or run_folder.resumes(cfg.out_dir, cfg.resume):
+    if not cfg.init_from or resuming:
         idle["add_lm_head"] = "without --init_from (a new model has the head its --loss needs; a resumed run its own)"
-    if run_folder.resumes(cfg.out_dir, cfg.resume):
+    if resuming:
         idle["quick"] = "with --resume (a resumed run keeps its own settings)"
     return {**idle, **idle_anywhere(cfg)}
 
